@@ -1,0 +1,16 @@
+//! Compiles the `.proto` files with protox (pure Rust), so building needs no system `protoc`.
+use std::path::PathBuf;
+
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let root = PathBuf::from("proto");
+    let files = [
+        root.join("shardcache/local/v1/local.proto"),
+        root.join("shardcache/store/v1/journal.proto"),
+    ];
+    for f in &files {
+        println!("cargo:rerun-if-changed={}", f.display());
+    }
+    let fds = protox::compile(&files, [&root])?;
+    prost_build::Config::new().compile_fds(fds)?;
+    Ok(())
+}
