@@ -1,0 +1,25 @@
+//! shardcached: the node-local NVMe read cache for training data on shared storage.
+//!
+//! The crate is a library so that tests and benchmarks can drive its parts directly;
+//! the binary (`main.rs`) only reads configuration and runs a [`daemon::Daemon`].
+//! docs/ARCHITECTURE.md walks through the modules:
+//!
+//! - [`backing`]: the shared file system behind the cache (trait + POSIX, in-memory,
+//!   throttled);
+//! - [`meta`]: backing roots and the metadata cache (the TTL that spares the shared file
+//!   system a stat per open);
+//! - [`access`]: who may read what through the cache;
+//! - [`store`]: blocks on NVMe, the index journal, capacity and eviction;
+//! - [`fill`]: single-flight block fills with a bounded priority queue;
+//! - [`server`]: the local Unix-socket API (descriptors, not bytes);
+//! - [`config`], [`stats`], [`daemon`]: settings, counters, wiring.
+
+pub mod access;
+pub mod backing;
+pub mod config;
+pub mod daemon;
+pub mod fill;
+pub mod meta;
+pub mod server;
+pub mod stats;
+pub mod store;

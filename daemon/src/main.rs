@@ -1,1 +1,122 @@
-fn main(){}
+//! `shardcached`: reads settings (defaults ← TOML file ← environment ← flags), runs the
+//! daemon until SIGTERM or SIGINT, then shuts it down in order.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Parser;
+use shardcache_daemon::config::{self, Config, SizeSpec};
+use shardcache_daemon::daemon::Daemon;
+
+/// The shardcache node daemon: caches training data from shared storage on local NVMe.
+///
+/// Every setting can come from the TOML file (`--config`), an environment variable, or
+/// a flag; a flag beats the environment, which beats the file. See
+/// docs/CONFIGURATION.md.
+#[derive(Debug, Parser)]
+#[command(name = "shardcached", version)]
+struct Args {
+    /// TOML configuration file.
+    #[arg(long, env = "SHARDCACHED_CONFIG")]
+    config: Option<PathBuf>,
+    /// A backing root (repeat for several): the shared-storage directory to cache.
+    #[arg(long = "backing-root", env = "SHARDCACHED_BACKING_ROOTS", value_delimiter = ',')]
+    backing_roots: Vec<PathBuf>,
+    /// Cache directory on local NVMe [default: /var/cache/shardcache].
+    #[arg(long, env = "SHARDCACHED_CACHE_DIR")]
+    cache_dir: Option<PathBuf>,
+    /// Unix socket for clients [default: /run/shardcache/shardcached.sock].
+    #[arg(long, env = "SHARDCACHE_SOCKET")]
+    socket: Option<PathBuf>,
+    /// Most cached bytes: a size (500GiB) or a percentage of the cache file system [default: 80%].
+    #[arg(long, env = "SHARDCACHED_CAPACITY")]
+    capacity: Option<SizeSpec>,
+    /// Free space to keep on the cache file system: a size or a percentage [default: 5%].
+    #[arg(long, env = "SHARDCACHED_MIN_FREE")]
+    min_free: Option<SizeSpec>,
+    /// Block size [default: 4MiB].
+    #[arg(long, env = "SHARDCACHED_BLOCK_SIZE", value_parser = config::parse_bytes)]
+    block_size: Option<u64>,
+    /// How long backing metadata is trusted, e.g. 1s, 250ms, 0 [default: 1s].
+    #[arg(long, env = "SHARDCACHED_METADATA_TTL", value_parser = config::parse_duration)]
+    metadata_ttl: Option<std::time::Duration>,
+    /// Blocks to read ahead of a client [default: 8].
+    #[arg(long, env = "SHARDCACHED_READAHEAD_BLOCKS")]
+    readahead_blocks: Option<u32>,
+    /// Fill worker threads [default: 4].
+    #[arg(long, env = "SHARDCACHED_FILL_WORKERS")]
+    fill_workers: Option<usize>,
+    /// Most bytes/s read from the backing store, e.g. 200MiB; 0 = unlimited [default: 0].
+    #[arg(long, env = "SHARDCACHED_BACKING_BANDWIDTH", value_parser = config::parse_bytes)]
+    backing_bandwidth: Option<u64>,
+    /// Longest a client waits on a fill before reading the backing store itself [default: 30s].
+    #[arg(long, env = "SHARDCACHED_MAX_WAIT", value_parser = config::parse_duration)]
+    max_wait: Option<std::time::Duration>,
+    /// Log filter (tracing EnvFilter syntax) [default: info].
+    #[arg(long, env = "SHARDCACHED_LOG", default_value = "info")]
+    log: String,
+}
+
+fn load(args: &Args) -> anyhow::Result<Config> {
+    let mut cfg = match &args.config {
+        Some(p) => {
+            let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            toml::from_str(&text).with_context(|| format!("parsing {}", p.display()))?
+        }
+        None => Config::default(),
+    };
+    if !args.backing_roots.is_empty() {
+        cfg.backing_roots = args.backing_roots.clone();
+    }
+    macro_rules! set {
+        ($($f:ident),*) => { $(if let Some(v) = args.$f.clone() { cfg.$f = v; })* };
+    }
+    set!(cache_dir, socket, capacity, min_free, block_size, metadata_ttl, readahead_blocks, fill_workers, max_wait);
+    if let Some(bw) = args.backing_bandwidth {
+        cfg.backing_bandwidth = (bw > 0).then_some(bw);
+    }
+    cfg.validate().map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;
+    Ok(cfg)
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::try_new(&args.log).context("--log")?)
+        .with_writer(std::io::stderr)
+        .init();
+    let cfg = load(&args)?;
+    let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
+        .context("installing signal handlers")?;
+    let daemon = Daemon::start(&cfg)?;
+    if let Some(sig) = signals.forever().next() {
+        tracing::info!(signal = sig, "shutting down");
+    }
+    daemon.close()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flags_override_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("c.toml");
+        std::fs::write(&f, "backing_roots = [\"/a\"]\ncapacity = \"1GiB\"\nreadahead_blocks = 3\n").unwrap();
+        let args = Args::parse_from([
+            "shardcached",
+            "--config",
+            f.to_str().unwrap(),
+            "--capacity",
+            "50%",
+            "--block-size",
+            "1MiB",
+        ]);
+        let cfg = load(&args).unwrap();
+        assert_eq!(cfg.backing_roots, [PathBuf::from("/a")]);
+        assert_eq!(cfg.capacity, SizeSpec::Percent(50.0));
+        assert_eq!(cfg.block_size, 1 << 20);
+        assert_eq!(cfg.readahead_blocks, 3);
+    }
+}

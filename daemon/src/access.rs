@@ -1,0 +1,131 @@
+//! Who may read what through the cache (promise 3 in DESIGN.md).
+//!
+//! The daemon reads the backing store with its own (broad) rights, so it must decide for
+//! each client whether the client itself could have read the file. It does so from the
+//! client's kernel-verified credentials (`SO_PEERCRED` and `SO_PEERGROUPS` on the Unix
+//! socket) and the owner and mode of the file and of every directory on its path, which
+//! [`crate::backing::Backing::stat`] returns. The rule is the POSIX one: search (`x`) on
+//! every directory, read (`r`) on the file, with the owner, group or other class chosen
+//! by the first that matches.
+//!
+//! It is deliberately stricter than the kernel in two ways, each of which sends the
+//! client to read the backing store itself, where the kernel decides:
+//! - uid 0 gets no override: a root-squashed export may deny root what the daemon can
+//!   read, so root is judged by the mode bits like anyone else;
+//! - an object with an access control list is [`Decision::Uncertain`]: the daemon does
+//!   not evaluate ACLs.
+//!
+//! See docs/SEMANTICS.md for the trade-off against passing the client's own descriptor.
+
+use crate::backing::{Owner, Stat};
+
+/// A client's credentials, as the kernel reported them at `connect()`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Creds {
+    /// Process id (for logs only; never for decisions).
+    pub pid: i32,
+    /// Effective user id.
+    pub uid: u32,
+    /// Effective group id.
+    pub gid: u32,
+    /// Supplementary groups.
+    pub groups: Vec<u32>,
+}
+
+/// The outcome of an access check.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    /// The client could read the file on the backing store.
+    Allow,
+    /// The client could not.
+    Deny,
+    /// The daemon cannot tell (an ACL is involved).
+    Uncertain,
+}
+
+const READ: u32 = 4;
+const SEARCH: u32 = 1;
+
+/// Decides whether `creds` may read the file described by `stat`.
+pub fn check(stat: &Stat, creds: &Creds) -> Decision {
+    let mut verdict = Decision::Allow;
+    for dir in &stat.dirs {
+        match may(dir, creds, SEARCH) {
+            Decision::Deny => return Decision::Deny,
+            Decision::Uncertain => verdict = Decision::Uncertain,
+            Decision::Allow => {}
+        }
+    }
+    match may(&stat.owner, creds, READ) {
+        Decision::Deny => Decision::Deny,
+        Decision::Uncertain => Decision::Uncertain,
+        Decision::Allow => verdict,
+    }
+}
+
+fn may(o: &Owner, c: &Creds, want: u32) -> Decision {
+    if o.acl {
+        return Decision::Uncertain;
+    }
+    let bits = if c.uid == o.uid {
+        (o.mode >> 6) & 7
+    } else if c.gid == o.gid || c.groups.contains(&o.gid) {
+        (o.mode >> 3) & 7
+    } else {
+        o.mode & 7
+    };
+    if bits & want != 0 { Decision::Allow } else { Decision::Deny }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backing::Version;
+
+    fn stat(dirs: &[(u32, u32, u32)], file: (u32, u32, u32)) -> Stat {
+        let o = |(uid, gid, mode): (u32, u32, u32)| Owner { uid, gid, mode, acl: false };
+        Stat {
+            path: "f".into(),
+            dirs: dirs.iter().copied().map(o).collect(),
+            owner: o(file),
+            version: Version::default(),
+        }
+    }
+
+    fn creds(uid: u32, gid: u32, groups: &[u32]) -> Creds {
+        Creds { pid: 1, uid, gid, groups: groups.to_vec() }
+    }
+
+    #[test]
+    fn posix_classes() {
+        let s = stat(&[(0, 0, 0o755)], (1000, 100, 0o640));
+        assert_eq!(check(&s, &creds(1000, 1000, &[])), Decision::Allow, "owner");
+        assert_eq!(check(&s, &creds(2000, 100, &[])), Decision::Allow, "primary group");
+        assert_eq!(check(&s, &creds(2000, 2000, &[7, 100])), Decision::Allow, "supplementary group");
+        assert_eq!(check(&s, &creds(2000, 2000, &[7])), Decision::Deny, "other");
+        assert_eq!(check(&s, &creds(0, 0, &[])), Decision::Deny, "root gets no override");
+    }
+
+    #[test]
+    fn owner_class_wins_even_when_it_grants_less() {
+        let s = stat(&[(0, 0, 0o755)], (1000, 100, 0o044));
+        assert_eq!(check(&s, &creds(1000, 100, &[])), Decision::Deny);
+    }
+
+    #[test]
+    fn every_directory_needs_search() {
+        let s = stat(&[(0, 0, 0o755), (1000, 100, 0o700)], (1000, 100, 0o644));
+        assert_eq!(check(&s, &creds(1000, 100, &[])), Decision::Allow);
+        assert_eq!(check(&s, &creds(2000, 100, &[])), Decision::Deny);
+    }
+
+    #[test]
+    fn acls_are_uncertain_unless_denied_elsewhere() {
+        let mut s = stat(&[(0, 0, 0o755)], (1000, 100, 0o644));
+        s.owner.acl = true;
+        assert_eq!(check(&s, &creds(2000, 2000, &[])), Decision::Uncertain);
+        let mut s = stat(&[(0, 0, 0o700)], (1000, 100, 0o644));
+        s.owner.acl = true;
+        assert_eq!(check(&s, &creds(2000, 2000, &[])), Decision::Deny);
+    }
+}

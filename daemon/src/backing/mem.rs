@@ -1,0 +1,190 @@
+//! An in-memory backing store for tests and benchmarks: files are byte vectors, every
+//! change bumps a version counter, directories carry owners and modes. No symlinks.
+
+use std::collections::BTreeMap;
+use std::io;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+
+use super::{Backing, BackingError, BackingFile, DirEntry, EntryKind, Owner, Stat, Version, normalize};
+
+#[derive(Debug, Clone)]
+enum Node {
+    Dir(Owner),
+    File { owner: Owner, data: Arc<Vec<u8>>, version: Version },
+}
+
+/// An in-memory tree. Cheap to clone handles to via `Arc`.
+#[derive(Debug)]
+pub struct MemBacking {
+    nodes: RwLock<BTreeMap<String, Node>>,
+    clock: AtomicI64,
+    next_ino: AtomicU64,
+}
+
+impl Default for MemBacking {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+const DEFAULT_DIR: Owner = Owner { uid: 0, gid: 0, mode: 0o755, acl: false };
+
+impl MemBacking {
+    /// An empty tree whose root is owned by root with mode 0755.
+    pub fn new() -> Self {
+        let mut nodes = BTreeMap::new();
+        nodes.insert(String::new(), Node::Dir(DEFAULT_DIR));
+        Self { nodes: RwLock::new(nodes), clock: AtomicI64::new(1), next_ino: AtomicU64::new(1) }
+    }
+
+    fn tick(&self) -> i64 {
+        self.clock.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Creates or replaces a file (a new inode, like write-to-temp-and-rename), creating
+    /// missing parent directories with mode 0755.
+    pub fn put(&self, path: &str, data: Vec<u8>, owner: Owner) {
+        let comps = normalize(path).expect("valid path");
+        let mut nodes = self.nodes.write().unwrap_or_else(|e| e.into_inner());
+        for i in 1..comps.len() {
+            nodes.entry(comps[..i].join("/")).or_insert(Node::Dir(DEFAULT_DIR));
+        }
+        let t = self.tick();
+        let version = Version {
+            size: data.len() as u64,
+            mtime_ns: t,
+            ctime_ns: t,
+            ino: self.next_ino.fetch_add(1, Ordering::Relaxed),
+            dev: 1,
+        };
+        nodes.insert(comps.join("/"), Node::File { owner, data: Arc::new(data), version });
+    }
+
+    /// Overwrites a file's bytes keeping its inode (an in-place rewrite).
+    pub fn rewrite_in_place(&self, path: &str, data: Vec<u8>) {
+        let t = self.tick();
+        let mut nodes = self.nodes.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(Node::File { data: d, version, .. }) = nodes.get_mut(path) {
+            *d = Arc::new(data);
+            version.size = d.len() as u64;
+            version.mtime_ns = t;
+            version.ctime_ns = t;
+        }
+    }
+
+    /// Sets the owner and mode of a directory, creating it if needed.
+    pub fn set_dir(&self, path: &str, owner: Owner) {
+        let mut nodes = self.nodes.write().unwrap_or_else(|e| e.into_inner());
+        nodes.insert(path.to_owned(), Node::Dir(owner));
+    }
+
+    /// Removes a file.
+    pub fn remove(&self, path: &str) {
+        self.nodes.write().unwrap_or_else(|e| e.into_inner()).remove(path);
+    }
+}
+
+impl Backing for MemBacking {
+    fn stat(&self, path: &str) -> Result<Stat, BackingError> {
+        let comps = normalize(path)?;
+        let nodes = self.nodes.read().unwrap_or_else(|e| e.into_inner());
+        let mut dirs = Vec::with_capacity(comps.len());
+        for i in 0..comps.len() {
+            match nodes.get(&comps[..i].join("/")) {
+                Some(Node::Dir(o)) => dirs.push(*o),
+                Some(Node::File { .. }) | None => return Err(BackingError::NotFound(path.to_owned())),
+            }
+        }
+        let canon = comps.join("/");
+        match nodes.get(&canon) {
+            Some(Node::File { owner, version, .. }) => {
+                Ok(Stat { path: canon, dirs, owner: *owner, version: *version })
+            }
+            Some(Node::Dir(_)) => Err(BackingError::NotAFile(path.to_owned())),
+            None => Err(BackingError::NotFound(path.to_owned())),
+        }
+    }
+
+    fn open(&self, stat: &Stat) -> Result<Box<dyn BackingFile>, BackingError> {
+        let nodes = self.nodes.read().unwrap_or_else(|e| e.into_inner());
+        match nodes.get(&stat.path) {
+            Some(Node::File { data, version, .. }) if *version == stat.version => {
+                Ok(Box::new(MemFile { data: data.clone(), version: *version }))
+            }
+            Some(Node::File { .. }) => Err(BackingError::Changed(stat.path.clone())),
+            _ => Err(BackingError::NotFound(stat.path.clone())),
+        }
+    }
+
+    fn list(&self, dir: &str) -> Result<Vec<DirEntry>, BackingError> {
+        let prefix = if dir.is_empty() { String::new() } else { normalize(dir)?.join("/") };
+        let nodes = self.nodes.read().unwrap_or_else(|e| e.into_inner());
+        if !matches!(nodes.get(&prefix), Some(Node::Dir(_))) {
+            return Err(BackingError::NotFound(dir.to_owned()));
+        }
+        let start = if prefix.is_empty() { String::new() } else { format!("{prefix}/") };
+        Ok(nodes
+            .range(start.clone()..)
+            .take_while(|(k, _)| k.starts_with(&start))
+            .filter(|(k, _)| !k.is_empty() && !k[start.len()..].contains('/'))
+            .map(|(k, n)| DirEntry {
+                name: k[start.len()..].to_owned(),
+                kind: match n {
+                    Node::Dir(_) => EntryKind::Dir,
+                    Node::File { .. } => EntryKind::File,
+                },
+            })
+            .collect())
+    }
+}
+
+/// A snapshot of one file version: later changes to the tree do not alter its bytes, so
+/// what it reads always matches the version it reports.
+#[derive(Debug)]
+struct MemFile {
+    data: Arc<Vec<u8>>,
+    version: Version,
+}
+
+impl BackingFile for MemFile {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let len = self.data.len() as u64;
+        if offset >= len {
+            return Ok(0);
+        }
+        let n = buf.len().min((len - offset) as usize);
+        buf[..n].copy_from_slice(&self.data[offset as usize..offset as usize + n]);
+        Ok(n)
+    }
+
+    fn version(&self) -> io::Result<Version> {
+        Ok(self.version)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backing::conformance::{self, Fixture};
+
+    impl Fixture for MemBacking {
+        fn backing(&self) -> &dyn Backing {
+            self
+        }
+        fn put(&self, path: &str, data: &[u8], mode: u32) {
+            MemBacking::put(self, path, data.to_vec(), Owner { mode, ..DEFAULT_DIR });
+        }
+        fn set_dir_mode(&self, path: &str, mode: u32) {
+            self.set_dir(path, Owner { mode, ..DEFAULT_DIR });
+        }
+        fn rewrite_in_place(&self, path: &str, data: &[u8]) {
+            MemBacking::rewrite_in_place(self, path, data.to_vec());
+        }
+    }
+
+    #[test]
+    fn conformance() {
+        conformance::run_all(&MemBacking::new);
+    }
+}

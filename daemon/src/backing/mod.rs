@@ -1,0 +1,211 @@
+//! The backing store: where the training data really lives (a mounted parallel file
+//! system, later an object store). The daemon reads it only through the [`Backing`]
+//! trait, which has a POSIX implementation ([`posix`]), an in-memory one ([`mem`]) and
+//! wrappers that change its behaviour without touching it ([`throttle`]).
+//!
+//! A backing store owns path resolution: [`Backing::stat`] turns a path relative to the
+//! store's root into its canonical form (symlinks followed, never out of the root) and
+//! returns, beside the file's version, the owner and mode of every directory on the way,
+//! so that the daemon can decide what a client may read ([`crate::access`]) without
+//! opening anything on the client's behalf.
+//!
+//! This module does not cache: metadata caching lives in [`crate::meta`], data in
+//! [`crate::store`].
+
+use std::fmt;
+use std::io;
+
+pub mod mem;
+pub mod posix;
+pub mod throttle;
+
+#[cfg(test)]
+mod conformance;
+
+/// The identity of one version of a backing file. Any change in any field is a new
+/// version, and a cached copy of an old version is never served for it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct Version {
+    /// Size in bytes.
+    pub size: u64,
+    /// Modification time, nanoseconds since the epoch.
+    pub mtime_ns: i64,
+    /// Status-change time, nanoseconds since the epoch.
+    pub ctime_ns: i64,
+    /// Inode number.
+    pub ino: u64,
+    /// Device number of the file system holding the file.
+    pub dev: u64,
+}
+
+/// Who owns a file or directory and its permission bits, as far as access decisions go.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Owner {
+    /// Owning user id.
+    pub uid: u32,
+    /// Owning group id.
+    pub gid: u32,
+    /// Permission bits (`st_mode & 0o7777`).
+    pub mode: u32,
+    /// The object carries an access control list, which the daemon does not evaluate.
+    pub acl: bool,
+}
+
+/// What [`Backing::stat`] learns about a regular file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Stat {
+    /// Canonical path relative to the root: `/`-separated, no `.`/`..`, no symlinks.
+    pub path: String,
+    /// Every directory traversed to reach the file, the root first, in order.
+    pub dirs: Vec<Owner>,
+    /// The file's own owner and mode.
+    pub owner: Owner,
+    /// The file's version.
+    pub version: Version,
+}
+
+/// Kind of a directory entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EntryKind {
+    /// A regular file.
+    File,
+    /// A directory.
+    Dir,
+    /// A symbolic link (not followed by [`Backing::list`]).
+    Symlink,
+    /// Anything else (device, socket, fifo).
+    Other,
+}
+
+/// One entry of [`Backing::list`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DirEntry {
+    /// The entry's name within its directory.
+    pub name: String,
+    /// What it is.
+    pub kind: EntryKind,
+}
+
+/// Errors of a backing store.
+#[derive(Debug, thiserror::Error)]
+pub enum BackingError {
+    /// No such file or directory.
+    #[error("{0}: not found")]
+    NotFound(String),
+    /// The path leaves the root (through `..`, a symlink, or an absolute link target).
+    #[error("{0}: escapes the backing root")]
+    Escapes(String),
+    /// The path names something other than a regular file.
+    #[error("{0}: not a regular file")]
+    NotAFile(String),
+    /// The path is malformed.
+    #[error("{path}: invalid path: {why}")]
+    Invalid {
+        /// The path as given.
+        path: String,
+        /// What is wrong with it.
+        why: &'static str,
+    },
+    /// The file is no longer the version the caller expected.
+    #[error("{0}: changed on the backing store")]
+    Changed(String),
+    /// The store itself failed.
+    #[error("{path}: {source}")]
+    Io {
+        /// The path being accessed.
+        path: String,
+        /// The underlying error.
+        source: io::Error,
+    },
+}
+
+/// A backing store, rooted at one directory.
+///
+/// All methods block: callers run them on threads that may block (the daemon's fill
+/// workers and connection threads), never on an async executor.
+pub trait Backing: Send + Sync + fmt::Debug {
+    /// Resolves `path` (relative to the root, `/`-separated) to a regular file and
+    /// returns its canonical path, version, and the owners of every directory on the way.
+    fn stat(&self, path: &str) -> Result<Stat, BackingError>;
+
+    /// Opens the file described by `stat` for reading. Fails with
+    /// [`BackingError::Changed`] when the file is no longer that version.
+    fn open(&self, stat: &Stat) -> Result<Box<dyn BackingFile>, BackingError>;
+
+    /// Lists a directory (relative to the root; `""` is the root itself).
+    fn list(&self, dir: &str) -> Result<Vec<DirEntry>, BackingError>;
+}
+
+/// An open backing file.
+pub trait BackingFile: Send + Sync + fmt::Debug {
+    /// Reads up to `buf.len()` bytes at `offset`; returns 0 at end of file.
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize>;
+
+    /// The file's current version (re-read from the store, not remembered).
+    fn version(&self) -> io::Result<Version>;
+}
+
+/// Conveniences over [`BackingFile`].
+pub trait BackingFileExt: BackingFile {
+    /// Reads until `buf` is full or the file ends; returns the bytes read.
+    fn read_full_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let mut done = 0;
+        while done < buf.len() {
+            match self.read_at(&mut buf[done..], offset + done as u64) {
+                Ok(0) => break,
+                Ok(n) => done += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(e),
+            }
+        }
+        Ok(done)
+    }
+}
+
+impl<T: BackingFile + ?Sized> BackingFileExt for T {}
+
+/// Splits a root-relative path into components, applying `.` and `..` lexically.
+///
+/// Used where no symlinks exist (the in-memory store) and to validate canonical paths;
+/// the POSIX store resolves `..` physically instead, while it walks.
+pub fn normalize(path: &str) -> Result<Vec<&str>, BackingError> {
+    let invalid = |why| BackingError::Invalid { path: path.to_owned(), why };
+    if path.starts_with('/') {
+        return Err(invalid("must be relative to the backing root"));
+    }
+    if path.contains('\0') {
+        return Err(invalid("contains a NUL byte"));
+    }
+    let mut out: Vec<&str> = Vec::new();
+    for c in path.split('/') {
+        match c {
+            "" | "." => {}
+            ".." => {
+                if out.pop().is_none() {
+                    return Err(BackingError::Escapes(path.to_owned()));
+                }
+            }
+            c => out.push(c),
+        }
+    }
+    if out.is_empty() {
+        return Err(BackingError::NotAFile(path.to_owned()));
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn normalize_applies_dots_and_refuses_escapes() {
+        assert_eq!(normalize("a/./b//c").unwrap(), ["a", "b", "c"]);
+        assert_eq!(normalize("a/../b").unwrap(), ["b"]);
+        assert!(matches!(normalize("../x"), Err(BackingError::Escapes(_))));
+        assert!(matches!(normalize("a/../../x"), Err(BackingError::Escapes(_))));
+        assert!(matches!(normalize("/etc/passwd"), Err(BackingError::Invalid { .. })));
+        assert!(matches!(normalize("a\0b"), Err(BackingError::Invalid { .. })));
+        assert!(matches!(normalize("."), Err(BackingError::NotAFile(_))));
+    }
+}

@@ -1,0 +1,271 @@
+//! The daemon's settings as plain data: every field has a default, a unit and a doc
+//! line, and [`Config::validate`] checks them once. Reading TOML, flags and the
+//! environment lives in the binary (`main.rs`), not here. docs/CONFIGURATION.md lists
+//! the same keys.
+
+use std::fmt;
+use std::path::PathBuf;
+use std::str::FromStr;
+use std::time::Duration;
+
+use serde::{Deserialize, Deserializer};
+
+/// A size in bytes, or a percentage of the cache file system's size.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum SizeSpec {
+    /// An absolute number of bytes.
+    Bytes(u64),
+    /// A percentage (0–100) of the cache file system's total size.
+    Percent(f64),
+}
+
+impl SizeSpec {
+    /// Resolves against a file system of `fs_size` bytes.
+    pub fn resolve(self, fs_size: u64) -> u64 {
+        match self {
+            SizeSpec::Bytes(b) => b,
+            SizeSpec::Percent(p) => (fs_size as f64 * p / 100.0) as u64,
+        }
+    }
+}
+
+impl fmt::Display for SizeSpec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SizeSpec::Bytes(b) => write!(f, "{b}"),
+            SizeSpec::Percent(p) => write!(f, "{p}%"),
+        }
+    }
+}
+
+/// Parses `123`, `4KiB`, `4MiB`, `10GiB`, `1TiB`, `4MB`, `1G` (binary units either way).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("`{s}` is not a size (expected e.g. 4MiB)"))?;
+    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 1,
+        "k" | "kb" | "kib" => 1 << 10,
+        "m" | "mb" | "mib" => 1 << 20,
+        "g" | "gb" | "gib" => 1 << 30,
+        "t" | "tb" | "tib" => 1 << 40,
+        u => return Err(format!("`{s}`: unknown size unit `{u}` (use B, KiB, MiB, GiB, TiB)")),
+    };
+    Ok((n * mult as f64) as u64)
+}
+
+/// Parses `0`, `250ms`, `1s`, `2m`, `1h`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: f64 = num.parse().map_err(|_| format!("`{s}` is not a duration (expected e.g. 1s)"))?;
+    let secs = match unit.trim() {
+        "ms" => n / 1000.0,
+        "" | "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        u => return Err(format!("`{s}`: unknown duration unit `{u}` (use ms, s, m, h)")),
+    };
+    Ok(Duration::from_secs_f64(secs))
+}
+
+impl FromStr for SizeSpec {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().strip_suffix('%') {
+            Some(p) => {
+                let p: f64 = p.trim().parse().map_err(|_| format!("`{s}` is not a percentage"))?;
+                if !(0.0..=100.0).contains(&p) {
+                    return Err(format!("`{s}`: a percentage must be between 0 and 100"));
+                }
+                Ok(SizeSpec::Percent(p))
+            }
+            None => parse_bytes(s).map(SizeSpec::Bytes),
+        }
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum NumOrStr {
+    Num(u64),
+    Str(String),
+}
+
+fn de_size<'de, D: Deserializer<'de>>(d: D) -> Result<SizeSpec, D::Error> {
+    match NumOrStr::deserialize(d)? {
+        NumOrStr::Num(n) => Ok(SizeSpec::Bytes(n)),
+        NumOrStr::Str(s) => s.parse().map_err(serde::de::Error::custom),
+    }
+}
+
+fn de_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
+    match NumOrStr::deserialize(d)? {
+        NumOrStr::Num(n) => Ok(n),
+        NumOrStr::Str(s) => parse_bytes(&s).map_err(serde::de::Error::custom),
+    }
+}
+
+fn de_opt_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    de_bytes(d).map(|b| if b == 0 { None } else { Some(b) })
+}
+
+fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
+    match NumOrStr::deserialize(d)? {
+        NumOrStr::Num(n) => Ok(Duration::from_secs(n)),
+        NumOrStr::Str(s) => parse_duration(&s).map_err(serde::de::Error::custom),
+    }
+}
+
+/// Default socket path for the local API.
+pub const DEFAULT_SOCKET: &str = "/run/shardcache/shardcached.sock";
+/// Default cache directory.
+pub const DEFAULT_CACHE_DIR: &str = "/var/cache/shardcache";
+
+/// Everything `shardcached` can be told. TOML keys are the field names.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Directories on the shared file system the cache serves. Paths outside them are
+    /// never read through the cache. Required (at least one).
+    pub backing_roots: Vec<PathBuf>,
+    /// Where cached data and the index live (local NVMe). Default `/var/cache/shardcache`.
+    pub cache_dir: PathBuf,
+    /// Unix socket for local clients. Default `/run/shardcache/shardcached.sock`.
+    pub socket: PathBuf,
+    /// Permission bits of the socket file. Default 0o666: every local user may connect;
+    /// what each may read is decided per request from its credentials.
+    pub socket_mode: u32,
+    /// Most bytes of cached data, as bytes or a percentage of the cache file system.
+    /// Default 80%.
+    #[serde(deserialize_with = "de_size")]
+    pub capacity: SizeSpec,
+    /// Free space always left on the cache file system, as bytes or a percentage.
+    /// Default 5%.
+    #[serde(deserialize_with = "de_size")]
+    pub min_free: SizeSpec,
+    /// Block size in bytes: the unit of filling, checksumming and eviction. Default 4 MiB.
+    /// Must be a multiple of 4 KiB. Entries already cached keep the block size they were
+    /// written with.
+    #[serde(deserialize_with = "de_bytes")]
+    pub block_size: u64,
+    /// How long a backing file's metadata (version, owners, modes) is trusted before it
+    /// is checked again, like NFS `actimeo`. `0` checks on every open. Default 1 s.
+    #[serde(deserialize_with = "de_duration")]
+    pub metadata_ttl: Duration,
+    /// Blocks filled ahead of a client's position in a file. Default 8.
+    pub readahead_blocks: u32,
+    /// Threads reading the backing store and writing the cache. Default 4.
+    pub fill_workers: usize,
+    /// Most queued block fills; read-ahead beyond it is dropped (counted). Default 8192.
+    pub fill_queue: usize,
+    /// Longest a client may wait on one fill request before it reads the backing store
+    /// itself. Default 30 s.
+    #[serde(deserialize_with = "de_duration")]
+    pub max_wait: Duration,
+    /// Most bytes per second read from the backing store by this daemon; `0` = no limit.
+    /// Default no limit.
+    #[serde(deserialize_with = "de_opt_bytes")]
+    pub backing_bandwidth: Option<u64>,
+    /// Most simultaneous client connections; more are refused (clients then read the
+    /// backing store). Default 1024.
+    pub max_connections: usize,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            backing_roots: Vec::new(),
+            cache_dir: PathBuf::from(DEFAULT_CACHE_DIR),
+            socket: PathBuf::from(DEFAULT_SOCKET),
+            socket_mode: 0o666,
+            capacity: SizeSpec::Percent(80.0),
+            min_free: SizeSpec::Percent(5.0),
+            block_size: 4 << 20,
+            metadata_ttl: Duration::from_secs(1),
+            readahead_blocks: 8,
+            fill_workers: 4,
+            fill_queue: 8192,
+            max_wait: Duration::from_secs(30),
+            backing_bandwidth: None,
+            max_connections: 1024,
+        }
+    }
+}
+
+impl Config {
+    /// Checks every field once; the message names the offending key.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.backing_roots.is_empty() {
+            return Err("backing_roots: at least one backing root is required (--backing-root DIR)".into());
+        }
+        for r in &self.backing_roots {
+            if !r.is_absolute() {
+                return Err(format!("backing_roots: `{}` must be an absolute path", r.display()));
+            }
+        }
+        if self.block_size < 4096 || self.block_size % 4096 != 0 || self.block_size > 1 << 30 {
+            return Err(format!(
+                "block_size: {} must be a multiple of 4 KiB between 4 KiB and 1 GiB",
+                self.block_size
+            ));
+        }
+        if self.fill_workers == 0 || self.fill_workers > 256 {
+            return Err("fill_workers: must be between 1 and 256".into());
+        }
+        if self.fill_queue == 0 {
+            return Err("fill_queue: must be at least 1".into());
+        }
+        if self.max_connections == 0 {
+            return Err("max_connections: must be at least 1".into());
+        }
+        if self.socket_mode > 0o777 {
+            return Err(format!("socket_mode: {:o} is not a permission mode", self.socket_mode));
+        }
+        if let SizeSpec::Bytes(0) = self.capacity {
+            return Err("capacity: must be more than 0".into());
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_and_durations_parse() {
+        assert_eq!(parse_bytes("4MiB").unwrap(), 4 << 20);
+        assert_eq!(parse_bytes("1.5 GiB").unwrap(), 3 << 29);
+        assert_eq!(parse_bytes("123").unwrap(), 123);
+        assert!(parse_bytes("4XB").is_err());
+        assert_eq!("80%".parse::<SizeSpec>().unwrap(), SizeSpec::Percent(80.0));
+        assert!("180%".parse::<SizeSpec>().is_err());
+        assert_eq!(parse_duration("250ms").unwrap(), Duration::from_millis(250));
+        assert_eq!(parse_duration("0").unwrap(), Duration::ZERO);
+        assert!(parse_duration("1 fortnight").is_err());
+    }
+
+    #[test]
+    fn toml_round_trip_and_unknown_keys_are_errors() {
+        let c: Config = toml::from_str(
+            "backing_roots = [\"/data\"]\ncapacity = \"10GiB\"\nblock_size = \"1MiB\"\nmetadata_ttl = \"0\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.capacity, SizeSpec::Bytes(10 << 30));
+        assert_eq!(c.block_size, 1 << 20);
+        assert_eq!(c.metadata_ttl, Duration::ZERO);
+        c.validate().unwrap();
+        let e = toml::from_str::<Config>("capacty = 1").unwrap_err().to_string();
+        assert!(e.contains("capacty"), "{e}");
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        let c = Config { backing_roots: vec!["/d".into()], block_size: 1000, ..Config::default() };
+        assert!(c.validate().unwrap_err().starts_with("block_size"));
+        assert!(Config::default().validate().unwrap_err().starts_with("backing_roots"));
+    }
+}

@@ -1,0 +1,97 @@
+//! Wiring: builds every part from a [`Config`], runs them, and shuts them down in
+//! order (stop clients, stop fills, then mark the store clean).
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+
+use crate::backing::Backing;
+use crate::backing::posix::PosixBacking;
+use crate::backing::throttle::ThrottledBacking;
+use crate::config::Config;
+use crate::fill::Filler;
+use crate::meta::{Meta, Root, Roots};
+use crate::server::{self, Ctx, Server};
+use crate::stats::Stats;
+use crate::store::{Store, StoreConfig};
+
+/// A running daemon.
+#[derive(Debug)]
+pub struct Daemon {
+    server: Server,
+    filler: Arc<Filler>,
+    store: Arc<Store>,
+    socket: PathBuf,
+}
+
+impl Daemon {
+    /// Validates `cfg`, opens the store, binds the socket and starts serving.
+    pub fn start(cfg: &Config) -> anyhow::Result<Self> {
+        cfg.validate().map_err(anyhow::Error::msg)?;
+        let stats = Arc::new(Stats::default());
+        let mut roots = Vec::new();
+        for r in &cfg.backing_roots {
+            let posix = PosixBacking::new(r).with_context(|| format!("backing root {}", r.display()))?;
+            let path = posix.root().to_owned();
+            let name = path.to_str().context("backing root paths must be UTF-8")?.to_owned();
+            let backing: Arc<dyn Backing> = match cfg.backing_bandwidth {
+                Some(bw) => Arc::new(ThrottledBacking::new(Arc::new(posix), bw)),
+                None => Arc::new(posix),
+            };
+            roots.push(Root { path, name, backing });
+        }
+        let roots = Arc::new(Roots::new(roots));
+        let meta = Arc::new(Meta::new(roots, cfg.metadata_ttl, 1 << 20, stats.clone()));
+        let store_cfg = StoreConfig {
+            dir: cfg.cache_dir.clone(),
+            capacity: cfg.capacity,
+            min_free: cfg.min_free,
+            block_size: u32::try_from(cfg.block_size).context("block_size")?,
+        };
+        let store = Arc::new(
+            Store::open(&store_cfg, stats.clone())
+                .with_context(|| format!("opening the cache in {}", cfg.cache_dir.display()))?,
+        );
+        let filler = Arc::new(
+            Filler::new(store.clone(), meta.clone(), stats.clone(), cfg.fill_workers, cfg.fill_queue)
+                .context("starting fill workers")?,
+        );
+        let listener = server::bind(&cfg.socket, cfg.socket_mode)
+            .with_context(|| format!("binding the socket {}", cfg.socket.display()))?;
+        let ctx = Arc::new(Ctx {
+            meta,
+            store: store.clone(),
+            filler: filler.clone(),
+            stats,
+            readahead: cfg.readahead_blocks,
+            max_wait: cfg.max_wait,
+            started: Instant::now(),
+            cache_dir: cfg.cache_dir.clone(),
+        });
+        let server = Server::start(listener, cfg.socket.clone(), ctx, cfg.max_connections)
+            .context("starting the server")?;
+        tracing::info!(socket = %cfg.socket.display(), "shardcached ready");
+        Ok(Self { server, filler, store, socket: cfg.socket.clone() })
+    }
+
+    /// The socket clients connect to.
+    pub fn socket(&self) -> &std::path::Path {
+        &self.socket
+    }
+
+    /// Orderly shutdown: clients are disconnected (they fall back to the backing store),
+    /// fills stop, the journal is flushed and the store marked clean.
+    pub fn close(mut self) -> anyhow::Result<()> {
+        self.server.close();
+        self.filler.close();
+        let left = self.server.drain(Duration::from_secs(5));
+        if left > 0 {
+            tracing::warn!(left, "client threads still running at shutdown");
+        }
+        self.store.close().context("closing the store")?;
+        tracing::info!("shardcached stopped cleanly");
+        Ok(())
+    }
+}

@@ -1,0 +1,323 @@
+//! The fill engine: reads blocks from the backing store into the NVMe store, once per
+//! block however many clients want it.
+//!
+//! Requests go into one bounded priority queue (a client waiting on a block first, then
+//! read-ahead, each in arrival order) served by a fixed pool of worker threads, which
+//! bounds the concurrency toward the backing store. A block has at most one fill in
+//! flight ([`Flight`]): every later request for it waits on the same flight
+//! (single-flight). When the queue is full, read-ahead is dropped and counted, and a
+//! waiting client falls back to the backing store itself.
+//!
+//! A fill reads the block through a descriptor opened for the exact version the client
+//! was told about, and checks the version again after reading: a file changed
+//! underneath is never cached under the old version's key.
+
+use std::cmp::Ordering as CmpOrdering;
+use std::collections::{BinaryHeap, HashMap};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use crate::backing::{BackingError, BackingFile, BackingFileExt, Stat};
+use crate::meta::Meta;
+use crate::stats::{Stats, add, inc};
+use crate::store::{Key, Store, StoreError};
+
+/// How urgently a block is wanted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Priority {
+    /// Nobody waits yet.
+    Readahead = 0,
+    /// A client is blocked on it.
+    Demand = 1,
+}
+
+/// The file a fill is for.
+#[derive(Debug)]
+pub struct Target {
+    /// Root index (for metadata invalidation).
+    pub root: usize,
+    /// The path as the client named it, relative to the root (metadata cache key).
+    pub rel: String,
+    /// The version to fill.
+    pub stat: Arc<Stat>,
+    /// The store key of that version.
+    pub key: Key,
+}
+
+/// One block fill in progress; waiters block on it.
+#[derive(Debug, Default)]
+pub struct Flight {
+    done: Mutex<Option<bool>>,
+    cv: Condvar,
+}
+
+impl Flight {
+    /// Waits until the fill ends or `deadline`; `Some(ok)` when it ended.
+    pub fn wait_until(&self, deadline: Instant) -> Option<bool> {
+        let mut g = self.done.lock().unwrap_or_else(|e| e.into_inner());
+        loop {
+            if let Some(ok) = *g {
+                return Some(ok);
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                return None;
+            }
+            g = self.cv.wait_timeout(g, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+        }
+    }
+
+    fn finish(&self, ok: bool) {
+        *self.done.lock().unwrap_or_else(|e| e.into_inner()) = Some(ok);
+        self.cv.notify_all();
+    }
+}
+
+/// What [`Filler::request`] did.
+#[derive(Debug)]
+pub enum Scheduled {
+    /// The block is already present.
+    Present,
+    /// A fill is queued or running; wait on it.
+    InFlight(Arc<Flight>),
+    /// The queue is full: nothing was scheduled.
+    Shed,
+}
+
+struct Job {
+    prio: Priority,
+    seq: u64,
+    target: Arc<Target>,
+    index: usize,
+}
+
+impl PartialEq for Job {
+    fn eq(&self, o: &Self) -> bool {
+        self.cmp(o) == CmpOrdering::Equal
+    }
+}
+impl Eq for Job {}
+impl PartialOrd for Job {
+    fn partial_cmp(&self, o: &Self) -> Option<CmpOrdering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Job {
+    fn cmp(&self, o: &Self) -> CmpOrdering {
+        // Max-heap: higher priority first, then lower sequence (older) first.
+        self.prio.cmp(&o.prio).then_with(|| o.seq.cmp(&self.seq))
+    }
+}
+
+#[derive(Default)]
+struct Queue {
+    heap: BinaryHeap<Job>,
+    /// Blocks queued and not yet taken by a worker, with their current priority.
+    queued: HashMap<(Key, usize), Priority>,
+    seq: u64,
+    closed: bool,
+}
+
+struct Inner {
+    queue: Mutex<Queue>,
+    cv: Condvar,
+    flights: Mutex<HashMap<(Key, usize), Arc<Flight>>>,
+    store: Arc<Store>,
+    meta: Arc<Meta>,
+    stats: Arc<Stats>,
+    limit: usize,
+    handles: moka::sync::Cache<Key, Arc<dyn BackingFile>>,
+}
+
+/// The fill engine.
+pub struct Filler {
+    inner: Arc<Inner>,
+    workers: Mutex<Vec<JoinHandle<()>>>,
+}
+
+impl std::fmt::Debug for Filler {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Filler").field("limit", &self.inner.limit).finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Filler {
+    /// Starts `workers` fill threads with a queue of at most `limit` read-ahead jobs.
+    pub fn new(store: Arc<Store>, meta: Arc<Meta>, stats: Arc<Stats>, workers: usize, limit: usize) -> std::io::Result<Self> {
+        let inner = Arc::new(Inner {
+            queue: Mutex::new(Queue::default()),
+            cv: Condvar::new(),
+            flights: Mutex::new(HashMap::new()),
+            store,
+            meta,
+            stats,
+            limit,
+            handles: moka::sync::Cache::builder()
+                .max_capacity(256)
+                .time_to_idle(std::time::Duration::from_secs(30))
+                .build(),
+        });
+        let mut hs = Vec::with_capacity(workers);
+        for i in 0..workers {
+            let inner = inner.clone();
+            hs.push(std::thread::Builder::new().name(format!("sc-fill-{i}")).spawn(move || worker(&inner))?);
+        }
+        Ok(Self { inner, workers: Mutex::new(hs) })
+    }
+
+    /// Asks for block `index` of `target` at `prio`. Not blocking.
+    pub fn request(&self, target: &Arc<Target>, index: usize, prio: Priority) -> Scheduled {
+        let inner = &self.inner;
+        if inner.store.is_present(&target.key, index) {
+            return Scheduled::Present;
+        }
+        let mut flights = lock(&inner.flights);
+        let id = (target.key, index);
+        let mut q = lock(&inner.queue);
+        if q.closed {
+            return Scheduled::Shed;
+        }
+        if let Some(f) = flights.get(&id) {
+            // Raise a queued read-ahead to demand.
+            if prio == Priority::Demand && q.queued.get(&id) == Some(&Priority::Readahead) {
+                q.queued.insert(id, prio);
+                q.seq += 1;
+                let seq = q.seq;
+                q.heap.push(Job { prio, seq, target: target.clone(), index });
+                inner.cv.notify_one();
+            }
+            return Scheduled::InFlight(f.clone());
+        }
+        let cap = match prio {
+            Priority::Readahead => inner.limit,
+            Priority::Demand => inner.limit * 2,
+        };
+        if q.queued.len() >= cap {
+            inc(&inner.stats.queue_shed);
+            return Scheduled::Shed;
+        }
+        let f = Arc::new(Flight::default());
+        flights.insert(id, f.clone());
+        q.queued.insert(id, prio);
+        q.seq += 1;
+        let seq = q.seq;
+        q.heap.push(Job { prio, seq, target: target.clone(), index });
+        inner.cv.notify_one();
+        Scheduled::InFlight(f)
+    }
+
+    /// Stops the workers after their current fill; queued fills end unfinished (their
+    /// waiters are released and fall back).
+    pub fn close(&self) {
+        {
+            let mut q = lock(&self.inner.queue);
+            q.closed = true;
+            q.heap.clear();
+            q.queued.clear();
+        }
+        self.inner.cv.notify_all();
+        for h in lock(&self.workers).drain(..) {
+            let _ = h.join();
+        }
+        for (_, f) in lock(&self.inner.flights).drain() {
+            f.finish(false);
+        }
+    }
+}
+
+fn worker(inner: &Inner) {
+    loop {
+        let job = {
+            let mut q = lock(&inner.queue);
+            loop {
+                if q.closed {
+                    return;
+                }
+                match q.heap.pop() {
+                    Some(job) => {
+                        let id = (job.target.key, job.index);
+                        // A stale duplicate (raised to demand, or already taken).
+                        if q.queued.get(&id) != Some(&job.prio) {
+                            continue;
+                        }
+                        q.queued.remove(&id);
+                        break job;
+                    }
+                    None => q = inner.cv.wait(q).unwrap_or_else(|e| e.into_inner()),
+                }
+            }
+        };
+        let ok = match fill(inner, &job.target, job.index) {
+            Ok(()) => true,
+            Err(e) => {
+                if !matches!(e, FillError::Store(StoreError::NoSpace) | FillError::Store(StoreError::Gone)) {
+                    inc(&inner.stats.fill_errors);
+                }
+                tracing::debug!(path = %job.target.stat.path, block = job.index, error = %e, "fill failed");
+                false
+            }
+        };
+        let f = lock(&inner.flights).remove(&(job.target.key, job.index));
+        if let Some(f) = f {
+            f.finish(ok);
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum FillError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Backing(#[from] BackingError),
+    #[error("backing read failed: {0}")]
+    Read(#[from] std::io::Error),
+}
+
+fn fill(inner: &Inner, t: &Target, index: usize) -> Result<(), FillError> {
+    let Some(permit) = inner.store.begin_fill(&t.key, index)? else { return Ok(()) };
+    match read_block(inner, t, permit.offset(), permit.len()) {
+        Ok(data) => {
+            inner.store.commit_fill(permit, &data)?;
+            inc(&inner.stats.blocks_filled);
+            Ok(())
+        }
+        Err(e) => {
+            inner.store.abort_fill(permit);
+            Err(e)
+        }
+    }
+}
+
+fn read_block(inner: &Inner, t: &Target, offset: u64, len: usize) -> Result<Vec<u8>, FillError> {
+    let changed = |inner: &Inner| {
+        inner.meta.invalidate(t.root, &t.rel);
+        inner.handles.invalidate(&t.key);
+        FillError::Backing(BackingError::Changed(t.stat.path.clone()))
+    };
+    let file = match inner.handles.get(&t.key) {
+        Some(f) => f,
+        None => {
+            let f: Arc<dyn BackingFile> = match inner.meta.roots().get(t.root).backing.open(&t.stat) {
+                Ok(f) => Arc::from(f),
+                Err(BackingError::Changed(_)) => return Err(changed(inner)),
+                Err(e) => return Err(e.into()),
+            };
+            inner.handles.insert(t.key, f.clone());
+            f
+        }
+    };
+    let mut buf = vec![0u8; len];
+    let n = file.read_full_at(&mut buf, offset)?;
+    inc(&inner.stats.backing_reads);
+    add(&inner.stats.backing_bytes, n as u64);
+    if n != len || file.version()? != t.stat.version {
+        return Err(changed(inner));
+    }
+    Ok(buf)
+}

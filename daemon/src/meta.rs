@@ -1,0 +1,177 @@
+//! Backing roots and the metadata cache.
+//!
+//! A client names files by absolute path; [`Roots::resolve`] finds the configured root
+//! that contains it (or refuses), and [`Meta::stat`] returns the file's canonical path,
+//! version and owners, from the backing store at most once per `metadata_ttl` per path.
+//! This is what spares the shared file system a stat storm: within the TTL, an open
+//! through the cache costs the backing store nothing.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::backing::{Backing, BackingError, Stat};
+use crate::stats::{Stats, inc};
+
+/// One configured backing root.
+#[derive(Debug)]
+pub struct Root {
+    /// Canonical absolute path of the root.
+    pub path: PathBuf,
+    /// The same as a string, used in cache keys.
+    pub name: String,
+    /// The store behind it.
+    pub backing: Arc<dyn Backing>,
+}
+
+/// The configured roots.
+#[derive(Debug)]
+pub struct Roots {
+    roots: Vec<Root>,
+}
+
+/// Why a path cannot be served.
+#[derive(Debug, thiserror::Error)]
+pub enum ResolveError {
+    /// The path is not under any configured backing root.
+    #[error("{0}: not under a configured backing root")]
+    NotUnderRoot(String),
+    /// The backing store refused or failed.
+    #[error(transparent)]
+    Backing(#[from] BackingError),
+}
+
+impl Roots {
+    /// Wraps the configured roots (their paths must be canonical).
+    pub fn new(roots: Vec<Root>) -> Self {
+        Self { roots }
+    }
+
+    /// The root with index `i`.
+    pub fn get(&self, i: usize) -> &Root {
+        &self.roots[i]
+    }
+
+    /// All roots.
+    pub fn all(&self) -> &[Root] {
+        &self.roots
+    }
+
+    /// Finds the root containing `abs` and the path relative to it. The longest matching
+    /// root wins; the relative part is not yet validated (the backing store does that).
+    pub fn resolve<'a>(&self, abs: &'a str) -> Result<(usize, &'a str), ResolveError> {
+        let not_under = || ResolveError::NotUnderRoot(abs.to_owned());
+        if !abs.starts_with('/') {
+            return Err(not_under());
+        }
+        let mut best: Option<(usize, &str)> = None;
+        for (i, r) in self.roots.iter().enumerate() {
+            let root = r.name.trim_end_matches('/');
+            if let Some(rest) = abs.strip_prefix(root).and_then(|rest| rest.strip_prefix('/')) {
+                if best.is_none_or(|(b, _)| self.roots[b].name.len() < r.name.len()) {
+                    best = Some((i, rest));
+                }
+            }
+        }
+        best.ok_or_else(not_under)
+    }
+}
+
+#[derive(Debug)]
+struct Cached {
+    stat: Arc<Stat>,
+    at: Instant,
+}
+
+/// Metadata of backing files, trusted for `ttl`.
+#[derive(Debug)]
+pub struct Meta {
+    roots: Arc<Roots>,
+    ttl: Duration,
+    cache: moka::sync::Cache<(usize, String), Arc<Cached>>,
+    stats: Arc<Stats>,
+}
+
+impl Meta {
+    /// A cache of at most `max_entries` paths.
+    pub fn new(roots: Arc<Roots>, ttl: Duration, max_entries: u64, stats: Arc<Stats>) -> Self {
+        let cache = moka::sync::Cache::builder()
+            .max_capacity(max_entries)
+            .time_to_live(ttl.max(Duration::from_millis(1)))
+            .build();
+        Self { roots, ttl, cache, stats }
+    }
+
+    /// The roots this cache serves.
+    pub fn roots(&self) -> &Arc<Roots> {
+        &self.roots
+    }
+
+    /// The metadata of `rel` under root `root`, fresh within the TTL.
+    pub fn stat(&self, root: usize, rel: &str) -> Result<Arc<Stat>, BackingError> {
+        let key = (root, rel.to_owned());
+        if !self.ttl.is_zero() {
+            if let Some(c) = self.cache.get(&key) {
+                if c.at.elapsed() < self.ttl {
+                    return Ok(c.stat.clone());
+                }
+            }
+        }
+        let at = Instant::now();
+        inc(&self.stats.backing_stats);
+        let stat = Arc::new(self.roots.get(root).backing.stat(rel)?);
+        if !self.ttl.is_zero() {
+            self.cache.insert(key, Arc::new(Cached { stat: stat.clone(), at }));
+        }
+        Ok(stat)
+    }
+
+    /// Forgets `rel` (after the backing store reported it changed).
+    pub fn invalidate(&self, root: usize, rel: &str) {
+        self.cache.invalidate(&(root, rel.to_owned()));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backing::Owner;
+    use crate::backing::mem::MemBacking;
+
+    fn roots(names: &[&str]) -> (Arc<Roots>, Arc<MemBacking>) {
+        let mem = Arc::new(MemBacking::new());
+        let roots = names
+            .iter()
+            .map(|n| Root { path: n.into(), name: (*n).to_owned(), backing: mem.clone() as Arc<dyn Backing> })
+            .collect();
+        (Arc::new(Roots::new(roots)), mem)
+    }
+
+    #[test]
+    fn resolve_picks_the_longest_root_on_a_component_boundary() {
+        let (r, _) = roots(&["/data", "/data/deep"]);
+        assert_eq!(r.resolve("/data/a/b").unwrap(), (0, "a/b"));
+        assert_eq!(r.resolve("/data/deep/x").unwrap(), (1, "x"));
+        assert!(matches!(r.resolve("/database/x"), Err(ResolveError::NotUnderRoot(_))));
+        assert!(matches!(r.resolve("relative/x"), Err(ResolveError::NotUnderRoot(_))));
+        assert!(matches!(r.resolve("/etc/passwd"), Err(ResolveError::NotUnderRoot(_))));
+    }
+
+    #[test]
+    fn ttl_zero_always_asks_the_store_and_a_ttl_caches() {
+        let (r, mem) = roots(&["/data"]);
+        mem.put("f", b"one".to_vec(), Owner { mode: 0o644, ..Owner::default() });
+        let stats = Arc::new(Stats::default());
+        let fresh = Meta::new(r.clone(), Duration::ZERO, 100, stats.clone());
+        let v1 = fresh.stat(0, "f").unwrap().version;
+        mem.put("f", b"two".to_vec(), Owner { mode: 0o644, ..Owner::default() });
+        assert_ne!(fresh.stat(0, "f").unwrap().version, v1);
+
+        let cached = Meta::new(r, Duration::from_secs(3600), 100, stats);
+        let a = cached.stat(0, "f").unwrap().version;
+        mem.put("f", b"three".to_vec(), Owner { mode: 0o644, ..Owner::default() });
+        assert_eq!(cached.stat(0, "f").unwrap().version, a, "within the TTL");
+        cached.invalidate(0, "f");
+        assert_ne!(cached.stat(0, "f").unwrap().version, a, "after invalidation");
+    }
+}

@@ -1,0 +1,415 @@
+//! The local API server: a Unix stream socket, one thread per client connection.
+//!
+//! Each connection's credentials are read from the kernel once (`SO_PEERCRED`,
+//! `SO_PEERGROUPS`) and every request on it is judged with them. An open of a cached
+//! file answers with a fresh read-only descriptor of the data file (`SCM_RIGHTS`) and
+//! the bitmap of the blocks the client may read through it; no file data crosses the
+//! socket. Refusals carry a reason, and the client then reads the backing store itself.
+//!
+//! Threads, not async tasks: the open path is one request, a few hash lookups and an
+//! `open(2)`, and a blocking thread answers it with the fewest wake-ups. Connections are
+//! few (a pool per training process) and bounded by `max_connections`.
+
+mod creds;
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::AsFd;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use shardcache_proto::local::v1 as pb;
+use shardcache_proto::local::v1::{Reason, request, response};
+use shardcache_proto::wire::{self, FrameReader, WireError};
+
+use crate::access::{self, Creds, Decision};
+use crate::backing::{BackingError, Stat};
+use crate::fill::{Filler, Priority, Scheduled, Target};
+use crate::meta::{Meta, ResolveError};
+use crate::stats::{Stats, inc};
+use crate::store::{Store, StoreError, View};
+
+/// Most blocks one Wait request may name.
+const MAX_WAIT_BLOCKS: u64 = 1024;
+
+/// What request handlers share.
+#[derive(Debug)]
+pub struct Ctx {
+    /// Roots and metadata.
+    pub meta: Arc<Meta>,
+    /// The NVMe store.
+    pub store: Arc<Store>,
+    /// The fill engine.
+    pub filler: Arc<Filler>,
+    /// Counters.
+    pub stats: Arc<Stats>,
+    /// Blocks to read ahead.
+    pub readahead: u32,
+    /// Longest wait granted to a client.
+    pub max_wait: Duration,
+    /// When the daemon started.
+    pub started: Instant,
+    /// The configured cache directory (for status).
+    pub cache_dir: PathBuf,
+}
+
+/// A running server.
+#[derive(Debug)]
+pub struct Server {
+    path: PathBuf,
+    listener: Arc<UnixListener>,
+    stop: Arc<AtomicBool>,
+    conns: Arc<Mutex<HashMap<u64, UnixStream>>>,
+    active: Arc<AtomicUsize>,
+    accept: Option<JoinHandle<()>>,
+}
+
+/// Binds the socket at `path` with `mode`, replacing a stale socket file but refusing
+/// to take over one that a live daemon still answers on.
+pub fn bind(path: &Path, mode: u32) -> io::Result<UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    if path.exists() {
+        match UnixStream::connect(path) {
+            Ok(_) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::AddrInUse,
+                    format!("{}: another shardcached is listening on this socket", path.display()),
+                ));
+            }
+            Err(_) => std::fs::remove_file(path)?,
+        }
+    }
+    let l = UnixListener::bind(path)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))?;
+    Ok(l)
+}
+
+impl Server {
+    /// Serves `listener` until [`Server::close`].
+    pub fn start(listener: UnixListener, path: PathBuf, ctx: Arc<Ctx>, max_conns: usize) -> io::Result<Self> {
+        let listener = Arc::new(listener);
+        let stop = Arc::new(AtomicBool::new(false));
+        let conns: Arc<Mutex<HashMap<u64, UnixStream>>> = Arc::default();
+        let active = Arc::new(AtomicUsize::new(0));
+        let accept = {
+            let (listener, stop, conns, active) = (listener.clone(), stop.clone(), conns.clone(), active.clone());
+            std::thread::Builder::new().name("sc-accept".into()).spawn(move || {
+                let next_id = AtomicU64::new(0);
+                for conn in listener.incoming() {
+                    if stop.load(Ordering::Acquire) {
+                        break;
+                    }
+                    let conn = match conn {
+                        Ok(c) => c,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "accept failed");
+                            std::thread::sleep(Duration::from_millis(10));
+                            continue;
+                        }
+                    };
+                    if active.load(Ordering::Acquire) >= max_conns {
+                        tracing::warn!(max_conns, "connection limit reached; refusing a client (it reads the backing store)");
+                        continue;
+                    }
+                    let creds = match creds::peer(&conn) {
+                        Ok(c) => c,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "cannot read client credentials; refusing");
+                            continue;
+                        }
+                    };
+                    let id = next_id.fetch_add(1, Ordering::Relaxed);
+                    if let Ok(c) = conn.try_clone() {
+                        conns.lock().unwrap_or_else(|e| e.into_inner()).insert(id, c);
+                    }
+                    active.fetch_add(1, Ordering::AcqRel);
+                    let (ctx, conns2, active2) = (ctx.clone(), conns.clone(), active.clone());
+                    let spawned = std::thread::Builder::new()
+                        .name("sc-conn".into())
+                        .stack_size(512 << 10)
+                        .spawn(move || {
+                            serve(&conn, &creds, &ctx);
+                            conns2.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                            active2.fetch_sub(1, Ordering::AcqRel);
+                        });
+                    if let Err(e) = spawned {
+                        tracing::warn!(error = %e, "cannot start a connection thread");
+                        conns.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
+                        active.fetch_sub(1, Ordering::AcqRel);
+                    }
+                }
+            })?
+        };
+        Ok(Self { path, listener, stop, conns, active, accept: Some(accept) })
+    }
+
+    /// Stops accepting, disconnects every client and waits (bounded) for their threads.
+    /// Clients then read the backing store. Call before closing the filler.
+    pub fn close(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        let _ = rustix::net::shutdown(self.listener.as_fd(), rustix::net::Shutdown::Both);
+        // Wake the accept loop in case shutdown did not.
+        let _ = UnixStream::connect(&self.path);
+        if let Some(h) = self.accept.take() {
+            let _ = h.join();
+        }
+        for c in self.conns.lock().unwrap_or_else(|e| e.into_inner()).values() {
+            let _ = c.shutdown(std::net::Shutdown::Both);
+        }
+        let _ = std::fs::remove_file(&self.path);
+    }
+
+    /// Waits up to `limit` for connection threads to end; returns how many remain.
+    pub fn drain(&self, limit: Duration) -> usize {
+        let deadline = Instant::now() + limit;
+        while self.active.load(Ordering::Acquire) > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        self.active.load(Ordering::Acquire)
+    }
+}
+
+fn serve(conn: &UnixStream, creds: &Creds, ctx: &Ctx) {
+    let mut reader = FrameReader::new();
+    loop {
+        let req: pb::Request = match reader.recv(conn) {
+            Ok((req, _fds)) => req,
+            Err(WireError::Closed) => return,
+            Err(e) => {
+                tracing::debug!(pid = creds.pid, error = %e, "client connection ended");
+                return;
+            }
+        };
+        if let Some(r) = &req.report {
+            ctx.stats.add_report(r);
+        }
+        let (kind, fd) = handle(ctx, creds, req.kind);
+        let resp = pb::Response { id: req.id, kind: Some(kind) };
+        let fds: Vec<_> = fd.iter().map(|f| f.as_fd()).collect();
+        if let Err(e) = wire::send(conn, &resp, &fds) {
+            tracing::debug!(pid = creds.pid, error = %e, "reply failed");
+            return;
+        }
+    }
+}
+
+fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::Kind, Option<std::fs::File>) {
+    match kind {
+        Some(request::Kind::Open(o)) => {
+            let (r, fd) = open(ctx, creds, &o.path);
+            (response::Kind::Open(pb::OpenReply { result: Some(r) }), fd)
+        }
+        Some(request::Kind::Wait(w)) => {
+            let (r, fd) = wait(ctx, creds, &w);
+            (response::Kind::Wait(pb::WaitReply { result: Some(r) }), fd)
+        }
+        Some(request::Kind::Status(_)) => (response::Kind::Status(status(ctx)), None),
+        Some(request::Kind::Verify(_)) => {
+            let r = ctx.store.verify_all();
+            (
+                response::Kind::Verify(pb::VerifyReply {
+                    blocks_checked: r.checked,
+                    corrupt_blocks: r.corrupt,
+                    missing_files: r.missing_files,
+                }),
+                None,
+            )
+        }
+        None => (response::Kind::Error(pb::ErrorReply { message: "empty request".into() }), None),
+    }
+}
+
+fn refused(reason: Reason, message: impl Into<String>) -> pb::Refused {
+    pb::Refused { reason: reason as i32, message: message.into() }
+}
+
+/// The single mapping from lookup errors to refusals (and their counters).
+fn refuse_resolve(stats: &Stats, e: ResolveError) -> pb::Refused {
+    let msg = e.to_string();
+    let reason = match e {
+        ResolveError::NotUnderRoot(_) => Reason::NotUnderRoot,
+        ResolveError::Backing(b) => match b {
+            BackingError::NotFound(_) => Reason::NotFound,
+            BackingError::Escapes(_) => Reason::EscapesRoot,
+            BackingError::NotAFile(_) => Reason::NotAFile,
+            BackingError::Invalid { .. } => Reason::Invalid,
+            BackingError::Changed(_) => Reason::Stale,
+            BackingError::Io { .. } => Reason::BackingError,
+        },
+    };
+    match reason {
+        Reason::NotUnderRoot | Reason::EscapesRoot | Reason::Invalid => inc(&stats.refused_path),
+        Reason::NotFound | Reason::NotAFile => inc(&stats.refused_not_found),
+        _ => inc(&stats.refused_other),
+    }
+    refused(reason, msg)
+}
+
+fn refuse_store(stats: &Stats, e: StoreError) -> pb::Refused {
+    inc(&stats.refused_other);
+    let reason = match &e {
+        StoreError::NoSpace => Reason::NoSpace,
+        StoreError::Gone | StoreError::Io(_) => Reason::StoreError,
+    };
+    refused(reason, e.to_string())
+}
+
+/// Resolves, stats and access-checks `path` for `creds`.
+fn authorize(ctx: &Ctx, creds: &Creds, path: &str) -> Result<(usize, String, Arc<Stat>), pb::Refused> {
+    let (root, rel) = ctx.meta.roots().resolve(path).map_err(|e| refuse_resolve(&ctx.stats, e))?;
+    let stat = ctx.meta.stat(root, rel).map_err(|e| refuse_resolve(&ctx.stats, e.into()))?;
+    match access::check(&stat, creds) {
+        Decision::Allow => Ok((root, rel.to_owned(), stat)),
+        Decision::Deny => {
+            inc(&ctx.stats.refused_denied);
+            tracing::debug!(uid = creds.uid, path, "access denied through the cache");
+            Err(refused(Reason::PermissionDenied, format!("{path}: permission denied")))
+        }
+        Decision::Uncertain => {
+            inc(&ctx.stats.refused_other);
+            Err(refused(Reason::UncertainAccess, format!("{path}: has an ACL; read it from the backing store")))
+        }
+    }
+}
+
+fn target(root: usize, rel: String, stat: Arc<Stat>, view: &View) -> Arc<Target> {
+    Arc::new(Target { root, rel, stat, key: view.key })
+}
+
+fn pb_version(v: &crate::backing::Version) -> pb::Version {
+    pb::Version { size: v.size, mtime_ns: v.mtime_ns, ctime_ns: v.ctime_ns, ino: v.ino, dev: v.dev }
+}
+
+fn is_set(bm: &[u8], i: usize) -> bool {
+    bm.get(i / 8).is_some_and(|b| b & (1 << (i % 8)) != 0)
+}
+
+/// Queues read-ahead for the first `n` missing blocks at or after `from`.
+fn readahead(ctx: &Ctx, t: &Arc<Target>, view: &View, from: usize, n: u32) {
+    let mut queued = 0;
+    for i in from..view.nblocks {
+        if queued >= n {
+            break;
+        }
+        if !is_set(&view.present, i) {
+            if matches!(ctx.filler.request(t, i, Priority::Readahead), Scheduled::Shed) {
+                break;
+            }
+            queued += 1;
+        }
+    }
+}
+
+fn open(ctx: &Ctx, creds: &Creds, path: &str) -> (pb::open_reply::Result, Option<std::fs::File>) {
+    inc(&ctx.stats.opens);
+    let (root, rel, stat) = match authorize(ctx, creds, path) {
+        Ok(x) => x,
+        Err(r) => return (pb::open_reply::Result::Refused(r), None),
+    };
+    let root_name = &ctx.meta.roots().get(root).name;
+    let mut view = match ctx.store.view(root_name, &stat) {
+        Ok(v) => v,
+        Err(e) => return (pb::open_reply::Result::Refused(refuse_store(&ctx.stats, e)), None),
+    };
+    if view.npresent == view.nblocks {
+        inc(&ctx.stats.opens_full);
+    } else {
+        if view.npresent > 0 {
+            inc(&ctx.stats.opens_partial);
+        } else {
+            inc(&ctx.stats.opens_empty);
+        }
+        let t = target(root, rel, stat.clone(), &view);
+        readahead(ctx, &t, &view, 0, ctx.readahead);
+    }
+    let opened = pb::Opened {
+        version: Some(pb_version(&stat.version)),
+        block_size: view.block_size,
+        present: std::mem::take(&mut view.present),
+        data_gen: view.data_gen,
+    };
+    (pb::open_reply::Result::Opened(opened), view.data.take())
+}
+
+fn wait(ctx: &Ctx, creds: &Creds, w: &pb::WaitRequest) -> (pb::wait_reply::Result, Option<std::fs::File>) {
+    inc(&ctx.stats.waits);
+    let refuse = |r| (pb::wait_reply::Result::Refused(r), None);
+    let (root, rel, stat) = match authorize(ctx, creds, &w.path) {
+        Ok(x) => x,
+        Err(r) => return refuse(r),
+    };
+    if w.version.as_ref() != Some(&pb_version(&stat.version)) {
+        inc(&ctx.stats.refused_other);
+        return refuse(refused(Reason::Stale, format!("{}: changed on the backing store", w.path)));
+    }
+    let root_name = ctx.meta.roots().get(root).name.clone();
+    let view = match ctx.store.view(&root_name, &stat) {
+        Ok(v) => v,
+        Err(e) => return refuse(refuse_store(&ctx.stats, e)),
+    };
+    let t = target(root, rel, stat.clone(), &view);
+    let first = w.first_block as usize;
+    let end = (w.first_block.saturating_add(w.count.max(1) as u64).min(MAX_WAIT_BLOCKS)).min(view.nblocks as u64) as usize;
+    let mut flights = Vec::new();
+    for i in first..end {
+        if is_set(&view.present, i) {
+            continue;
+        }
+        if let Scheduled::InFlight(f) = ctx.filler.request(&t, i, Priority::Demand) {
+            flights.push(f);
+        }
+    }
+    readahead(ctx, &t, &view, end, ctx.readahead);
+    let timeout = match w.timeout_ms {
+        0 => ctx.max_wait,
+        ms => Duration::from_millis(ms as u64).min(ctx.max_wait),
+    };
+    let deadline = Instant::now() + timeout;
+    let mut timed_out = false;
+    for f in &flights {
+        if f.wait_until(deadline).is_none() {
+            timed_out = true;
+            break;
+        }
+    }
+    if timed_out {
+        inc(&ctx.stats.wait_timeouts);
+    }
+    let mut view = if flights.is_empty() {
+        view
+    } else {
+        match ctx.store.view(&root_name, &stat) {
+            Ok(v) => v,
+            Err(e) => return refuse(refuse_store(&ctx.stats, e)),
+        }
+    };
+    let fd = if view.data_gen != w.have_data_gen { view.data.take() } else { None };
+    let waited = pb::Waited { present: std::mem::take(&mut view.present), data_gen: view.data_gen };
+    (pb::wait_reply::Result::Waited(waited), fd)
+}
+
+fn status(ctx: &Ctx) -> pb::StatusReply {
+    let s = ctx.store.status();
+    pb::StatusReply {
+        daemon_version: env!("CARGO_PKG_VERSION").to_owned(),
+        uptime_seconds: ctx.started.elapsed().as_secs(),
+        backing_roots: ctx.meta.roots().all().iter().map(|r| r.name.clone()).collect(),
+        cache_dir: ctx.cache_dir.display().to_string(),
+        capacity_bytes: s.capacity,
+        used_bytes: s.used,
+        fs_free_bytes: s.fs_free,
+        min_free_bytes: s.min_free,
+        files: s.files,
+        blocks: s.blocks,
+        block_size: ctx.store.block_size(),
+        unverified_blocks: s.unverified,
+        counters: Some(ctx.stats.snapshot()),
+    }
+}

@@ -1,0 +1,76 @@
+//! Which cached file goes first when space is needed.
+//!
+//! The store asks an [`EvictionPolicy`] for victims and tells it about inserts, uses and
+//! removals; it never orders entries itself. [`Lru`] is the policy for data without a
+//! plan. The epoch-aware policy (evict what is needed farthest in the future) plugs in
+//! here.
+
+use std::collections::{BTreeMap, HashMap};
+use std::fmt;
+
+use super::Key;
+
+/// Orders cached files for eviction.
+pub trait EvictionPolicy: Send + fmt::Debug {
+    /// A file entered the cache.
+    fn insert(&mut self, key: Key);
+    /// A file was used (opened or read).
+    fn touch(&mut self, key: Key);
+    /// A file left the cache.
+    fn remove(&mut self, key: &Key);
+    /// The file to evict next among those `evictable` accepts, if any.
+    fn victim(&mut self, evictable: &dyn Fn(&Key) -> bool) -> Option<Key>;
+}
+
+/// Least recently used first.
+#[derive(Debug, Default)]
+pub struct Lru {
+    tick: u64,
+    by_tick: BTreeMap<u64, Key>,
+    ticks: HashMap<Key, u64>,
+}
+
+impl EvictionPolicy for Lru {
+    fn insert(&mut self, key: Key) {
+        self.touch(key);
+    }
+
+    fn touch(&mut self, key: Key) {
+        self.tick += 1;
+        if let Some(old) = self.ticks.insert(key, self.tick) {
+            self.by_tick.remove(&old);
+        }
+        self.by_tick.insert(self.tick, key);
+    }
+
+    fn remove(&mut self, key: &Key) {
+        if let Some(t) = self.ticks.remove(key) {
+            self.by_tick.remove(&t);
+        }
+    }
+
+    fn victim(&mut self, evictable: &dyn Fn(&Key) -> bool) -> Option<Key> {
+        self.by_tick.values().find(|k| evictable(k)).copied()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn least_recently_used_goes_first_skipping_pinned() {
+        let k = |i: u8| Key([i; 16]);
+        let mut lru = Lru::default();
+        lru.insert(k(1));
+        lru.insert(k(2));
+        lru.insert(k(3));
+        lru.touch(k(1));
+        assert_eq!(lru.victim(&|_| true), Some(k(2)));
+        assert_eq!(lru.victim(&|x| *x != k(2)), Some(k(3)));
+        lru.remove(&k(2));
+        lru.remove(&k(3));
+        assert_eq!(lru.victim(&|_| true), Some(k(1)));
+        assert_eq!(lru.victim(&|_| false), None);
+    }
+}

@@ -1,0 +1,866 @@
+//! The NVMe store: blocks of backing-file versions in local sparse files, an index of
+//! which blocks are present, and the space they may take.
+//!
+//! ## Layout (`<cache_dir>/shardcache-v1/`)
+//! - `data/<xx>/<key>.<generation>`: one sparse file per cached file version, as long as the
+//!   backing file; block `i` lives at `i * block_size`; missing blocks are holes. `key`
+//!   is the xxh3-128 of (root, path, version), so a changed backing file can never map
+//!   to an old copy; `generation` tells successive data files of one key apart.
+//! - `journal`: the index, as an append-only log ([`journal`]).
+//! - `LOCK`: held (`flock`) by the running daemon. `CLEAN`: written at orderly shutdown.
+//!
+//! ## Rules
+//! - A block becomes visible only after its bytes are written and `fdatasync`ed and its
+//!   journal record (with the xxh3 of the bytes) is durable. A crash at any point leaves
+//!   at most a block that is absent from the index, never one that is present but wrong.
+//! - After a start without `CLEAN`, every block is *unverified*: its checksum is checked
+//!   before the block is first handed out ([`Store::view`]); corrupt blocks are dropped
+//!   (and refetched by whoever needs them). `shardcache verify` checks all blocks.
+//! - Space: cached bytes stay under `capacity`, and the cache file system keeps
+//!   `min_free` free; room is made by evicting whole files in the order the
+//!   [`evict::EvictionPolicy`] gives. Eviction unlinks the data file, so a client that
+//!   already holds a descriptor keeps reading the same (correct) bytes.
+//!
+//! The store never reads the backing store and knows nothing of clients: the fill
+//! engine ([`crate::fill`]) feeds it, the server hands out its descriptors.
+
+pub mod evict;
+pub mod journal;
+
+use std::collections::HashMap;
+use std::fmt;
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use shardcache_proto::store::v1 as jpb;
+use shardcache_proto::store::v1::record::Kind;
+use xxhash_rust::xxh3::{xxh3_64, xxh3_128};
+
+use crate::backing::{Stat, Version};
+use crate::config::SizeSpec;
+use crate::stats::{Stats, add, inc};
+use evict::{EvictionPolicy, Lru};
+use journal::Journal;
+
+/// Identity of a cached file version: xxh3-128 of (root, canonical path, version).
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Key(pub [u8; 16]);
+
+impl Key {
+    /// The key of `path` under `root` at `version`.
+    pub fn of(root: &str, path: &str, v: &Version) -> Self {
+        let mut b = Vec::with_capacity(root.len() + path.len() + 48);
+        b.extend_from_slice(root.as_bytes());
+        b.push(0);
+        b.extend_from_slice(path.as_bytes());
+        b.push(0);
+        for x in [v.size, v.mtime_ns as u64, v.ctime_ns as u64, v.ino, v.dev] {
+            b.extend_from_slice(&x.to_le_bytes());
+        }
+        Key(xxh3_128(&b).to_le_bytes())
+    }
+
+    fn from_slice(b: &[u8]) -> Option<Self> {
+        Some(Key(b.try_into().ok()?))
+    }
+
+    /// Lower-case hex, as used in data file names.
+    pub fn hex(&self) -> String {
+        self.0.iter().map(|b| format!("{b:02x}")).collect()
+    }
+}
+
+impl fmt::Debug for Key {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Key({})", self.hex())
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct BlockMeta {
+    len: u32,
+    xxh3: u64,
+    verified: bool,
+}
+
+#[derive(Debug)]
+struct Entry {
+    root: String,
+    path: String,
+    version: Version,
+    block_size: u32,
+    generation: u64,
+    blocks: Vec<Option<BlockMeta>>,
+    /// The data file exists and its `FileAdded` record is durable.
+    durable: bool,
+    bytes: u64,
+    /// Fills in progress; such an entry is never evicted.
+    filling: u32,
+    /// Superseded by a newer version of the same path: evicted once no fill runs.
+    doomed: bool,
+}
+
+fn nblocks(size: u64, bs: u32) -> usize {
+    size.div_ceil(bs as u64) as usize
+}
+
+impl Entry {
+    fn block_len(&self, i: usize) -> u32 {
+        let start = i as u64 * self.block_size as u64;
+        (self.version.size - start).min(self.block_size as u64) as u32
+    }
+
+    fn bitmap(&self) -> Vec<u8> {
+        let mut bm = vec![0u8; self.blocks.len().div_ceil(8)];
+        for (i, b) in self.blocks.iter().enumerate() {
+            if b.is_some_and(|b| b.verified) {
+                bm[i / 8] |= 1 << (i % 8);
+            }
+        }
+        bm
+    }
+}
+
+struct Index {
+    files: HashMap<Key, Entry>,
+    by_path: HashMap<(String, String), Key>,
+    used: u64,
+    reserved: u64,
+    unverified: u64,
+    policy: Box<dyn EvictionPolicy>,
+}
+
+/// A file that left the index and whose data file is still to be removed.
+#[derive(Debug)]
+struct Evicted {
+    key: Key,
+    generation: u64,
+    bytes: u64,
+}
+
+/// Where the store lives and how much it may take.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    /// The cache directory (the store uses `shardcache-v1/` inside it).
+    pub dir: PathBuf,
+    /// Most bytes of cached data.
+    pub capacity: SizeSpec,
+    /// Free space to leave on the file system.
+    pub min_free: SizeSpec,
+    /// Block size for new entries.
+    pub block_size: u32,
+}
+
+/// Errors of the store. Each one means "not cached", never a failed client read.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// Nothing can be evicted to make room.
+    #[error("no space in the cache (capacity or free-space floor reached, nothing evictable)")]
+    NoSpace,
+    /// The entry was evicted or superseded meanwhile.
+    #[error("cache entry is gone")]
+    Gone,
+    /// Local I/O failed.
+    #[error("cache I/O error: {0}")]
+    Io(#[from] io::Error),
+}
+
+/// What a client may read of one file version right now.
+#[derive(Debug)]
+pub struct View {
+    /// The entry's key.
+    pub key: Key,
+    /// Its block size.
+    pub block_size: u32,
+    /// Present-and-verified bitmap (bit `i` of byte `i / 8`).
+    pub present: Vec<u8>,
+    /// Number of blocks in the file.
+    pub nblocks: usize,
+    /// Number of present blocks.
+    pub npresent: usize,
+    /// A fresh read-only descriptor of the data file, when any block is present.
+    pub data: Option<File>,
+    /// The data file's generation (0 when there is none yet).
+    pub data_gen: u64,
+}
+
+/// Permission to fill one block, with its space reserved.
+#[derive(Debug)]
+pub struct Permit {
+    key: Key,
+    index: usize,
+    len: u32,
+    offset: u64,
+}
+
+impl Permit {
+    /// Offset of the block in the file.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+    /// Length of the block.
+    pub fn len(&self) -> usize {
+        self.len as usize
+    }
+    /// True for a zero-length block (never issued: empty files have no blocks).
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+}
+
+/// Result of checking checksums.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct VerifyReport {
+    /// Blocks read and checked.
+    pub checked: u64,
+    /// Blocks whose bytes did not match their checksum (dropped).
+    pub corrupt: u64,
+    /// Entries whose data file had disappeared (dropped).
+    pub missing_files: u64,
+}
+
+/// Space and contents, for status.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct StoreStatus {
+    /// Capacity in bytes (resolved).
+    pub capacity: u64,
+    /// Bytes of present blocks.
+    pub used: u64,
+    /// Free bytes on the cache file system.
+    pub fs_free: u64,
+    /// Free-space floor in bytes (resolved).
+    pub min_free: u64,
+    /// Entries with at least one present block.
+    pub files: u64,
+    /// Present blocks.
+    pub blocks: u64,
+    /// Present blocks not yet verified since an unclean start.
+    pub unverified: u64,
+}
+
+/// The NVMe store.
+pub struct Store {
+    dir: PathBuf,
+    data_dir: PathBuf,
+    index: Mutex<Index>,
+    journal: Journal,
+    capacity: u64,
+    min_free: u64,
+    block_size: u32,
+    next_generation: AtomicU64,
+    create: Mutex<()>,
+    stats: Arc<Stats>,
+    _lock: File,
+}
+
+impl fmt::Debug for Store {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Store").field("dir", &self.dir).field("capacity", &self.capacity).finish()
+    }
+}
+
+fn fs_stats(dir: &Path) -> io::Result<(u64, u64)> {
+    let s = rustix::fs::statvfs(dir)?;
+    Ok((s.f_blocks * s.f_frsize, s.f_bavail * s.f_frsize))
+}
+
+fn now_nanos() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(1)
+}
+
+impl Store {
+    /// Opens (or creates) the store, replays its journal and checks what it finds.
+    pub fn open(cfg: &StoreConfig, stats: Arc<Stats>) -> io::Result<Self> {
+        let dir = cfg.dir.join("shardcache-v1");
+        let data_dir = dir.join("data");
+        std::fs::create_dir_all(&data_dir)?;
+        for i in 0..=255u8 {
+            std::fs::create_dir_all(data_dir.join(format!("{i:02x}")))?;
+        }
+        journal::sync_dir(&data_dir)?;
+        journal::sync_dir(&dir)?;
+
+        let lock = OpenOptions::new().create(true).truncate(false).write(true).open(dir.join("LOCK"))?;
+        rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive).map_err(|_| {
+            io::Error::new(
+                io::ErrorKind::WouldBlock,
+                format!("{}: another shardcached is using this cache directory", dir.display()),
+            )
+        })?;
+
+        let clean_marker = dir.join("CLEAN");
+        let clean = clean_marker.exists();
+        if clean {
+            std::fs::remove_file(&clean_marker)?;
+            journal::sync_dir(&dir)?;
+        }
+
+        let (fs_size, _) = fs_stats(&dir)?;
+        let capacity = cfg.capacity.resolve(fs_size);
+        let min_free = cfg.min_free.resolve(fs_size);
+
+        let journal_path = dir.join("journal");
+        let records = journal::replay(&journal_path)?;
+        let mut files: HashMap<Key, Entry> = HashMap::new();
+        for r in records {
+            apply(&mut files, r);
+        }
+        let mut max_generation = 0;
+        let mut dropped = 0;
+        files.retain(|key, e| {
+            max_generation = max_generation.max(e.generation);
+            let ok = std::fs::metadata(data_path(&data_dir, key, e.generation)).is_ok_and(|m| m.len() == e.version.size);
+            if !ok {
+                dropped += 1;
+            }
+            ok
+        });
+        remove_orphans(&data_dir, &files);
+
+        let mut index = Index {
+            files: HashMap::new(),
+            by_path: HashMap::new(),
+            used: 0,
+            reserved: 0,
+            unverified: 0,
+            policy: Box::new(Lru::default()),
+        };
+        let mut records = Vec::new();
+        for (key, mut e) in files {
+            records.push(Record::file_added(&key, &e));
+            for (i, b) in e.blocks.iter_mut().enumerate() {
+                if let Some(b) = b {
+                    b.verified = clean;
+                    if !clean {
+                        index.unverified += 1;
+                    }
+                    index.used += b.len as u64;
+                    e.bytes += b.len as u64;
+                    records.push(Record::block_added(&key, e.generation, i, b));
+                }
+            }
+            index.policy.insert(key);
+            index.by_path.insert((e.root.clone(), e.path.clone()), key);
+            index.files.insert(key, e);
+        }
+        let journal = Journal::create(&journal_path, records)?;
+        tracing::info!(
+            dir = %dir.display(),
+            files = index.files.len(),
+            used = index.used,
+            capacity,
+            clean,
+            dropped,
+            "store opened"
+        );
+        Ok(Self {
+            dir,
+            data_dir,
+            index: Mutex::new(index),
+            journal,
+            capacity,
+            min_free,
+            block_size: cfg.block_size,
+            next_generation: AtomicU64::new((max_generation + 1).max(now_nanos())),
+            create: Mutex::new(()),
+            stats,
+            _lock: lock,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Index> {
+        self.index.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn data_path(&self, key: &Key, generation: u64) -> PathBuf {
+        data_path(&self.data_dir, key, generation)
+    }
+
+    /// Looks up (creating if needed) the entry for `stat` under `root`, checks its
+    /// unverified blocks, and returns what a client may read now with a descriptor.
+    /// An older version of the same path is retired.
+    pub fn view(&self, root: &str, stat: &Stat) -> Result<View, StoreError> {
+        let key = Key::of(root, &stat.path, &stat.version);
+        let mut evicted = Vec::new();
+        let to_verify = {
+            let mut idx = self.lock();
+            let pkey = (root.to_owned(), stat.path.clone());
+            if let Some(old) = idx.by_path.get(&pkey).copied() {
+                if old != key {
+                    idx.by_path.remove(&pkey);
+                    if let Some(e) = idx.files.get_mut(&old) {
+                        e.doomed = true;
+                        if e.filling == 0 {
+                            evicted.extend(evict_locked(&mut idx, &old));
+                        }
+                    }
+                }
+            }
+            if idx.files.contains_key(&key) {
+                idx.policy.touch(key);
+            } else {
+                let e = Entry {
+                    root: root.to_owned(),
+                    path: stat.path.clone(),
+                    version: stat.version,
+                    block_size: self.block_size,
+                    generation: self.next_generation.fetch_add(1, Ordering::Relaxed),
+                    blocks: vec![None; nblocks(stat.version.size, self.block_size)],
+                    durable: false,
+                    bytes: 0,
+                    filling: 0,
+                    doomed: false,
+                };
+                idx.files.insert(key, e);
+                idx.policy.insert(key);
+            }
+            idx.by_path.insert(pkey, key);
+            let e = &idx.files[&key];
+            let list: Vec<(usize, BlockMeta)> = e
+                .blocks
+                .iter()
+                .enumerate()
+                .filter_map(|(i, b)| b.filter(|b| !b.verified).map(|b| (i, b)))
+                .collect();
+            (e.generation, list)
+        };
+        self.finish_evictions(evicted);
+        if !to_verify.1.is_empty() {
+            self.verify_blocks(&key, to_verify.0, &to_verify.1);
+        }
+        // Open the data file before reading the bitmap: blocks are only ever added to a
+        // data file, so everything the bitmap says is present is in this descriptor.
+        for _ in 0..3 {
+            let (generation, durable) = match self.lock().files.get(&key) {
+                Some(e) => (e.generation, e.durable),
+                None => return Err(StoreError::Gone),
+            };
+            let data = if durable {
+                match File::open(self.data_path(&key, generation)) {
+                    Ok(f) => Some(f),
+                    Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                    Err(e) => return Err(e.into()),
+                }
+            } else {
+                None
+            };
+            let idx = self.lock();
+            let Some(e) = idx.files.get(&key) else { return Err(StoreError::Gone) };
+            if e.generation != generation {
+                continue;
+            }
+            let npresent = e.blocks.iter().filter(|b| b.is_some_and(|b| b.verified)).count();
+            return Ok(View {
+                key,
+                block_size: e.block_size,
+                present: e.bitmap(),
+                nblocks: e.blocks.len(),
+                npresent,
+                data_gen: if data.is_some() { generation } else { 0 },
+                data: if npresent > 0 { data } else { None },
+            });
+        }
+        Err(StoreError::Gone)
+    }
+
+    /// True when block `i` of `key` is present and verified.
+    pub fn is_present(&self, key: &Key, i: usize) -> bool {
+        self.lock().files.get(key).and_then(|e| e.blocks.get(i).copied().flatten()).is_some_and(|b| b.verified)
+    }
+
+    /// Reserves space for block `i` of `key` (evicting if needed). `Ok(None)` when the
+    /// block is already present.
+    pub fn begin_fill(&self, key: &Key, i: usize) -> Result<Option<Permit>, StoreError> {
+        let mut evicted = Vec::new();
+        let result = (|| {
+            let mut idx = self.lock();
+            let e = idx.files.get(key).ok_or(StoreError::Gone)?;
+            if e.doomed {
+                return Err(StoreError::Gone);
+            }
+            match e.blocks.get(i) {
+                None => return Err(StoreError::Gone),
+                Some(Some(_)) => return Ok(None),
+                Some(None) => {}
+            }
+            let len = e.block_len(i);
+            let offset = i as u64 * e.block_size as u64;
+            let mut freed = 0u64;
+            loop {
+                let over_cap = idx.used + idx.reserved + len as u64 > self.capacity;
+                let (_, fs_free) = fs_stats(&self.dir)?;
+                let short = (self.min_free + idx.reserved + len as u64).saturating_sub(fs_free + freed);
+                if !over_cap && short == 0 {
+                    break;
+                }
+                let Index { files, policy, .. } = &mut *idx;
+                let victim = policy.victim(&|k| k != key && files.get(k).is_some_and(|e| e.filling == 0));
+                let Some(victim) = victim else {
+                    inc(&self.stats.fills_no_space);
+                    return Err(StoreError::NoSpace);
+                };
+                if let Some(ev) = evict_locked(&mut idx, &victim) {
+                    freed += ev.bytes;
+                    evicted.push(ev);
+                }
+            }
+            idx.reserved += len as u64;
+            idx.files.get_mut(key).expect("checked above").filling += 1;
+            Ok(Some(Permit { key: *key, index: i, len, offset }))
+        })();
+        self.finish_evictions(evicted);
+        result
+    }
+
+    /// Makes the data file of `key` exist durably; returns its generation.
+    fn ensure_durable(&self, key: &Key) -> Result<u64, StoreError> {
+        let _g = self.create.lock().unwrap_or_else(|e| e.into_inner());
+        let rec = {
+            let idx = self.lock();
+            let e = idx.files.get(key).ok_or(StoreError::Gone)?;
+            if e.durable {
+                return Ok(e.generation);
+            }
+            (e.generation, e.version.size, Record::file_added(key, e))
+        };
+        let (generation, size, rec) = rec;
+        let path = self.data_path(key, generation);
+        let f = OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&path)?;
+        f.set_len(size)?;
+        f.sync_all()?;
+        journal::sync_dir(path.parent().expect("data files live in a subdirectory"))?;
+        self.journal.append(&rec)?;
+        let mut idx = self.lock();
+        let e = idx.files.get_mut(key).ok_or(StoreError::Gone)?;
+        e.durable = true;
+        Ok(generation)
+    }
+
+    /// Writes a filled block durably and makes it visible. `data` must be exactly the
+    /// block's bytes.
+    pub fn commit_fill(&self, permit: Permit, data: &[u8]) -> Result<(), StoreError> {
+        debug_assert_eq!(data.len(), permit.len as usize);
+        let r = self.write_block(&permit, data);
+        let mut idx = self.lock();
+        idx.reserved -= permit.len as u64;
+        let mut evicted = Vec::new();
+        if let Some(e) = idx.files.get_mut(&permit.key) {
+            e.filling -= 1;
+            if let Ok(meta) = r {
+                e.blocks[permit.index] = Some(meta);
+                e.bytes += permit.len as u64;
+                idx.used += permit.len as u64;
+            }
+            let e = &idx.files[&permit.key];
+            if e.doomed && e.filling == 0 {
+                evicted.extend(evict_locked(&mut idx, &permit.key));
+            }
+        }
+        drop(idx);
+        self.finish_evictions(evicted);
+        r.map(|_| ())
+    }
+
+    fn write_block(&self, permit: &Permit, data: &[u8]) -> Result<BlockMeta, StoreError> {
+        let generation = self.ensure_durable(&permit.key)?;
+        let f = OpenOptions::new().write(true).open(self.data_path(&permit.key, generation))?;
+        f.write_all_at(data, permit.offset)?;
+        f.sync_data()?;
+        let meta = BlockMeta { len: permit.len, xxh3: xxh3_64(data), verified: true };
+        self.journal.append(&Record::block_added(&permit.key, generation, permit.index, &meta))?;
+        Ok(meta)
+    }
+
+    /// Gives back a permit whose fill failed.
+    pub fn abort_fill(&self, permit: Permit) {
+        let mut idx = self.lock();
+        idx.reserved -= permit.len as u64;
+        let mut evicted = Vec::new();
+        if let Some(e) = idx.files.get_mut(&permit.key) {
+            e.filling -= 1;
+            if e.doomed && e.filling == 0 {
+                evicted.extend(evict_locked(&mut idx, &permit.key));
+            }
+        }
+        drop(idx);
+        self.finish_evictions(evicted);
+    }
+
+    fn finish_evictions(&self, evicted: Vec<Evicted>) {
+        for ev in evicted {
+            let rec = Record::file_removed(&ev.key, ev.generation);
+            if let Err(e) = self.journal.append(&rec) {
+                tracing::warn!(error = %e, "journal append failed during eviction");
+            }
+            match std::fs::remove_file(self.data_path(&ev.key, ev.generation)) {
+                Ok(()) => {}
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) => tracing::warn!(error = %e, key = ?ev.key, "could not remove evicted data file"),
+            }
+            inc(&self.stats.evicted_files);
+            add(&self.stats.evicted_bytes, ev.bytes);
+        }
+    }
+
+    /// Checks `blocks` of `key` (generation `generation`) against their checksums; drops the
+    /// corrupt ones.
+    fn verify_blocks(&self, key: &Key, generation: u64, blocks: &[(usize, BlockMeta)]) -> VerifyReport {
+        let mut report = VerifyReport::default();
+        let Some(bs) = self.lock().files.get(key).map(|e| e.block_size) else { return report };
+        let file = File::open(self.data_path(key, generation));
+        let mut buf = vec![0u8; bs as usize];
+        let mut results = Vec::with_capacity(blocks.len());
+        for &(i, meta) in blocks {
+            let b = &mut buf[..meta.len as usize];
+            let ok = match &file {
+                Ok(f) => f.read_exact_at(b, i as u64 * bs as u64).is_ok() && xxh3_64(b) == meta.xxh3,
+                Err(_) => false,
+            };
+            report.checked += 1;
+            results.push((i, meta, ok));
+        }
+        let mut removed = Vec::new();
+        {
+            let mut idx = self.lock();
+            let idx = &mut *idx;
+            let Some(e) = idx.files.get_mut(key) else { return report };
+            if e.generation != generation {
+                return report;
+            }
+            for (i, meta, ok) in results {
+                let Some(cur) = e.blocks[i] else { continue };
+                if cur.len != meta.len || cur.xxh3 != meta.xxh3 {
+                    continue;
+                }
+                if !cur.verified {
+                    idx.unverified -= 1;
+                }
+                if ok {
+                    e.blocks[i] = Some(BlockMeta { verified: true, ..cur });
+                } else {
+                    e.blocks[i] = None;
+                    e.bytes -= cur.len as u64;
+                    idx.used -= cur.len as u64;
+                    removed.push(i);
+                }
+            }
+        }
+        add(&self.stats.blocks_verified, report.checked);
+        for i in removed {
+            report.corrupt += 1;
+            inc(&self.stats.corrupt_blocks);
+            tracing::warn!(key = ?key, block = i, "cached block failed its checksum; dropped, will be refetched");
+            if let Err(e) = self.journal.append(&Record::block_removed(key, generation, i)) {
+                tracing::warn!(error = %e, "journal append failed while dropping a corrupt block");
+            }
+        }
+        report
+    }
+
+    /// Re-checks the checksum of every present block.
+    pub fn verify_all(&self) -> VerifyReport {
+        let entries: Vec<(Key, u64, bool, Vec<(usize, BlockMeta)>)> = self
+            .lock()
+            .files
+            .iter()
+            .map(|(k, e)| {
+                let blocks = e.blocks.iter().enumerate().filter_map(|(i, b)| b.map(|b| (i, b))).collect();
+                (*k, e.generation, e.durable, blocks)
+            })
+            .collect();
+        let mut total = VerifyReport::default();
+        for (key, generation, durable, blocks) in entries {
+            if blocks.is_empty() {
+                continue;
+            }
+            if durable && !self.data_path(&key, generation).exists() {
+                total.missing_files += 1;
+            }
+            let r = self.verify_blocks(&key, generation, &blocks);
+            total.checked += r.checked;
+            total.corrupt += r.corrupt;
+        }
+        total
+    }
+
+    /// Space and contents.
+    pub fn status(&self) -> StoreStatus {
+        let fs_free = fs_stats(&self.dir).map(|(_, f)| f).unwrap_or(0);
+        let idx = self.lock();
+        let mut s = StoreStatus {
+            capacity: self.capacity,
+            used: idx.used,
+            fs_free,
+            min_free: self.min_free,
+            unverified: idx.unverified,
+            ..Default::default()
+        };
+        for e in idx.files.values() {
+            let n = e.blocks.iter().filter(|b| b.is_some()).count() as u64;
+            if n > 0 {
+                s.files += 1;
+                s.blocks += n;
+            }
+        }
+        s
+    }
+
+    /// The store's directory (`<cache_dir>/shardcache-v1`).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Default block size of new entries.
+    pub fn block_size(&self) -> u32 {
+        self.block_size
+    }
+
+    /// Flushes the journal and marks the shutdown clean. Call once, after every fill
+    /// has finished.
+    pub fn close(&self) -> io::Result<()> {
+        self.journal.close();
+        let marker = self.dir.join("CLEAN");
+        File::create(&marker)?.sync_all()?;
+        journal::sync_dir(&self.dir)
+    }
+}
+
+fn data_path(data_dir: &Path, key: &Key, generation: u64) -> PathBuf {
+    let hex = key.hex();
+    data_dir.join(&hex[..2]).join(format!("{hex}.{generation}"))
+}
+
+fn evict_locked(idx: &mut Index, key: &Key) -> Option<Evicted> {
+    let e = idx.files.remove(key)?;
+    idx.policy.remove(key);
+    let pkey = (e.root.clone(), e.path.clone());
+    if idx.by_path.get(&pkey) == Some(key) {
+        idx.by_path.remove(&pkey);
+    }
+    idx.used -= e.bytes;
+    idx.unverified -= e.blocks.iter().filter(|b| b.is_some_and(|b| !b.verified)).count() as u64;
+    Some(Evicted { key: *key, generation: e.generation, bytes: e.bytes })
+}
+
+fn remove_orphans(data_dir: &Path, files: &HashMap<Key, Entry>) {
+    let keep: std::collections::HashSet<String> =
+        files.iter().map(|(k, e)| format!("{}.{}", k.hex(), e.generation)).collect();
+    let Ok(subdirs) = std::fs::read_dir(data_dir) else { return };
+    for sub in subdirs.flatten() {
+        let Ok(ents) = std::fs::read_dir(sub.path()) else { continue };
+        for ent in ents.flatten() {
+            let name = ent.file_name();
+            if !keep.contains(name.to_string_lossy().as_ref()) {
+                tracing::debug!(file = %ent.path().display(), "removing orphaned data file");
+                let _ = std::fs::remove_file(ent.path());
+            }
+        }
+    }
+}
+
+/// Applies one replayed journal record.
+fn apply(files: &mut HashMap<Key, Entry>, r: jpb::Record) {
+    match r.kind {
+        Some(Kind::FileAdded(f)) => {
+            let (Some(key), Some(v)) = (Key::from_slice(&f.key), f.version) else { return };
+            if f.block_size == 0 {
+                return;
+            }
+            let version = Version { size: v.size, mtime_ns: v.mtime_ns, ctime_ns: v.ctime_ns, ino: v.ino, dev: v.dev };
+            files.insert(
+                key,
+                Entry {
+                    root: f.root,
+                    path: f.path,
+                    version,
+                    block_size: f.block_size,
+                    generation: f.generation,
+                    blocks: vec![None; nblocks(version.size, f.block_size)],
+                    durable: true,
+                    bytes: 0,
+                    filling: 0,
+                    doomed: false,
+                },
+            );
+        }
+        Some(Kind::BlockAdded(b)) => {
+            let Some(key) = Key::from_slice(&b.key) else { return };
+            if let Some(e) = files.get_mut(&key).filter(|e| e.generation == b.generation) {
+                let i = b.index as usize;
+                if i < e.blocks.len() && e.block_len(i) == b.len {
+                    e.blocks[i] = Some(BlockMeta { len: b.len, xxh3: b.xxh3, verified: false });
+                }
+            }
+        }
+        Some(Kind::BlockRemoved(b)) => {
+            let Some(key) = Key::from_slice(&b.key) else { return };
+            if let Some(e) = files.get_mut(&key).filter(|e| e.generation == b.generation) {
+                if let Some(slot) = e.blocks.get_mut(b.index as usize) {
+                    *slot = None;
+                }
+            }
+        }
+        Some(Kind::FileRemoved(f)) => {
+            let Some(key) = Key::from_slice(&f.key) else { return };
+            if files.get(&key).is_some_and(|e| e.generation == f.generation) {
+                files.remove(&key);
+            }
+        }
+        None => {}
+    }
+}
+
+/// Constructors of journal records.
+struct Record;
+
+impl Record {
+    fn file_added(key: &Key, e: &Entry) -> jpb::Record {
+        let v = e.version;
+        jpb::Record {
+            kind: Some(Kind::FileAdded(jpb::FileAdded {
+                key: key.0.to_vec(),
+                root: e.root.clone(),
+                path: e.path.clone(),
+                version: Some(jpb::Version {
+                    size: v.size,
+                    mtime_ns: v.mtime_ns,
+                    ctime_ns: v.ctime_ns,
+                    ino: v.ino,
+                    dev: v.dev,
+                }),
+                block_size: e.block_size,
+                generation: e.generation,
+            })),
+        }
+    }
+
+    fn block_added(key: &Key, generation: u64, i: usize, b: &BlockMeta) -> jpb::Record {
+        jpb::Record {
+            kind: Some(Kind::BlockAdded(jpb::BlockAdded {
+                key: key.0.to_vec(),
+                index: i as u64,
+                len: b.len,
+                xxh3: b.xxh3,
+                generation,
+            })),
+        }
+    }
+
+    fn block_removed(key: &Key, generation: u64, i: usize) -> jpb::Record {
+        jpb::Record { kind: Some(Kind::BlockRemoved(jpb::BlockRemoved { key: key.0.to_vec(), index: i as u64, generation })) }
+    }
+
+    fn file_removed(key: &Key, generation: u64) -> jpb::Record {
+        jpb::Record { kind: Some(Kind::FileRemoved(jpb::FileRemoved { key: key.0.to_vec(), generation })) }
+    }
+}
+
+#[cfg(test)]
+mod tests;
