@@ -11,6 +11,9 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("cargo:rerun-if-changed={}", f.display());
     }
     let fds = protox::compile(&files, [&root])?;
-    prost_build::Config::new().compile_fds(fds)?;
+    prost_build::Config::new()
+        // Status and verify replies are printed as JSON by the CLI.
+        .type_attribute(".shardcache.local.v1", "#[derive(serde::Serialize)]")
+        .compile_fds(fds)?;
     Ok(())
 }

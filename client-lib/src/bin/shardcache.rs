@@ -1,1 +1,189 @@
-fn main(){}
+//! `shardcache`: the operator's and the test suite's view of the local daemon.
+
+use std::io::{self, Read, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use clap::{Parser, Subcommand};
+use shardcache_client::proto as pb;
+use shardcache_client::{Client, ClientConfig};
+
+/// Talk to the local shardcached.
+#[derive(Debug, Parser)]
+#[command(name = "shardcache", version)]
+struct Cli {
+    /// The daemon's socket.
+    #[arg(long, global = true, env = "SHARDCACHE_SOCKET", default_value = shardcache_client::DEFAULT_SOCKET)]
+    socket: PathBuf,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Capacity, contents, and hits and misses by source.
+    Status {
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print files to standard output, reading them through the cache.
+    Cat {
+        /// Files (absolute, or relative to the current directory).
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+        /// Print where each file's bytes came from to standard error.
+        #[arg(long)]
+        stats: bool,
+    },
+    /// Re-check every cached block's checksum; corrupt blocks are dropped and refetched
+    /// when next needed.
+    Verify {
+        /// Give up after this many seconds.
+        #[arg(long, default_value_t = 3600)]
+        timeout: u64,
+    },
+}
+
+fn human(b: u64) -> String {
+    const U: [&str; 6] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < U.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 { format!("{b} B") } else { format!("{v:.1} {}", U[i]) }
+}
+
+fn print_status(s: &pb::StatusReply) {
+    let c = s.counters.clone().unwrap_or_default();
+    let pct = if s.capacity_bytes > 0 { 100.0 * s.used_bytes as f64 / s.capacity_bytes as f64 } else { 0.0 };
+    let reads = c.hit_reads + c.filled_reads + c.fallback_reads;
+    let bytes = c.hit_bytes + c.filled_bytes + c.fallback_bytes;
+    let ratio = |n: u64, d: u64| if d > 0 { format!("{:.1}%", 100.0 * n as f64 / d as f64) } else { "-".into() };
+    println!("shardcached {}   up {}s", s.daemon_version, s.uptime_seconds);
+    println!("{:<12}{}", "cache dir", s.cache_dir);
+    println!("{:<12}{}", "roots", s.backing_roots.join(", "));
+    println!(
+        "{:<12}{} of {} ({pct:.1}%), file system free {} (floor {})",
+        "capacity",
+        human(s.used_bytes),
+        human(s.capacity_bytes),
+        human(s.fs_free_bytes),
+        human(s.min_free_bytes)
+    );
+    println!(
+        "{:<12}{} files, {} blocks of {}, {} unverified",
+        "contents",
+        s.files,
+        s.blocks,
+        human(s.block_size as u64),
+        s.unverified_blocks
+    );
+    println!();
+    println!("{:<12}{:>14}{:>14}{:>10}", "source", "bytes", "reads", "bytes %");
+    for (name, b, r) in [
+        ("local hit", c.hit_bytes, c.hit_reads),
+        ("local fill", c.filled_bytes, c.filled_reads),
+        ("backing", c.fallback_bytes, c.fallback_reads),
+    ] {
+        println!("{name:<12}{:>14}{r:>14}{:>10}", human(b), ratio(b, bytes));
+    }
+    println!("{:<12}{:>14}{reads:>14}", "total", human(bytes));
+    println!();
+    println!(
+        "{:<12}{} (complete {}, partial {}, empty {}); direct opens by clients {}",
+        "opens", c.opens, c.opens_full, c.opens_partial, c.opens_empty, c.fallback_opens
+    );
+    println!(
+        "{:<12}denied {}, bad path {}, not found {}, other {}",
+        "refused", c.refused_denied, c.refused_path, c.refused_not_found, c.refused_other
+    );
+    println!(
+        "{:<12}{} reads, {}, {} metadata lookups",
+        "backing",
+        c.backing_reads,
+        human(c.backing_bytes),
+        c.backing_stats
+    );
+    println!(
+        "{:<12}{} blocks, {} errors, {} no space, {} shed; {} waits ({} timed out)",
+        "fills", c.blocks_filled, c.fill_errors, c.fills_no_space, c.queue_shed, c.waits, c.wait_timeouts
+    );
+    println!(
+        "{:<12}{} verified, {} corrupt; evicted {} files ({})",
+        "integrity",
+        c.blocks_verified,
+        c.corrupt_blocks,
+        c.evicted_files,
+        human(c.evicted_bytes)
+    );
+}
+
+fn unreachable_hint(socket: &std::path::Path, e: &io::Error) -> String {
+    format!(
+        "cannot reach shardcached at {}: {e}\n  is the daemon running? (systemctl status shardcached; or pass --socket / set SHARDCACHE_SOCKET)",
+        socket.display()
+    )
+}
+
+fn run(cli: Cli) -> Result<(), String> {
+    let client = Client::with_config(ClientConfig { socket: cli.socket.clone(), ..ClientConfig::default() });
+    match cli.cmd {
+        Cmd::Status { json } => {
+            let s = client.status().map_err(|e| unreachable_hint(&cli.socket, &e))?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&s).map_err(|e| e.to_string())?);
+            } else {
+                print_status(&s);
+            }
+        }
+        Cmd::Cat { paths, stats } => {
+            let stdout = io::stdout();
+            let mut out = stdout.lock();
+            let mut buf = vec![0u8; 1 << 20];
+            for p in paths {
+                let mut r = client.open(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+                loop {
+                    let n = r.read(&mut buf).map_err(|e| format!("{}: {e}", p.display()))?;
+                    if n == 0 {
+                        break;
+                    }
+                    out.write_all(&buf[..n]).map_err(|e| format!("writing output: {e}"))?;
+                }
+                if stats {
+                    let s = r.stats();
+                    eprintln!(
+                        "{}: hit {} B, filled {} B, backing {} B{}",
+                        p.display(),
+                        s.hit_bytes,
+                        s.filled_bytes,
+                        s.fallback_bytes,
+                        r.fallback_reason().map(|w| format!(" ({w})")).unwrap_or_default()
+                    );
+                }
+            }
+            out.flush().map_err(|e| format!("writing output: {e}"))?;
+        }
+        Cmd::Verify { timeout } => {
+            let v = client.verify(Duration::from_secs(timeout)).map_err(|e| unreachable_hint(&cli.socket, &e))?;
+            println!(
+                "checked {} blocks: {} corrupt (dropped, refetched on next use), {} data files missing",
+                v.blocks_checked, v.corrupt_blocks, v.missing_files
+            );
+        }
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    match run(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("shardcache: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

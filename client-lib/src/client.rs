@@ -1,0 +1,311 @@
+//! Connections to the daemon: a pool, timeouts, a breaker, and read accounting.
+
+use std::io;
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use shardcache_proto::local::v1 as pb;
+use shardcache_proto::local::v1::{request, response};
+use shardcache_proto::wire::{self, FrameReader, WireError};
+
+use crate::reader::Reader;
+
+/// Where the daemon listens unless `SHARDCACHE_SOCKET` or the configuration says
+/// otherwise.
+pub const DEFAULT_SOCKET: &str = "/run/shardcache/shardcached.sock";
+
+/// How a [`Client`] talks to the daemon.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// The daemon's socket. Default: `$SHARDCACHE_SOCKET`, else [`DEFAULT_SOCKET`].
+    pub socket: PathBuf,
+    /// Longest wait for the daemon's answer to an open or a status request before the
+    /// client reads the backing store instead. Default 1 s (`$SHARDCACHE_TIMEOUT_MS`).
+    pub timeout: Duration,
+    /// Longest wait for the daemon to fetch a missing block. Default 10 s
+    /// (`$SHARDCACHE_WAIT_TIMEOUT_MS`).
+    pub wait_timeout: Duration,
+    /// After the daemon could not be reached or timed out, how long the client goes
+    /// straight to the backing store before trying it again. Default 2 s.
+    pub retry_after: Duration,
+    /// Most idle connections kept. Default 8.
+    pub pool: usize,
+}
+
+fn env_ms(name: &str) -> Option<Duration> {
+    std::env::var(name).ok()?.parse().ok().map(Duration::from_millis)
+}
+
+impl Default for ClientConfig {
+    fn default() -> Self {
+        Self {
+            socket: std::env::var_os("SHARDCACHE_SOCKET").map(PathBuf::from).unwrap_or_else(|| DEFAULT_SOCKET.into()),
+            timeout: env_ms("SHARDCACHE_TIMEOUT_MS").unwrap_or(Duration::from_secs(1)),
+            wait_timeout: env_ms("SHARDCACHE_WAIT_TIMEOUT_MS").unwrap_or(Duration::from_secs(10)),
+            retry_after: Duration::from_secs(2),
+            pool: 8,
+        }
+    }
+}
+
+/// Why the daemon could not answer.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum CallError {
+    #[error("daemon unavailable: {0}")]
+    Unavailable(String),
+    #[error("daemon timed out")]
+    Timeout,
+    #[error("daemon protocol error: {0}")]
+    Protocol(String),
+}
+
+impl From<CallError> for io::Error {
+    fn from(e: CallError) -> Self {
+        match e {
+            CallError::Unavailable(m) => io::Error::new(io::ErrorKind::ConnectionRefused, m),
+            CallError::Timeout => io::Error::new(io::ErrorKind::TimedOut, "shardcached did not answer in time"),
+            CallError::Protocol(m) => io::Error::new(io::ErrorKind::InvalidData, m),
+        }
+    }
+}
+
+struct Conn {
+    sock: UnixStream,
+    reader: FrameReader,
+}
+
+#[derive(Default)]
+pub(crate) struct Report {
+    pub hit_bytes: AtomicU64,
+    pub filled_bytes: AtomicU64,
+    pub fallback_bytes: AtomicU64,
+    pub hit_reads: AtomicU64,
+    pub filled_reads: AtomicU64,
+    pub fallback_reads: AtomicU64,
+    pub fallback_opens: AtomicU64,
+}
+
+impl Report {
+    fn take(&self) -> Option<pb::ReadReport> {
+        let r = pb::ReadReport {
+            hit_bytes: self.hit_bytes.swap(0, Ordering::Relaxed),
+            filled_bytes: self.filled_bytes.swap(0, Ordering::Relaxed),
+            fallback_bytes: self.fallback_bytes.swap(0, Ordering::Relaxed),
+            hit_reads: self.hit_reads.swap(0, Ordering::Relaxed),
+            filled_reads: self.filled_reads.swap(0, Ordering::Relaxed),
+            fallback_reads: self.fallback_reads.swap(0, Ordering::Relaxed),
+            fallback_opens: self.fallback_opens.swap(0, Ordering::Relaxed),
+        };
+        (r != pb::ReadReport::default()).then_some(r)
+    }
+
+    fn give_back(&self, r: &pb::ReadReport) {
+        self.hit_bytes.fetch_add(r.hit_bytes, Ordering::Relaxed);
+        self.filled_bytes.fetch_add(r.filled_bytes, Ordering::Relaxed);
+        self.fallback_bytes.fetch_add(r.fallback_bytes, Ordering::Relaxed);
+        self.hit_reads.fetch_add(r.hit_reads, Ordering::Relaxed);
+        self.filled_reads.fetch_add(r.filled_reads, Ordering::Relaxed);
+        self.fallback_reads.fetch_add(r.fallback_reads, Ordering::Relaxed);
+        self.fallback_opens.fetch_add(r.fallback_opens, Ordering::Relaxed);
+    }
+}
+
+pub(crate) struct Inner {
+    pub cfg: ClientConfig,
+    pool: Mutex<Vec<Conn>>,
+    next_id: AtomicU64,
+    down_until: Mutex<Option<Instant>>,
+    pub report: Report,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        // Deliver what is still unreported, if the daemon is there to take it.
+        if self.report.hit_reads.load(Ordering::Relaxed)
+            + self.report.filled_reads.load(Ordering::Relaxed)
+            + self.report.fallback_reads.load(Ordering::Relaxed)
+            + self.report.fallback_opens.load(Ordering::Relaxed)
+            > 0
+        {
+            let _ = self.call(request::Kind::Status(pb::StatusRequest {}), self.cfg.timeout);
+        }
+    }
+}
+
+/// A handle on the local daemon. Cheap to clone; safe to share between threads.
+///
+/// Creating one never fails: when the daemon is absent, every [`Client::open`] reads
+/// the backing store directly, and the client tries the daemon again later.
+#[derive(Clone)]
+pub struct Client {
+    pub(crate) inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Client").field("socket", &self.inner.cfg.socket).finish()
+    }
+}
+
+impl Client {
+    /// A client with the default configuration (environment variables honoured).
+    pub fn connect() -> Self {
+        Self::with_config(ClientConfig::default())
+    }
+
+    /// A client for the daemon at `socket`, other settings default.
+    pub fn at(socket: impl AsRef<Path>) -> Self {
+        Self::with_config(ClientConfig { socket: socket.as_ref().to_owned(), ..ClientConfig::default() })
+    }
+
+    /// A client with explicit settings.
+    pub fn with_config(cfg: ClientConfig) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                cfg,
+                pool: Mutex::new(Vec::new()),
+                next_id: AtomicU64::new(1),
+                down_until: Mutex::new(None),
+                report: Report::default(),
+            }),
+        }
+    }
+
+    /// The configuration in use.
+    pub fn config(&self) -> &ClientConfig {
+        &self.inner.cfg
+    }
+
+    /// Opens `path` for reading through the cache (or directly, see the crate docs).
+    /// Errors are the backing store's own (`NotFound`, `PermissionDenied`, ...).
+    pub fn open(&self, path: impl AsRef<Path>) -> io::Result<Reader> {
+        Reader::open(self.clone(), path.as_ref())
+    }
+
+    /// The daemon's status.
+    pub fn status(&self) -> io::Result<pb::StatusReply> {
+        match self.inner.call(request::Kind::Status(pb::StatusRequest {}), self.inner.cfg.timeout)? {
+            (response::Kind::Status(s), _) => Ok(s),
+            (other, _) => Err(unexpected(&other)),
+        }
+    }
+
+    /// Asks the daemon to re-check every cached block's checksum (may take long).
+    pub fn verify(&self, timeout: Duration) -> io::Result<pb::VerifyReply> {
+        match self.inner.call(request::Kind::Verify(pb::VerifyRequest {}), timeout)? {
+            (response::Kind::Verify(v), _) => Ok(v),
+            (other, _) => Err(unexpected(&other)),
+        }
+    }
+}
+
+pub(crate) fn unexpected(k: &response::Kind) -> io::Error {
+    let what = match k {
+        response::Kind::Error(e) => format!("daemon error: {}", e.message),
+        _ => "unexpected reply from shardcached".to_owned(),
+    };
+    io::Error::new(io::ErrorKind::InvalidData, what)
+}
+
+impl Inner {
+    fn is_down(&self) -> bool {
+        let mut d = self.down_until.lock().unwrap_or_else(|e| e.into_inner());
+        match *d {
+            Some(t) if Instant::now() < t => true,
+            Some(_) => {
+                *d = None;
+                false
+            }
+            None => false,
+        }
+    }
+
+    fn mark_down(&self) {
+        *self.down_until.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now() + self.cfg.retry_after);
+    }
+
+    /// A pooled connection (`true`) or a new one (`false`).
+    fn take_conn(&self, pooled: bool) -> Result<(Conn, bool), CallError> {
+        if pooled {
+            if let Some(c) = self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop() {
+                return Ok((c, true));
+            }
+        }
+        if self.is_down() {
+            return Err(CallError::Unavailable("shardcached recently unreachable".into()));
+        }
+        match UnixStream::connect(&self.cfg.socket) {
+            Ok(sock) => Ok((Conn { sock, reader: FrameReader::new() }, false)),
+            Err(e) => {
+                self.mark_down();
+                Err(CallError::Unavailable(format!("{}: {e}", self.cfg.socket.display())))
+            }
+        }
+    }
+
+    /// Sends one request and waits up to `timeout` for its reply. Cancel-safe in the
+    /// sense that matters here: a connection whose exchange did not complete is dropped,
+    /// never reused.
+    pub(crate) fn call(
+        &self,
+        kind: request::Kind,
+        timeout: Duration,
+    ) -> Result<(response::Kind, Vec<OwnedFd>), CallError> {
+        match self.call_once(kind.clone(), timeout, true) {
+            // A pooled connection may have been closed by a restarted daemon: every
+            // request is idempotent, so try once more on a fresh connection.
+            Err(CallError::Unavailable(_)) if !self.is_down() => {
+                self.call_once(kind, timeout, false)
+            }
+            r => r,
+        }
+    }
+
+    fn call_once(
+        &self,
+        kind: request::Kind,
+        timeout: Duration,
+        pooled: bool,
+    ) -> Result<(response::Kind, Vec<OwnedFd>), CallError> {
+        let (mut conn, was_pooled) = self.take_conn(pooled)?;
+        let report = self.report.take();
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let req = pb::Request { id, report: report.clone(), kind: Some(kind) };
+        let result = (|| {
+            conn.sock.set_write_timeout(Some(self.cfg.timeout))?;
+            conn.sock.set_read_timeout(Some(timeout.max(Duration::from_millis(1))))?;
+            wire::send(&conn.sock, &req, &[])?;
+            conn.reader.recv::<pb::Response>(&conn.sock)
+        })();
+        match result {
+            Ok((resp, fds)) if resp.id == id => {
+                let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
+                if pool.len() < self.cfg.pool {
+                    pool.push(conn);
+                }
+                drop(pool);
+                resp.kind.map(|k| (k, fds)).ok_or_else(|| CallError::Protocol("empty reply".into()))
+            }
+            Ok(_) => Err(CallError::Protocol("reply to another request".into())),
+            Err(e) => {
+                if let Some(r) = &report {
+                    self.report.give_back(r);
+                }
+                if e.is_timeout() {
+                    self.mark_down();
+                    Err(CallError::Timeout)
+                } else {
+                    // A stale pooled connection is not evidence that the daemon is down.
+                    if !was_pooled && matches!(e, WireError::Closed | WireError::Io(_)) {
+                        self.mark_down();
+                    }
+                    Err(CallError::Unavailable(e.to_string()))
+                }
+            }
+        }
+    }
+}

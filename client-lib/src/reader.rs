@@ -1,0 +1,505 @@
+//! A file opened through the cache: reads present blocks from the local copy, asks the
+//! daemon for missing ones, and reads the backing file whenever that fails.
+
+use std::fs::File;
+use std::io::{self, Read, Seek, SeekFrom};
+use std::os::fd::OwnedFd;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use shardcache_proto::local::v1 as pb;
+use shardcache_proto::local::v1::{open_reply, request, response, wait_reply};
+
+use crate::client::Client;
+
+/// Most blocks one wait asks for.
+const MAX_WAIT_BLOCKS: u64 = 64;
+
+/// Where a reader's bytes come from at the moment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Source {
+    /// The local cache (with the backing store for blocks the cache could not supply).
+    Cache,
+    /// The backing store only.
+    Backing,
+}
+
+/// Bytes and reads of one reader, by where they came from.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct ReaderStats {
+    /// Read from blocks that were local when asked for.
+    pub hit_bytes: u64,
+    /// Read locally after waiting for the daemon to fetch them.
+    pub filled_bytes: u64,
+    /// Read from the backing store by this process.
+    pub fallback_bytes: u64,
+    /// Read calls served by each source.
+    pub hit_reads: u64,
+    /// See `hit_reads`.
+    pub filled_reads: u64,
+    /// See `hit_reads`.
+    pub fallback_reads: u64,
+}
+
+struct Cached {
+    data: Option<Arc<File>>,
+    data_gen: u64,
+    version: pb::Version,
+    block_size: u64,
+    nblocks: u64,
+    present: Vec<u8>,
+    backing: Option<Arc<File>>,
+    /// Bytes were already served from the cache: the backing file may no longer be
+    /// swapped for a newer version under this reader.
+    served: bool,
+}
+
+impl Cached {
+    fn has(&self, b: u64) -> bool {
+        self.present.get((b / 8) as usize).is_some_and(|x| x & (1 << (b % 8)) != 0)
+    }
+
+    fn all_present(&self) -> bool {
+        (0..self.nblocks).all(|b| self.has(b))
+    }
+}
+
+enum State {
+    Cached(Cached),
+    Direct(Arc<File>),
+}
+
+/// A file opened through [`Client::open`]. `Read + Seek`, and [`Reader::read_at`] for
+/// positioned reads from several threads.
+pub struct Reader {
+    client: Client,
+    path: PathBuf,
+    pos: u64,
+    size: Mutex<u64>,
+    state: Mutex<State>,
+    stats: Mutex<ReaderStats>,
+    fallback_reason: Mutex<Option<String>>,
+}
+
+impl std::fmt::Debug for Reader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reader").field("path", &self.path).field("source", &self.source()).finish()
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn version_of(f: &File) -> io::Result<pb::Version> {
+    let st = rustix::fs::fstat(f)?;
+    Ok(pb::Version {
+        size: st.st_size as u64,
+        mtime_ns: st.st_mtime * 1_000_000_000 + st.st_mtime_nsec as i64,
+        ctime_ns: st.st_ctime * 1_000_000_000 + st.st_ctime_nsec as i64,
+        ino: st.st_ino,
+        dev: st.st_dev,
+    })
+}
+
+fn stale(path: &Path) -> io::Error {
+    io::Error::new(
+        io::Error::from(rustix::io::Errno::STALE).kind(),
+        format!(
+            "{}: changed on the backing store while being read through the cache (ESTALE); reopen it",
+            path.display()
+        ),
+    )
+}
+
+/// Reads until `buf` is full or end of file.
+fn pread_full(f: &File, buf: &mut [u8], off: u64) -> io::Result<usize> {
+    let mut done = 0;
+    while done < buf.len() {
+        match f.read_at(&mut buf[done..], off + done as u64) {
+            Ok(0) => break,
+            Ok(n) => done += n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(done)
+}
+
+impl Reader {
+    pub(crate) fn open(client: Client, path: &Path) -> io::Result<Self> {
+        let path = std::path::absolute(path)?;
+        let mut reason = None;
+        let state = match path.to_str() {
+            None => {
+                reason = Some("path is not UTF-8".to_owned());
+                None
+            }
+            Some(p) => {
+                let req = request::Kind::Open(pb::OpenRequest { path: p.to_owned() });
+                match client.inner.call(req, client.inner.cfg.timeout) {
+                    Ok((response::Kind::Open(pb::OpenReply { result: Some(r) }), fds)) => match r {
+                        open_reply::Result::Opened(o) => match cached(o, fds) {
+                            Ok(c) => Some(c),
+                            Err(e) => {
+                                reason = Some(e);
+                                None
+                            }
+                        },
+                        open_reply::Result::Refused(r) => {
+                            reason = Some(format!("refused: {}", r.message));
+                            None
+                        }
+                    },
+                    Ok(_) => {
+                        reason = Some("unexpected reply".into());
+                        None
+                    }
+                    Err(e) => {
+                        reason = Some(e.to_string());
+                        None
+                    }
+                }
+            }
+        };
+        let (state, size) = match state {
+            Some(c) => {
+                let size = c.version().map_or(0, |v| v.size);
+                (State::Cached(c.into_cached()), size)
+            }
+            None => {
+                let f = File::open(&path)?;
+                let size = f.metadata()?.len();
+                client.inner.report.fallback_opens.fetch_add(1, Ordering::Relaxed);
+                (State::Direct(Arc::new(f)), size)
+            }
+        };
+        Ok(Self {
+            client,
+            path,
+            pos: 0,
+            size: Mutex::new(size),
+            state: Mutex::new(state),
+            stats: Mutex::new(ReaderStats::default()),
+            fallback_reason: Mutex::new(reason),
+        })
+    }
+
+    /// The file's size (of the version being read).
+    pub fn len(&self) -> u64 {
+        *lock(&self.size)
+    }
+
+    /// True for an empty file.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The absolute path opened.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Where reads go now.
+    pub fn source(&self) -> Source {
+        match &*lock(&self.state) {
+            State::Cached(_) => Source::Cache,
+            State::Direct(_) => Source::Backing,
+        }
+    }
+
+    /// Why the cache was bypassed, when it was.
+    pub fn fallback_reason(&self) -> Option<String> {
+        lock(&self.fallback_reason).clone()
+    }
+
+    /// Bytes and reads so far, by source.
+    pub fn stats(&self) -> ReaderStats {
+        *lock(&self.stats)
+    }
+
+    fn count(&self, kind: Kind, n: usize) {
+        let n = n as u64;
+        let r = &self.client.inner.report;
+        let mut guard = lock(&self.stats);
+        let s = &mut *guard;
+        let (bytes, reads, rb, rr) = match kind {
+            Kind::Hit => (&mut s.hit_bytes, &mut s.hit_reads, &r.hit_bytes, &r.hit_reads),
+            Kind::Filled => (&mut s.filled_bytes, &mut s.filled_reads, &r.filled_bytes, &r.filled_reads),
+            Kind::Fallback => (&mut s.fallback_bytes, &mut s.fallback_reads, &r.fallback_bytes, &r.fallback_reads),
+        };
+        *bytes += n;
+        *reads += 1;
+        rb.fetch_add(n, Ordering::Relaxed);
+        rr.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn note(&self, reason: String) {
+        *lock(&self.fallback_reason) = Some(reason);
+    }
+
+    /// Reads up to `buf.len()` bytes at `offset` (0 at end of file). Never fails because
+    /// of the cache: only the backing store's own errors are returned (and `ESTALE` if
+    /// the file changed on the backing store after bytes were already served from the
+    /// cache).
+    pub fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let size = self.len();
+        if buf.is_empty() || offset >= size {
+            return Ok(0);
+        }
+        let want = buf.len().min((size - offset) as usize);
+        let buf = &mut buf[..want];
+        let mut waited = false;
+        // At most: one local read, one wait, one local read after the wait, fallback.
+        for _ in 0..3 {
+            let mut st = lock(&self.state);
+            let c = match &mut *st {
+                State::Direct(f) => {
+                    let f = f.clone();
+                    drop(st);
+                    let n = pread_full(&f, buf, offset)?;
+                    self.count(Kind::Fallback, n);
+                    return Ok(n);
+                }
+                State::Cached(c) => c,
+            };
+            let bs = c.block_size;
+            let first = offset / bs;
+            if c.has(first) {
+                let mut end = first + 1;
+                while end < c.nblocks && c.has(end) && end * bs < offset + want as u64 {
+                    end += 1;
+                }
+                let n = ((end * bs).min(size) - offset).min(want as u64) as usize;
+                let Some(data) = c.data.clone() else { break };
+                c.served = true;
+                drop(st);
+                match data.read_exact_at(&mut buf[..n], offset) {
+                    Ok(()) => {
+                        self.count(if waited { Kind::Filled } else { Kind::Hit }, n);
+                        return Ok(n);
+                    }
+                    Err(e) => {
+                        self.note(format!("local read failed: {e}"));
+                        break;
+                    }
+                }
+            }
+            if waited {
+                break;
+            }
+            // Ask for the missing run this read covers (at least one block).
+            let last = (offset + want as u64 - 1) / bs;
+            let mut count = 1;
+            while first + count <= last && count < MAX_WAIT_BLOCKS && !c.has(first + count) {
+                count += 1;
+            }
+            let req = pb::WaitRequest {
+                path: self.path.to_str().unwrap_or_default().to_owned(),
+                version: Some(c.version),
+                first_block: first,
+                count: count as u32,
+                have_data_gen: c.data_gen,
+                timeout_ms: self.client.inner.cfg.wait_timeout.as_millis().min(u32::MAX as u128) as u32,
+            };
+            drop(st);
+            let timeout = self.client.inner.cfg.wait_timeout + self.client.inner.cfg.timeout;
+            match self.client.inner.call(request::Kind::Wait(req), timeout) {
+                Ok((response::Kind::Wait(pb::WaitReply { result: Some(wait_reply::Result::Waited(w)) }), fds)) => {
+                    let mut st = lock(&self.state);
+                    if let State::Cached(c) = &mut *st {
+                        if w.data_gen != c.data_gen {
+                            match fds.into_iter().next() {
+                                Some(fd) => {
+                                    c.data = Some(Arc::new(File::from(fd)));
+                                    c.data_gen = w.data_gen;
+                                }
+                                None => {
+                                    drop(st);
+                                    self.note("daemon replaced the data file without a descriptor".into());
+                                    break;
+                                }
+                            }
+                        }
+                        c.present = w.present;
+                    }
+                    waited = true;
+                }
+                Ok((response::Kind::Wait(pb::WaitReply { result: Some(wait_reply::Result::Refused(r)) }), _)) => {
+                    self.note(format!("wait refused: {}", r.message));
+                    break;
+                }
+                Ok(_) => {
+                    self.note("unexpected reply to wait".into());
+                    break;
+                }
+                Err(e) => {
+                    self.note(e.to_string());
+                    break;
+                }
+            }
+        }
+        self.read_backing(buf, offset)
+    }
+
+    /// Serves `buf` at `offset` from the backing file, keeping to the version the
+    /// reader was opened with.
+    fn read_backing(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let f = {
+            let mut st = lock(&self.state);
+            match &mut *st {
+                State::Direct(f) => f.clone(),
+                State::Cached(c) => match &c.backing {
+                    Some(f) => f.clone(),
+                    None => {
+                        let f = File::open(&self.path)?;
+                        let v = version_of(&f)?;
+                        if v == c.version {
+                            let f = Arc::new(f);
+                            c.backing = Some(f.clone());
+                            f
+                        } else if !c.served {
+                            // Nothing was served from the cache yet: read the new version
+                            // from the backing store from now on.
+                            *lock(&self.size) = v.size;
+                            let f = Arc::new(f);
+                            *st = State::Direct(f.clone());
+                            drop(st);
+                            if offset >= v.size {
+                                return Ok(0);
+                            }
+                            let want = buf.len().min((v.size - offset) as usize);
+                            let n = pread_full(&f, &mut buf[..want], offset)?;
+                            self.count(Kind::Fallback, n);
+                            return Ok(n);
+                        } else {
+                            return Err(stale(&self.path));
+                        }
+                    }
+                },
+            }
+        };
+        let n = pread_full(&f, buf, offset)?;
+        self.count(Kind::Fallback, n);
+        Ok(n)
+    }
+
+    /// Maps the whole file read-only: the local copy once every block is present
+    /// (waiting for the daemon to fetch the rest), else the backing file.
+    ///
+    /// # Safety
+    /// As with any file mapping, the mapped file must not be modified while mapped.
+    /// The cached copy never is (blocks are written once, into holes; eviction unlinks);
+    /// when the backing file is mapped instead, that is the caller's guarantee to give.
+    pub unsafe fn mmap(&self) -> io::Result<memmap2::Mmap> {
+        let mut next = 0;
+        loop {
+            let (file, missing) = {
+                let st = lock(&self.state);
+                match &*st {
+                    State::Direct(f) => (Some(f.clone()), None),
+                    State::Cached(c) if c.all_present() => (c.data.clone(), None),
+                    State::Cached(c) => (None, (next..c.nblocks).find(|b| !c.has(*b))),
+                }
+            };
+            if let Some(f) = file {
+                // SAFETY: see the function's contract; the cached copy is immutable.
+                return unsafe { memmap2::Mmap::map(&*f) };
+            }
+            let Some(b) = missing else { break };
+            let bs = match &*lock(&self.state) {
+                State::Cached(c) => c.block_size,
+                State::Direct(_) => continue,
+            };
+            // Touch the first missing block: read_at waits for it (and its run).
+            let mut one = [0u8; 1];
+            self.read_at(&mut one, b * bs)?;
+            if !matches!(&*lock(&self.state), State::Cached(c) if c.has(b)) {
+                break;
+            }
+            next = b + 1;
+        }
+        let f = File::open(&self.path)?;
+        let v = version_of(&f)?;
+        if let State::Cached(c) = &*lock(&self.state) {
+            if v != c.version {
+                return Err(stale(&self.path));
+            }
+        }
+        // SAFETY: see the function's contract.
+        unsafe { memmap2::Mmap::map(&f) }
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Kind {
+    Hit,
+    Filled,
+    Fallback,
+}
+
+struct Opened {
+    reply: pb::Opened,
+    data: Option<File>,
+}
+
+fn cached(o: pb::Opened, fds: Vec<OwnedFd>) -> Result<Opened, String> {
+    let data = fds.into_iter().next().map(File::from);
+    if o.data_gen != 0 && data.is_none() {
+        return Err("daemon reply lacks the data descriptor".into());
+    }
+    if o.version.is_none() || o.block_size == 0 {
+        return Err("daemon reply lacks the version".into());
+    }
+    Ok(Opened { reply: o, data })
+}
+
+impl Opened {
+    fn into_cached(self) -> Cached {
+        let v = self.reply.version.unwrap_or_default();
+        let bs = self.reply.block_size as u64;
+        Cached {
+            data: self.data.map(Arc::new),
+            data_gen: self.reply.data_gen,
+            version: v,
+            block_size: bs,
+            nblocks: v.size.div_ceil(bs),
+            present: self.reply.present,
+            backing: None,
+            served: false,
+        }
+    }
+}
+
+impl Opened {
+    fn version(&self) -> Option<&pb::Version> {
+        self.reply.version.as_ref()
+    }
+}
+
+impl Read for Reader {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.read_at(buf, self.pos)?;
+        self.pos += n as u64;
+        Ok(n)
+    }
+}
+
+impl Seek for Reader {
+    fn seek(&mut self, pos: SeekFrom) -> io::Result<u64> {
+        let new = match pos {
+            SeekFrom::Start(p) => Some(p),
+            SeekFrom::End(d) => self.len().checked_add_signed(d),
+            SeekFrom::Current(d) => self.pos.checked_add_signed(d),
+        };
+        match new {
+            Some(p) => {
+                self.pos = p;
+                Ok(p)
+            }
+            None => Err(io::Error::new(io::ErrorKind::InvalidInput, "seek to a negative position")),
+        }
+    }
+}
