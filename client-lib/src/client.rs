@@ -37,13 +37,19 @@ pub struct ClientConfig {
 }
 
 fn env_ms(name: &str) -> Option<Duration> {
-    std::env::var(name).ok()?.parse().ok().map(Duration::from_millis)
+    std::env::var(name)
+        .ok()?
+        .parse()
+        .ok()
+        .map(Duration::from_millis)
 }
 
 impl Default for ClientConfig {
     fn default() -> Self {
         Self {
-            socket: std::env::var_os("SHARDCACHE_SOCKET").map(PathBuf::from).unwrap_or_else(|| DEFAULT_SOCKET.into()),
+            socket: std::env::var_os("SHARDCACHE_SOCKET")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| DEFAULT_SOCKET.into()),
             timeout: env_ms("SHARDCACHE_TIMEOUT_MS").unwrap_or(Duration::from_secs(1)),
             wait_timeout: env_ms("SHARDCACHE_WAIT_TIMEOUT_MS").unwrap_or(Duration::from_secs(10)),
             retry_after: Duration::from_secs(2),
@@ -67,7 +73,10 @@ impl From<CallError> for io::Error {
     fn from(e: CallError) -> Self {
         match e {
             CallError::Unavailable(m) => io::Error::new(io::ErrorKind::ConnectionRefused, m),
-            CallError::Timeout => io::Error::new(io::ErrorKind::TimedOut, "shardcached did not answer in time"),
+            CallError::Timeout => io::Error::new(
+                io::ErrorKind::TimedOut,
+                "shardcached did not answer in time",
+            ),
             CallError::Protocol(m) => io::Error::new(io::ErrorKind::InvalidData, m),
         }
     }
@@ -105,12 +114,17 @@ impl Report {
 
     fn give_back(&self, r: &pb::ReadReport) {
         self.hit_bytes.fetch_add(r.hit_bytes, Ordering::Relaxed);
-        self.filled_bytes.fetch_add(r.filled_bytes, Ordering::Relaxed);
-        self.fallback_bytes.fetch_add(r.fallback_bytes, Ordering::Relaxed);
+        self.filled_bytes
+            .fetch_add(r.filled_bytes, Ordering::Relaxed);
+        self.fallback_bytes
+            .fetch_add(r.fallback_bytes, Ordering::Relaxed);
         self.hit_reads.fetch_add(r.hit_reads, Ordering::Relaxed);
-        self.filled_reads.fetch_add(r.filled_reads, Ordering::Relaxed);
-        self.fallback_reads.fetch_add(r.fallback_reads, Ordering::Relaxed);
-        self.fallback_opens.fetch_add(r.fallback_opens, Ordering::Relaxed);
+        self.filled_reads
+            .fetch_add(r.filled_reads, Ordering::Relaxed);
+        self.fallback_reads
+            .fetch_add(r.fallback_reads, Ordering::Relaxed);
+        self.fallback_opens
+            .fetch_add(r.fallback_opens, Ordering::Relaxed);
     }
 }
 
@@ -131,7 +145,10 @@ impl Drop for Inner {
             + self.report.fallback_opens.load(Ordering::Relaxed)
             > 0
         {
-            let _ = self.call(request::Kind::Status(pb::StatusRequest {}), self.cfg.timeout);
+            let _ = self.call(
+                request::Kind::Status(pb::StatusRequest {}),
+                self.cfg.timeout,
+            );
         }
     }
 }
@@ -147,7 +164,9 @@ pub struct Client {
 
 impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Client").field("socket", &self.inner.cfg.socket).finish()
+        f.debug_struct("Client")
+            .field("socket", &self.inner.cfg.socket)
+            .finish()
     }
 }
 
@@ -159,7 +178,10 @@ impl Client {
 
     /// A client for the daemon at `socket`, other settings default.
     pub fn at(socket: impl AsRef<Path>) -> Self {
-        Self::with_config(ClientConfig { socket: socket.as_ref().to_owned(), ..ClientConfig::default() })
+        Self::with_config(ClientConfig {
+            socket: socket.as_ref().to_owned(),
+            ..ClientConfig::default()
+        })
     }
 
     /// A client with explicit settings.
@@ -188,7 +210,10 @@ impl Client {
 
     /// The daemon's status.
     pub fn status(&self) -> io::Result<pb::StatusReply> {
-        match self.inner.call(request::Kind::Status(pb::StatusRequest {}), self.inner.cfg.timeout)? {
+        match self.inner.call(
+            request::Kind::Status(pb::StatusRequest {}),
+            self.inner.cfg.timeout,
+        )? {
             (response::Kind::Status(s), _) => Ok(s),
             (other, _) => Err(unexpected(&other)),
         }
@@ -196,7 +221,10 @@ impl Client {
 
     /// Asks the daemon to re-check every cached block's checksum (may take long).
     pub fn verify(&self, timeout: Duration) -> io::Result<pb::VerifyReply> {
-        match self.inner.call(request::Kind::Verify(pb::VerifyRequest {}), timeout)? {
+        match self
+            .inner
+            .call(request::Kind::Verify(pb::VerifyRequest {}), timeout)?
+        {
             (response::Kind::Verify(v), _) => Ok(v),
             (other, _) => Err(unexpected(&other)),
         }
@@ -225,24 +253,34 @@ impl Inner {
     }
 
     fn mark_down(&self) {
-        *self.down_until.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now() + self.cfg.retry_after);
+        *self.down_until.lock().unwrap_or_else(|e| e.into_inner()) =
+            Some(Instant::now() + self.cfg.retry_after);
     }
 
     /// A pooled connection (`true`) or a new one (`false`).
     fn take_conn(&self, pooled: bool) -> Result<(Conn, bool), CallError> {
-        if pooled {
-            if let Some(c) = self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop() {
-                return Ok((c, true));
-            }
+        if pooled && let Some(c) = self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop() {
+            return Ok((c, true));
         }
         if self.is_down() {
-            return Err(CallError::Unavailable("shardcached recently unreachable".into()));
+            return Err(CallError::Unavailable(
+                "shardcached recently unreachable".into(),
+            ));
         }
         match UnixStream::connect(&self.cfg.socket) {
-            Ok(sock) => Ok((Conn { sock, reader: FrameReader::new() }, false)),
+            Ok(sock) => Ok((
+                Conn {
+                    sock,
+                    reader: FrameReader::new(),
+                },
+                false,
+            )),
             Err(e) => {
                 self.mark_down();
-                Err(CallError::Unavailable(format!("{}: {e}", self.cfg.socket.display())))
+                Err(CallError::Unavailable(format!(
+                    "{}: {e}",
+                    self.cfg.socket.display()
+                )))
             }
         }
     }
@@ -274,10 +312,15 @@ impl Inner {
         let (mut conn, was_pooled) = self.take_conn(pooled)?;
         let report = self.report.take();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let req = pb::Request { id, report: report.clone(), kind: Some(kind) };
+        let req = pb::Request {
+            id,
+            report,
+            kind: Some(kind),
+        };
         let result = (|| {
             conn.sock.set_write_timeout(Some(self.cfg.timeout))?;
-            conn.sock.set_read_timeout(Some(timeout.max(Duration::from_millis(1))))?;
+            conn.sock
+                .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))?;
             wire::send(&conn.sock, &req, &[])?;
             conn.reader.recv::<pb::Response>(&conn.sock)
         })();
@@ -288,7 +331,9 @@ impl Inner {
                     pool.push(conn);
                 }
                 drop(pool);
-                resp.kind.map(|k| (k, fds)).ok_or_else(|| CallError::Protocol("empty reply".into()))
+                resp.kind
+                    .map(|k| (k, fds))
+                    .ok_or_else(|| CallError::Protocol("empty reply".into()))
             }
             Ok(_) => Err(CallError::Protocol("reply to another request".into())),
             Err(e) => {

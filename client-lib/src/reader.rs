@@ -58,7 +58,9 @@ struct Cached {
 
 impl Cached {
     fn has(&self, b: u64) -> bool {
-        self.present.get((b / 8) as usize).is_some_and(|x| x & (1 << (b % 8)) != 0)
+        self.present
+            .get((b / 8) as usize)
+            .is_some_and(|x| x & (1 << (b % 8)) != 0)
     }
 
     fn all_present(&self) -> bool {
@@ -85,7 +87,10 @@ pub struct Reader {
 
 impl std::fmt::Debug for Reader {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Reader").field("path", &self.path).field("source", &self.source()).finish()
+        f.debug_struct("Reader")
+            .field("path", &self.path)
+            .field("source", &self.source())
+            .finish()
     }
 }
 
@@ -172,7 +177,11 @@ impl Reader {
             None => {
                 let f = File::open(&path)?;
                 let size = f.metadata()?.len();
-                client.inner.report.fallback_opens.fetch_add(1, Ordering::Relaxed);
+                client
+                    .inner
+                    .report
+                    .fallback_opens
+                    .fetch_add(1, Ordering::Relaxed);
                 (State::Direct(Arc::new(f)), size)
             }
         };
@@ -226,9 +235,24 @@ impl Reader {
         let mut guard = lock(&self.stats);
         let s = &mut *guard;
         let (bytes, reads, rb, rr) = match kind {
-            Kind::Hit => (&mut s.hit_bytes, &mut s.hit_reads, &r.hit_bytes, &r.hit_reads),
-            Kind::Filled => (&mut s.filled_bytes, &mut s.filled_reads, &r.filled_bytes, &r.filled_reads),
-            Kind::Fallback => (&mut s.fallback_bytes, &mut s.fallback_reads, &r.fallback_bytes, &r.fallback_reads),
+            Kind::Hit => (
+                &mut s.hit_bytes,
+                &mut s.hit_reads,
+                &r.hit_bytes,
+                &r.hit_reads,
+            ),
+            Kind::Filled => (
+                &mut s.filled_bytes,
+                &mut s.filled_reads,
+                &r.filled_bytes,
+                &r.filled_reads,
+            ),
+            Kind::Fallback => (
+                &mut s.fallback_bytes,
+                &mut s.fallback_reads,
+                &r.fallback_bytes,
+                &r.fallback_reads,
+            ),
         };
         *bytes += n;
         *reads += 1;
@@ -302,12 +326,23 @@ impl Reader {
                 first_block: first,
                 count: count as u32,
                 have_data_gen: c.data_gen,
-                timeout_ms: self.client.inner.cfg.wait_timeout.as_millis().min(u32::MAX as u128) as u32,
+                timeout_ms: self
+                    .client
+                    .inner
+                    .cfg
+                    .wait_timeout
+                    .as_millis()
+                    .min(u32::MAX as u128) as u32,
             };
             drop(st);
             let timeout = self.client.inner.cfg.wait_timeout + self.client.inner.cfg.timeout;
             match self.client.inner.call(request::Kind::Wait(req), timeout) {
-                Ok((response::Kind::Wait(pb::WaitReply { result: Some(wait_reply::Result::Waited(w)) }), fds)) => {
+                Ok((
+                    response::Kind::Wait(pb::WaitReply {
+                        result: Some(wait_reply::Result::Waited(w)),
+                    }),
+                    fds,
+                )) => {
                     let mut st = lock(&self.state);
                     if let State::Cached(c) = &mut *st {
                         if w.data_gen != c.data_gen {
@@ -318,7 +353,9 @@ impl Reader {
                                 }
                                 None => {
                                     drop(st);
-                                    self.note("daemon replaced the data file without a descriptor".into());
+                                    self.note(
+                                        "daemon replaced the data file without a descriptor".into(),
+                                    );
                                     break;
                                 }
                             }
@@ -327,7 +364,12 @@ impl Reader {
                     }
                     waited = true;
                 }
-                Ok((response::Kind::Wait(pb::WaitReply { result: Some(wait_reply::Result::Refused(r)) }), _)) => {
+                Ok((
+                    response::Kind::Wait(pb::WaitReply {
+                        result: Some(wait_reply::Result::Refused(r)),
+                    }),
+                    _,
+                )) => {
                     self.note(format!("wait refused: {}", r.message));
                     break;
                 }
@@ -423,10 +465,10 @@ impl Reader {
         }
         let f = File::open(&self.path)?;
         let v = version_of(&f)?;
-        if let State::Cached(c) = &*lock(&self.state) {
-            if v != c.version {
-                return Err(stale(&self.path));
-            }
+        if let State::Cached(c) = &*lock(&self.state)
+            && v != c.version
+        {
+            return Err(stale(&self.path));
         }
         // SAFETY: see the function's contract.
         unsafe { memmap2::Mmap::map(&f) }
@@ -499,7 +541,10 @@ impl Seek for Reader {
                 self.pos = p;
                 Ok(p)
             }
-            None => Err(io::Error::new(io::ErrorKind::InvalidInput, "seek to a negative position")),
+            None => Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "seek to a negative position",
+            )),
         }
     }
 }

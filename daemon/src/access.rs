@@ -74,7 +74,11 @@ fn may(o: &Owner, c: &Creds, want: u32) -> Decision {
     } else {
         o.mode & 7
     };
-    if bits & want != 0 { Decision::Allow } else { Decision::Deny }
+    if bits & want != 0 {
+        Decision::Allow
+    } else {
+        Decision::Deny
+    }
 }
 
 #[cfg(test)]
@@ -83,7 +87,12 @@ mod tests {
     use crate::backing::Version;
 
     fn stat(dirs: &[(u32, u32, u32)], file: (u32, u32, u32)) -> Stat {
-        let o = |(uid, gid, mode): (u32, u32, u32)| Owner { uid, gid, mode, acl: false };
+        let o = |(uid, gid, mode): (u32, u32, u32)| Owner {
+            uid,
+            gid,
+            mode,
+            acl: false,
+        };
         Stat {
             path: "f".into(),
             dirs: dirs.iter().copied().map(o).collect(),
@@ -93,17 +102,34 @@ mod tests {
     }
 
     fn creds(uid: u32, gid: u32, groups: &[u32]) -> Creds {
-        Creds { pid: 1, uid, gid, groups: groups.to_vec() }
+        Creds {
+            pid: 1,
+            uid,
+            gid,
+            groups: groups.to_vec(),
+        }
     }
 
     #[test]
     fn posix_classes() {
         let s = stat(&[(0, 0, 0o755)], (1000, 100, 0o640));
         assert_eq!(check(&s, &creds(1000, 1000, &[])), Decision::Allow, "owner");
-        assert_eq!(check(&s, &creds(2000, 100, &[])), Decision::Allow, "primary group");
-        assert_eq!(check(&s, &creds(2000, 2000, &[7, 100])), Decision::Allow, "supplementary group");
+        assert_eq!(
+            check(&s, &creds(2000, 100, &[])),
+            Decision::Allow,
+            "primary group"
+        );
+        assert_eq!(
+            check(&s, &creds(2000, 2000, &[7, 100])),
+            Decision::Allow,
+            "supplementary group"
+        );
         assert_eq!(check(&s, &creds(2000, 2000, &[7])), Decision::Deny, "other");
-        assert_eq!(check(&s, &creds(0, 0, &[])), Decision::Deny, "root gets no override");
+        assert_eq!(
+            check(&s, &creds(0, 0, &[])),
+            Decision::Deny,
+            "root gets no override"
+        );
     }
 
     #[test]

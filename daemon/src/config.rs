@@ -41,16 +41,24 @@ impl fmt::Display for SizeSpec {
 /// Parses `123`, `4KiB`, `4MiB`, `10GiB`, `1TiB`, `4MB`, `1G` (binary units either way).
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
     let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("`{s}` is not a size (expected e.g. 4MiB)"))?;
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a size (expected e.g. 4MiB)"))?;
     let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
         "m" | "mb" | "mib" => 1 << 20,
         "g" | "gb" | "gib" => 1 << 30,
         "t" | "tb" | "tib" => 1 << 40,
-        u => return Err(format!("`{s}`: unknown size unit `{u}` (use B, KiB, MiB, GiB, TiB)")),
+        u => {
+            return Err(format!(
+                "`{s}`: unknown size unit `{u}` (use B, KiB, MiB, GiB, TiB)"
+            ));
+        }
     };
     Ok((n * mult as f64) as u64)
 }
@@ -58,15 +66,23 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 /// Parses `0`, `250ms`, `1s`, `2m`, `1h`.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit() && c != '.').unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !c.is_ascii_digit() && c != '.')
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("`{s}` is not a duration (expected e.g. 1s)"))?;
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("`{s}` is not a duration (expected e.g. 1s)"))?;
     let secs = match unit.trim() {
         "ms" => n / 1000.0,
         "" | "s" => n,
         "m" => n * 60.0,
         "h" => n * 3600.0,
-        u => return Err(format!("`{s}`: unknown duration unit `{u}` (use ms, s, m, h)")),
+        u => {
+            return Err(format!(
+                "`{s}`: unknown duration unit `{u}` (use ms, s, m, h)"
+            ));
+        }
     };
     Ok(Duration::from_secs_f64(secs))
 }
@@ -76,7 +92,10 @@ impl FromStr for SizeSpec {
     fn from_str(s: &str) -> Result<Self, String> {
         match s.trim().strip_suffix('%') {
             Some(p) => {
-                let p: f64 = p.trim().parse().map_err(|_| format!("`{s}` is not a percentage"))?;
+                let p: f64 = p
+                    .trim()
+                    .parse()
+                    .map_err(|_| format!("`{s}` is not a percentage"))?;
                 if !(0.0..=100.0).contains(&p) {
                     return Err(format!("`{s}`: a percentage must be between 0 and 100"));
                 }
@@ -199,14 +218,22 @@ impl Config {
     /// Checks every field once; the message names the offending key.
     pub fn validate(&self) -> Result<(), String> {
         if self.backing_roots.is_empty() {
-            return Err("backing_roots: at least one backing root is required (--backing-root DIR)".into());
+            return Err(
+                "backing_roots: at least one backing root is required (--backing-root DIR)".into(),
+            );
         }
         for r in &self.backing_roots {
             if !r.is_absolute() {
-                return Err(format!("backing_roots: `{}` must be an absolute path", r.display()));
+                return Err(format!(
+                    "backing_roots: `{}` must be an absolute path",
+                    r.display()
+                ));
             }
         }
-        if self.block_size < 4096 || self.block_size % 4096 != 0 || self.block_size > 1 << 30 {
+        if self.block_size < 4096
+            || !self.block_size.is_multiple_of(4096)
+            || self.block_size > 1 << 30
+        {
             return Err(format!(
                 "block_size: {} must be a multiple of 4 KiB between 4 KiB and 1 GiB",
                 self.block_size
@@ -222,7 +249,10 @@ impl Config {
             return Err("max_connections: must be at least 1".into());
         }
         if self.socket_mode > 0o777 {
-            return Err(format!("socket_mode: {:o} is not a permission mode", self.socket_mode));
+            return Err(format!(
+                "socket_mode: {:o} is not a permission mode",
+                self.socket_mode
+            ));
         }
         if let SizeSpec::Bytes(0) = self.capacity {
             return Err("capacity: must be more than 0".into());
@@ -258,14 +288,25 @@ mod tests {
         assert_eq!(c.block_size, 1 << 20);
         assert_eq!(c.metadata_ttl, Duration::ZERO);
         c.validate().unwrap();
-        let e = toml::from_str::<Config>("capacty = 1").unwrap_err().to_string();
+        let e = toml::from_str::<Config>("capacty = 1")
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("capacty"), "{e}");
     }
 
     #[test]
     fn validation_names_the_field() {
-        let c = Config { backing_roots: vec!["/d".into()], block_size: 1000, ..Config::default() };
+        let c = Config {
+            backing_roots: vec!["/d".into()],
+            block_size: 1000,
+            ..Config::default()
+        };
         assert!(c.validate().unwrap_err().starts_with("block_size"));
-        assert!(Config::default().validate().unwrap_err().starts_with("backing_roots"));
+        assert!(
+            Config::default()
+                .validate()
+                .unwrap_err()
+                .starts_with("backing_roots")
+        );
     }
 }

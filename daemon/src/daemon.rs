@@ -33,14 +33,22 @@ impl Daemon {
         let stats = Arc::new(Stats::default());
         let mut roots = Vec::new();
         for r in &cfg.backing_roots {
-            let posix = PosixBacking::new(r).with_context(|| format!("backing root {}", r.display()))?;
+            let posix =
+                PosixBacking::new(r).with_context(|| format!("backing root {}", r.display()))?;
             let path = posix.root().to_owned();
-            let name = path.to_str().context("backing root paths must be UTF-8")?.to_owned();
+            let name = path
+                .to_str()
+                .context("backing root paths must be UTF-8")?
+                .to_owned();
             let backing: Arc<dyn Backing> = match cfg.backing_bandwidth {
                 Some(bw) => Arc::new(ThrottledBacking::new(Arc::new(posix), bw)),
                 None => Arc::new(posix),
             };
-            roots.push(Root { path, name, backing });
+            roots.push(Root {
+                path,
+                name,
+                backing,
+            });
         }
         let roots = Arc::new(Roots::new(roots));
         let meta = Arc::new(Meta::new(roots, cfg.metadata_ttl, 1 << 20, stats.clone()));
@@ -55,8 +63,14 @@ impl Daemon {
                 .with_context(|| format!("opening the cache in {}", cfg.cache_dir.display()))?,
         );
         let filler = Arc::new(
-            Filler::new(store.clone(), meta.clone(), stats.clone(), cfg.fill_workers, cfg.fill_queue)
-                .context("starting fill workers")?,
+            Filler::new(
+                store.clone(),
+                meta.clone(),
+                stats.clone(),
+                cfg.fill_workers,
+                cfg.fill_queue,
+            )
+            .context("starting fill workers")?,
         );
         let listener = server::bind(&cfg.socket, cfg.socket_mode)
             .with_context(|| format!("binding the socket {}", cfg.socket.display()))?;
@@ -73,7 +87,12 @@ impl Daemon {
         let server = Server::start(listener, cfg.socket.clone(), ctx, cfg.max_connections)
             .context("starting the server")?;
         tracing::info!(socket = %cfg.socket.display(), "shardcached ready");
-        Ok(Self { server, filler, store, socket: cfg.socket.clone() })
+        Ok(Self {
+            server,
+            filler,
+            store,
+            socket: cfg.socket.clone(),
+        })
     }
 
     /// The socket clients connect to.

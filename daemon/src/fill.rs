@@ -64,7 +64,11 @@ impl Flight {
             if now >= deadline {
                 return None;
             }
-            g = self.cv.wait_timeout(g, deadline - now).unwrap_or_else(|e| e.into_inner()).0;
+            g = self
+                .cv
+                .wait_timeout(g, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
         }
     }
 
@@ -138,7 +142,9 @@ pub struct Filler {
 
 impl std::fmt::Debug for Filler {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Filler").field("limit", &self.inner.limit).finish()
+        f.debug_struct("Filler")
+            .field("limit", &self.inner.limit)
+            .finish()
     }
 }
 
@@ -148,7 +154,13 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Filler {
     /// Starts `workers` fill threads with a queue of at most `limit` read-ahead jobs.
-    pub fn new(store: Arc<Store>, meta: Arc<Meta>, stats: Arc<Stats>, workers: usize, limit: usize) -> std::io::Result<Self> {
+    pub fn new(
+        store: Arc<Store>,
+        meta: Arc<Meta>,
+        stats: Arc<Stats>,
+        workers: usize,
+        limit: usize,
+    ) -> std::io::Result<Self> {
         let inner = Arc::new(Inner {
             queue: Mutex::new(Queue::default()),
             cv: Condvar::new(),
@@ -165,9 +177,16 @@ impl Filler {
         let mut hs = Vec::with_capacity(workers);
         for i in 0..workers {
             let inner = inner.clone();
-            hs.push(std::thread::Builder::new().name(format!("sc-fill-{i}")).spawn(move || worker(&inner))?);
+            hs.push(
+                std::thread::Builder::new()
+                    .name(format!("sc-fill-{i}"))
+                    .spawn(move || worker(&inner))?,
+            );
         }
-        Ok(Self { inner, workers: Mutex::new(hs) })
+        Ok(Self {
+            inner,
+            workers: Mutex::new(hs),
+        })
     }
 
     /// Asks for block `index` of `target` at `prio`. Not blocking.
@@ -188,7 +207,12 @@ impl Filler {
                 q.queued.insert(id, prio);
                 q.seq += 1;
                 let seq = q.seq;
-                q.heap.push(Job { prio, seq, target: target.clone(), index });
+                q.heap.push(Job {
+                    prio,
+                    seq,
+                    target: target.clone(),
+                    index,
+                });
                 inner.cv.notify_one();
             }
             return Scheduled::InFlight(f.clone());
@@ -206,7 +230,12 @@ impl Filler {
         q.queued.insert(id, prio);
         q.seq += 1;
         let seq = q.seq;
-        q.heap.push(Job { prio, seq, target: target.clone(), index });
+        q.heap.push(Job {
+            prio,
+            seq,
+            target: target.clone(),
+            index,
+        });
         inner.cv.notify_one();
         Scheduled::InFlight(f)
     }
@@ -255,7 +284,10 @@ fn worker(inner: &Inner) {
         let ok = match fill(inner, &job.target, job.index) {
             Ok(()) => true,
             Err(e) => {
-                if !matches!(e, FillError::Store(StoreError::NoSpace) | FillError::Store(StoreError::Gone)) {
+                if !matches!(
+                    e,
+                    FillError::Store(StoreError::NoSpace) | FillError::Store(StoreError::Gone)
+                ) {
                     inc(&inner.stats.fill_errors);
                 }
                 tracing::debug!(path = %job.target.stat.path, block = job.index, error = %e, "fill failed");
@@ -280,7 +312,9 @@ enum FillError {
 }
 
 fn fill(inner: &Inner, t: &Target, index: usize) -> Result<(), FillError> {
-    let Some(permit) = inner.store.begin_fill(&t.key, index)? else { return Ok(()) };
+    let Some(permit) = inner.store.begin_fill(&t.key, index)? else {
+        return Ok(());
+    };
     match read_block(inner, t, permit.offset(), permit.len()) {
         Ok(data) => {
             inner.store.commit_fill(permit, &data)?;
@@ -303,7 +337,8 @@ fn read_block(inner: &Inner, t: &Target, offset: u64, len: usize) -> Result<Vec<
     let file = match inner.handles.get(&t.key) {
         Some(f) => f,
         None => {
-            let f: Arc<dyn BackingFile> = match inner.meta.roots().get(t.root).backing.open(&t.stat) {
+            let f: Arc<dyn BackingFile> = match inner.meta.roots().get(t.root).backing.open(&t.stat)
+            {
                 Ok(f) => Arc::from(f),
                 Err(BackingError::Changed(_)) => return Err(changed(inner)),
                 Err(e) => return Err(e.into()),

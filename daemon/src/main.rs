@@ -20,7 +20,11 @@ struct Args {
     #[arg(long, env = "SHARDCACHED_CONFIG")]
     config: Option<PathBuf>,
     /// A backing root (repeat for several): the shared-storage directory to cache.
-    #[arg(long = "backing-root", env = "SHARDCACHED_BACKING_ROOTS", value_delimiter = ',')]
+    #[arg(
+        long = "backing-root",
+        env = "SHARDCACHED_BACKING_ROOTS",
+        value_delimiter = ','
+    )]
     backing_roots: Vec<PathBuf>,
     /// Cache directory on local NVMe [default: /var/cache/shardcache].
     #[arg(long, env = "SHARDCACHED_CACHE_DIR")]
@@ -60,7 +64,8 @@ struct Args {
 fn load(args: &Args) -> anyhow::Result<Config> {
     let mut cfg = match &args.config {
         Some(p) => {
-            let text = std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
+            let text =
+                std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?;
             toml::from_str(&text).with_context(|| format!("parsing {}", p.display()))?
         }
         None => Config::default(),
@@ -71,11 +76,22 @@ fn load(args: &Args) -> anyhow::Result<Config> {
     macro_rules! set {
         ($($f:ident),*) => { $(if let Some(v) = args.$f.clone() { cfg.$f = v; })* };
     }
-    set!(cache_dir, socket, capacity, min_free, block_size, metadata_ttl, readahead_blocks, fill_workers, max_wait);
+    set!(
+        cache_dir,
+        socket,
+        capacity,
+        min_free,
+        block_size,
+        metadata_ttl,
+        readahead_blocks,
+        fill_workers,
+        max_wait
+    );
     if let Some(bw) = args.backing_bandwidth {
         cfg.backing_bandwidth = (bw > 0).then_some(bw);
     }
-    cfg.validate().map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;
+    cfg.validate()
+        .map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;
     Ok(cfg)
 }
 
@@ -87,8 +103,11 @@ fn main() -> anyhow::Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cfg = load(&args)?;
-    let mut signals = signal_hook::iterator::Signals::new([signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT])
-        .context("installing signal handlers")?;
+    let mut signals = signal_hook::iterator::Signals::new([
+        signal_hook::consts::SIGTERM,
+        signal_hook::consts::SIGINT,
+    ])
+    .context("installing signal handlers")?;
     let daemon = Daemon::start(&cfg)?;
     if let Some(sig) = signals.forever().next() {
         tracing::info!(signal = sig, "shutting down");
@@ -104,7 +123,11 @@ mod tests {
     fn flags_override_the_file() {
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("c.toml");
-        std::fs::write(&f, "backing_roots = [\"/a\"]\ncapacity = \"1GiB\"\nreadahead_blocks = 3\n").unwrap();
+        std::fs::write(
+            &f,
+            "backing_roots = [\"/a\"]\ncapacity = \"1GiB\"\nreadahead_blocks = 3\n",
+        )
+        .unwrap();
         let args = Args::parse_from([
             "shardcached",
             "--config",

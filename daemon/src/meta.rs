@@ -67,10 +67,12 @@ impl Roots {
         let mut best: Option<(usize, &str)> = None;
         for (i, r) in self.roots.iter().enumerate() {
             let root = r.name.trim_end_matches('/');
-            if let Some(rest) = abs.strip_prefix(root).and_then(|rest| rest.strip_prefix('/')) {
-                if best.is_none_or(|(b, _)| self.roots[b].name.len() < r.name.len()) {
-                    best = Some((i, rest));
-                }
+            if let Some(rest) = abs
+                .strip_prefix(root)
+                .and_then(|rest| rest.strip_prefix('/'))
+                && best.is_none_or(|(b, _)| self.roots[b].name.len() < r.name.len())
+            {
+                best = Some((i, rest));
             }
         }
         best.ok_or_else(not_under)
@@ -99,7 +101,12 @@ impl Meta {
             .max_capacity(max_entries)
             .time_to_live(ttl.max(Duration::from_millis(1)))
             .build();
-        Self { roots, ttl, cache, stats }
+        Self {
+            roots,
+            ttl,
+            cache,
+            stats,
+        }
     }
 
     /// The roots this cache serves.
@@ -110,18 +117,23 @@ impl Meta {
     /// The metadata of `rel` under root `root`, fresh within the TTL.
     pub fn stat(&self, root: usize, rel: &str) -> Result<Arc<Stat>, BackingError> {
         let key = (root, rel.to_owned());
-        if !self.ttl.is_zero() {
-            if let Some(c) = self.cache.get(&key) {
-                if c.at.elapsed() < self.ttl {
-                    return Ok(c.stat.clone());
-                }
-            }
+        if !self.ttl.is_zero()
+            && let Some(c) = self.cache.get(&key)
+            && c.at.elapsed() < self.ttl
+        {
+            return Ok(c.stat.clone());
         }
         let at = Instant::now();
         inc(&self.stats.backing_stats);
         let stat = Arc::new(self.roots.get(root).backing.stat(rel)?);
         if !self.ttl.is_zero() {
-            self.cache.insert(key, Arc::new(Cached { stat: stat.clone(), at }));
+            self.cache.insert(
+                key,
+                Arc::new(Cached {
+                    stat: stat.clone(),
+                    at,
+                }),
+            );
         }
         Ok(stat)
     }
@@ -142,7 +154,11 @@ mod tests {
         let mem = Arc::new(MemBacking::new());
         let roots = names
             .iter()
-            .map(|n| Root { path: n.into(), name: (*n).to_owned(), backing: mem.clone() as Arc<dyn Backing> })
+            .map(|n| Root {
+                path: n.into(),
+                name: (*n).to_owned(),
+                backing: mem.clone() as Arc<dyn Backing>,
+            })
             .collect();
         (Arc::new(Roots::new(roots)), mem)
     }
@@ -152,26 +168,60 @@ mod tests {
         let (r, _) = roots(&["/data", "/data/deep"]);
         assert_eq!(r.resolve("/data/a/b").unwrap(), (0, "a/b"));
         assert_eq!(r.resolve("/data/deep/x").unwrap(), (1, "x"));
-        assert!(matches!(r.resolve("/database/x"), Err(ResolveError::NotUnderRoot(_))));
-        assert!(matches!(r.resolve("relative/x"), Err(ResolveError::NotUnderRoot(_))));
-        assert!(matches!(r.resolve("/etc/passwd"), Err(ResolveError::NotUnderRoot(_))));
+        assert!(matches!(
+            r.resolve("/database/x"),
+            Err(ResolveError::NotUnderRoot(_))
+        ));
+        assert!(matches!(
+            r.resolve("relative/x"),
+            Err(ResolveError::NotUnderRoot(_))
+        ));
+        assert!(matches!(
+            r.resolve("/etc/passwd"),
+            Err(ResolveError::NotUnderRoot(_))
+        ));
     }
 
     #[test]
     fn ttl_zero_always_asks_the_store_and_a_ttl_caches() {
         let (r, mem) = roots(&["/data"]);
-        mem.put("f", b"one".to_vec(), Owner { mode: 0o644, ..Owner::default() });
+        mem.put(
+            "f",
+            b"one".to_vec(),
+            Owner {
+                mode: 0o644,
+                ..Owner::default()
+            },
+        );
         let stats = Arc::new(Stats::default());
         let fresh = Meta::new(r.clone(), Duration::ZERO, 100, stats.clone());
         let v1 = fresh.stat(0, "f").unwrap().version;
-        mem.put("f", b"two".to_vec(), Owner { mode: 0o644, ..Owner::default() });
+        mem.put(
+            "f",
+            b"two".to_vec(),
+            Owner {
+                mode: 0o644,
+                ..Owner::default()
+            },
+        );
         assert_ne!(fresh.stat(0, "f").unwrap().version, v1);
 
         let cached = Meta::new(r, Duration::from_secs(3600), 100, stats);
         let a = cached.stat(0, "f").unwrap().version;
-        mem.put("f", b"three".to_vec(), Owner { mode: 0o644, ..Owner::default() });
+        mem.put(
+            "f",
+            b"three".to_vec(),
+            Owner {
+                mode: 0o644,
+                ..Owner::default()
+            },
+        );
         assert_eq!(cached.stat(0, "f").unwrap().version, a, "within the TTL");
         cached.invalidate(0, "f");
-        assert_ne!(cached.stat(0, "f").unwrap().version, a, "after invalidation");
+        assert_ne!(
+            cached.stat(0, "f").unwrap().version,
+            a,
+            "after invalidation"
+        );
     }
 }

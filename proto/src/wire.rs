@@ -54,7 +54,8 @@ pub fn send<M: Message>(sock: impl AsFd, msg: &M, fds: &[BorrowedFd<'_>]) -> Res
     }
     let mut buf = Vec::with_capacity(4 + len);
     buf.extend_from_slice(&(len as u32).to_le_bytes());
-    msg.encode(&mut buf).map_err(|e| io::Error::other(e.to_string()))?;
+    msg.encode(&mut buf)
+        .map_err(|e| io::Error::other(e.to_string()))?;
 
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
     let mut control = SendAncillaryBuffer::new(&mut space);
@@ -99,10 +100,10 @@ impl FrameReader {
     ) -> Result<(M, Vec<OwnedFd>), WireError> {
         let mut fds = Vec::new();
         let len = loop {
-            if let Some(len) = self.frame_len()? {
-                if self.available() >= 4 + len {
-                    break len;
-                }
+            if let Some(len) = self.frame_len()?
+                && self.available() >= 4 + len
+            {
+                break len;
             }
             self.fill(sock.as_fd(), &mut fds)?;
         };
@@ -185,7 +186,9 @@ mod tests {
         f.write_all(b"payload").unwrap();
         let req = pb::Request {
             id: 7,
-            kind: Some(pb::request::Kind::Open(pb::OpenRequest { path: "/x".into() })),
+            kind: Some(pb::request::Kind::Open(pb::OpenRequest {
+                path: "/x".into(),
+            })),
             ..Default::default()
         };
         send(&a, &req, &[f.as_fd()]).unwrap();
@@ -209,8 +212,12 @@ mod tests {
     #[test]
     fn oversized_frame_is_refused() {
         let (a, b) = UnixStream::pair().unwrap();
-        (&a).write_all(&(MAX_FRAME as u32 + 1).to_le_bytes()).unwrap();
+        (&a).write_all(&(MAX_FRAME as u32 + 1).to_le_bytes())
+            .unwrap();
         let mut r = FrameReader::new();
-        assert!(matches!(r.recv::<pb::Request>(&b), Err(WireError::TooLarge(_))));
+        assert!(matches!(
+            r.recv::<pb::Request>(&b),
+            Err(WireError::TooLarge(_))
+        ));
     }
 }

@@ -1,0 +1,306 @@
+//! Harness for end-to-end tests, the demo and the benchmarks: temporary directories,
+//! generated data, and the real `shardcached` started as a process and stopped by pid.
+//!
+//! The binaries come from the same target directory as the test executable
+//! (`cargo build --workspace --bins` puts them there; the README's test command does).
+
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use shardcache_client::{Client, ClientConfig, proto as pb};
+
+/// Path of a workspace binary next to the running executable.
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("current_exe");
+    let mut dir = exe.parent().expect("exe dir").to_owned();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    let p = dir.join(name);
+    assert!(
+        p.exists(),
+        "{} not found: build the binaries first (cargo build --workspace --bins{})",
+        p.display(),
+        if dir.ends_with("release") {
+            " --release"
+        } else {
+            ""
+        }
+    );
+    p
+}
+
+/// Deterministic pseudo-random bytes: the same (seed, offset) always gives the same byte.
+pub fn fill_bytes(seed: u64, offset: u64, buf: &mut [u8]) {
+    for (i, b) in buf.iter_mut().enumerate() {
+        let pos = offset + i as u64;
+        let word = xxhash_rust::xxh3::xxh3_64_with_seed(&(pos / 8).to_le_bytes(), seed);
+        *b = word.to_le_bytes()[(pos % 8) as usize];
+    }
+}
+
+/// The bytes of a generated file.
+pub fn content(seed: u64, len: u64) -> Vec<u8> {
+    let mut v = vec![0u8; len as usize];
+    fill_bytes(seed, 0, &mut v);
+    v
+}
+
+/// Writes a generated file of `len` bytes (creating parent directories).
+pub fn write_file(path: &Path, seed: u64, len: u64) {
+    if let Some(d) = path.parent() {
+        std::fs::create_dir_all(d).expect("mkdir");
+    }
+    let mut f = File::create(path).expect("create");
+    let mut buf = vec![0u8; 1 << 20];
+    let mut off = 0;
+    while off < len {
+        let n = (len - off).min(buf.len() as u64) as usize;
+        fill_bytes(seed, off, &mut buf[..n]);
+        f.write_all(&buf[..n]).expect("write");
+        off += n as u64;
+    }
+    f.sync_all().expect("sync");
+}
+
+/// A test bed: a backing directory, a cache directory and a socket path in one temp dir.
+#[derive(Debug)]
+pub struct Bed {
+    /// Keeps the directory alive.
+    pub tmp: tempfile::TempDir,
+    /// The backing root (canonical).
+    pub backing: PathBuf,
+    /// The cache directory.
+    pub cache: PathBuf,
+    /// The daemon's socket.
+    pub socket: PathBuf,
+}
+
+impl Bed {
+    /// A fresh bed under the system temp directory.
+    pub fn new() -> Self {
+        let tmp = tempfile::Builder::new()
+            .prefix("shardcache-test-")
+            .tempdir()
+            .expect("tempdir");
+        // World-searchable, so that tests can run clients as other users.
+        std::fs::set_permissions(
+            tmp.path(),
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .expect("chmod");
+        let backing = tmp.path().join("backing");
+        let cache = tmp.path().join("cache");
+        std::fs::create_dir_all(&backing).expect("mkdir");
+        std::fs::create_dir_all(&cache).expect("mkdir");
+        let backing = backing.canonicalize().expect("canonicalize");
+        let socket = tmp.path().join("shardcached.sock");
+        Self {
+            tmp,
+            backing,
+            cache,
+            socket,
+        }
+    }
+
+    /// A path under the backing root.
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.backing.join(rel)
+    }
+
+    /// Starts the daemon on this bed with extra flags.
+    pub fn start(&self, extra: &[&str]) -> Daemon {
+        Daemon::start(self, extra)
+    }
+
+    /// A client for this bed's socket with short timeouts.
+    pub fn client(&self) -> Client {
+        Client::with_config(ClientConfig {
+            socket: self.socket.clone(),
+            timeout: Duration::from_secs(5),
+            wait_timeout: Duration::from_secs(60),
+            retry_after: Duration::from_millis(200),
+            pool: 4,
+        })
+    }
+}
+
+impl Default for Bed {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// A running `shardcached` process, killed by pid when dropped.
+#[derive(Debug)]
+pub struct Daemon {
+    child: Option<Child>,
+    args: Vec<String>,
+    socket: PathBuf,
+    log: PathBuf,
+    starts: u32,
+}
+
+impl Daemon {
+    fn start(bed: &Bed, extra: &[&str]) -> Self {
+        let mut args: Vec<String> = vec![
+            "--backing-root".into(),
+            bed.backing.display().to_string(),
+            "--cache-dir".into(),
+            bed.cache.display().to_string(),
+            "--socket".into(),
+            bed.socket.display().to_string(),
+            "--log".into(),
+            "info,shardcache_daemon=debug".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut d = Self {
+            child: None,
+            args,
+            socket: bed.socket.clone(),
+            log: bed.tmp.path().join("daemon.log"),
+            starts: 0,
+        };
+        d.spawn();
+        d
+    }
+
+    fn spawn(&mut self) {
+        self.starts += 1;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("log file");
+        let child = Command::new(bin("shardcached"))
+            .args(&self.args)
+            .env_remove("SHARDCACHE_SOCKET")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("spawn shardcached");
+        self.child = Some(child);
+        // Ready when it answers a status request (bounded: 20 s).
+        let client = Client::with_config(ClientConfig {
+            socket: self.socket.clone(),
+            timeout: Duration::from_secs(2),
+            retry_after: Duration::ZERO,
+            ..ClientConfig::default()
+        });
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if client.status().is_ok() {
+                return;
+            }
+            if let Some(st) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
+                panic!(
+                    "shardcached exited during start-up ({st}); log:\n{}",
+                    self.log_text()
+                );
+            }
+            assert!(
+                Instant::now() < deadline,
+                "shardcached not ready after 20 s; log:\n{}",
+                self.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The daemon's log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> i32 {
+        self.child
+            .as_ref()
+            .map(|c| c.id() as i32)
+            .expect("daemon running")
+    }
+
+    /// Sends `sig` to the daemon.
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill(2) with a pid we spawned and still own (not yet reaped).
+        unsafe {
+            libc::kill(self.pid(), sig);
+        }
+    }
+
+    /// `kill -9`, and reap.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM and wait (bounded: 20 s, then SIGKILL). Returns true on a clean exit.
+    pub fn stop(&mut self) -> bool {
+        let Some(mut c) = self.child.take() else {
+            return false;
+        };
+        // SAFETY: as in `signal`.
+        unsafe {
+            libc::kill(c.id() as i32, libc::SIGTERM);
+        }
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Ok(Some(st)) = c.try_wait() {
+                return st.success();
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                let _ = c.wait();
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Starts the daemon again with the same arguments.
+    pub fn restart(&mut self) {
+        assert!(self.child.is_none(), "stop or kill the daemon first");
+        self.spawn();
+    }
+
+    /// The daemon's status (panics if it does not answer).
+    pub fn status(&self) -> pb::StatusReply {
+        Client::at(&self.socket).status().expect("status")
+    }
+
+    /// The daemon's counters.
+    pub fn counters(&self) -> pb::Counters {
+        self.status().counters.expect("counters")
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Reads a whole file through `client`.
+pub fn read_all(
+    client: &Client,
+    path: &Path,
+) -> std::io::Result<(Vec<u8>, shardcache_client::ReaderStats)> {
+    use std::io::Read;
+    let mut r = client.open(path)?;
+    let mut v = Vec::new();
+    r.read_to_end(&mut v)?;
+    Ok((v, r.stats()))
+}

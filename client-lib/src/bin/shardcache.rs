@@ -54,16 +54,33 @@ fn human(b: u64) -> String {
         v /= 1024.0;
         i += 1;
     }
-    if i == 0 { format!("{b} B") } else { format!("{v:.1} {}", U[i]) }
+    if i == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", U[i])
+    }
 }
 
 fn print_status(s: &pb::StatusReply) {
-    let c = s.counters.clone().unwrap_or_default();
-    let pct = if s.capacity_bytes > 0 { 100.0 * s.used_bytes as f64 / s.capacity_bytes as f64 } else { 0.0 };
+    let c = s.counters.unwrap_or_default();
+    let pct = if s.capacity_bytes > 0 {
+        100.0 * s.used_bytes as f64 / s.capacity_bytes as f64
+    } else {
+        0.0
+    };
     let reads = c.hit_reads + c.filled_reads + c.fallback_reads;
     let bytes = c.hit_bytes + c.filled_bytes + c.fallback_bytes;
-    let ratio = |n: u64, d: u64| if d > 0 { format!("{:.1}%", 100.0 * n as f64 / d as f64) } else { "-".into() };
-    println!("shardcached {}   up {}s", s.daemon_version, s.uptime_seconds);
+    let ratio = |n: u64, d: u64| {
+        if d > 0 {
+            format!("{:.1}%", 100.0 * n as f64 / d as f64)
+        } else {
+            "-".into()
+        }
+    };
+    println!(
+        "shardcached {}   up {}s",
+        s.daemon_version, s.uptime_seconds
+    );
     println!("{:<12}{}", "cache dir", s.cache_dir);
     println!("{:<12}{}", "roots", s.backing_roots.join(", "));
     println!(
@@ -83,7 +100,10 @@ fn print_status(s: &pb::StatusReply) {
         s.unverified_blocks
     );
     println!();
-    println!("{:<12}{:>14}{:>14}{:>10}", "source", "bytes", "reads", "bytes %");
+    println!(
+        "{:<12}{:>14}{:>14}{:>10}",
+        "source", "bytes", "reads", "bytes %"
+    );
     for (name, b, r) in [
         ("local hit", c.hit_bytes, c.hit_reads),
         ("local fill", c.filled_bytes, c.filled_reads),
@@ -110,7 +130,13 @@ fn print_status(s: &pb::StatusReply) {
     );
     println!(
         "{:<12}{} blocks, {} errors, {} no space, {} shed; {} waits ({} timed out)",
-        "fills", c.blocks_filled, c.fill_errors, c.fills_no_space, c.queue_shed, c.waits, c.wait_timeouts
+        "fills",
+        c.blocks_filled,
+        c.fill_errors,
+        c.fills_no_space,
+        c.queue_shed,
+        c.waits,
+        c.wait_timeouts
     );
     println!(
         "{:<12}{} verified, {} corrupt; evicted {} files ({})",
@@ -130,12 +156,20 @@ fn unreachable_hint(socket: &std::path::Path, e: &io::Error) -> String {
 }
 
 fn run(cli: Cli) -> Result<(), String> {
-    let client = Client::with_config(ClientConfig { socket: cli.socket.clone(), ..ClientConfig::default() });
+    let client = Client::with_config(ClientConfig {
+        socket: cli.socket.clone(),
+        ..ClientConfig::default()
+    });
     match cli.cmd {
         Cmd::Status { json } => {
-            let s = client.status().map_err(|e| unreachable_hint(&cli.socket, &e))?;
+            let s = client
+                .status()
+                .map_err(|e| unreachable_hint(&cli.socket, &e))?;
             if json {
-                println!("{}", serde_json::to_string_pretty(&s).map_err(|e| e.to_string())?);
+                println!(
+                    "{}",
+                    serde_json::to_string_pretty(&s).map_err(|e| e.to_string())?
+                );
             } else {
                 print_status(&s);
             }
@@ -145,13 +179,18 @@ fn run(cli: Cli) -> Result<(), String> {
             let mut out = stdout.lock();
             let mut buf = vec![0u8; 1 << 20];
             for p in paths {
-                let mut r = client.open(&p).map_err(|e| format!("{}: {e}", p.display()))?;
+                let mut r = client
+                    .open(&p)
+                    .map_err(|e| format!("{}: {e}", p.display()))?;
                 loop {
-                    let n = r.read(&mut buf).map_err(|e| format!("{}: {e}", p.display()))?;
+                    let n = r
+                        .read(&mut buf)
+                        .map_err(|e| format!("{}: {e}", p.display()))?;
                     if n == 0 {
                         break;
                     }
-                    out.write_all(&buf[..n]).map_err(|e| format!("writing output: {e}"))?;
+                    out.write_all(&buf[..n])
+                        .map_err(|e| format!("writing output: {e}"))?;
                 }
                 if stats {
                     let s = r.stats();
@@ -161,14 +200,18 @@ fn run(cli: Cli) -> Result<(), String> {
                         s.hit_bytes,
                         s.filled_bytes,
                         s.fallback_bytes,
-                        r.fallback_reason().map(|w| format!(" ({w})")).unwrap_or_default()
+                        r.fallback_reason()
+                            .map(|w| format!(" ({w})"))
+                            .unwrap_or_default()
                     );
                 }
             }
             out.flush().map_err(|e| format!("writing output: {e}"))?;
         }
         Cmd::Verify { timeout } => {
-            let v = client.verify(Duration::from_secs(timeout)).map_err(|e| unreachable_hint(&cli.socket, &e))?;
+            let v = client
+                .verify(Duration::from_secs(timeout))
+                .map_err(|e| unreachable_hint(&cli.socket, &e))?;
             println!(
                 "checked {} blocks: {} corrupt (dropped, refetched on next use), {} data files missing",
                 v.blocks_checked, v.corrupt_blocks, v.missing_files

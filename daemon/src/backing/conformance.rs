@@ -34,7 +34,11 @@ fn stat_reports_canonical_path_version_and_owners(fx: &dyn Fixture) {
     assert_eq!(st.owner.mode, 0o640);
     assert_eq!(st.dirs.len(), 3, "root, d1, d2");
     assert_eq!(st.dirs[1].mode, 0o750);
-    assert_eq!(fx.backing().stat("d1/d2/f.bin").unwrap(), st, "stat is stable");
+    assert_eq!(
+        fx.backing().stat("d1/d2/f.bin").unwrap(),
+        st,
+        "stat is stable"
+    );
 }
 
 fn read_at_returns_the_bytes(fx: &dyn Fixture) {
@@ -45,7 +49,11 @@ fn read_at_returns_the_bytes(fx: &dyn Fixture) {
     let mut buf = vec![0u8; 1000];
     assert_eq!(f.read_full_at(&mut buf, 5000).unwrap(), 1000);
     assert_eq!(&buf[..], &data[5000..6000]);
-    assert_eq!(f.read_full_at(&mut buf, 99_500).unwrap(), 500, "short read at the end");
+    assert_eq!(
+        f.read_full_at(&mut buf, 99_500).unwrap(),
+        500,
+        "short read at the end"
+    );
     assert_eq!(&buf[..500], &data[99_500..]);
     assert_eq!(f.read_at(&mut buf, 100_000).unwrap(), 0, "EOF");
     assert_eq!(f.version().unwrap(), st.version);
@@ -55,31 +63,60 @@ fn open_refuses_a_changed_version(fx: &dyn Fixture) {
     fx.put("f", b"one", 0o644);
     let st = fx.backing().stat("f").unwrap();
     fx.put("f", b"two!", 0o644);
-    assert!(matches!(fx.backing().open(&st), Err(BackingError::Changed(_))));
+    assert!(matches!(
+        fx.backing().open(&st),
+        Err(BackingError::Changed(_))
+    ));
 }
 
 fn missing_and_non_files_are_distinguished(fx: &dyn Fixture) {
     fx.put("dir/f", b"x", 0o644);
-    assert!(matches!(fx.backing().stat("nope"), Err(BackingError::NotFound(_))));
-    assert!(matches!(fx.backing().stat("dir/nope"), Err(BackingError::NotFound(_))));
-    assert!(matches!(fx.backing().stat("dir/f/below"), Err(BackingError::NotFound(_))));
-    assert!(matches!(fx.backing().stat("dir"), Err(BackingError::NotAFile(_))));
-    assert!(matches!(fx.backing().stat("/dir/f"), Err(BackingError::Invalid { .. })));
+    assert!(matches!(
+        fx.backing().stat("nope"),
+        Err(BackingError::NotFound(_))
+    ));
+    assert!(matches!(
+        fx.backing().stat("dir/nope"),
+        Err(BackingError::NotFound(_))
+    ));
+    assert!(matches!(
+        fx.backing().stat("dir/f/below"),
+        Err(BackingError::NotFound(_))
+    ));
+    assert!(matches!(
+        fx.backing().stat("dir"),
+        Err(BackingError::NotAFile(_))
+    ));
+    assert!(matches!(
+        fx.backing().stat("/dir/f"),
+        Err(BackingError::Invalid { .. })
+    ));
 }
 
 fn dot_dot_cannot_leave_the_root(fx: &dyn Fixture) {
     fx.put("a/f", b"x", 0o644);
     assert_eq!(fx.backing().stat("a/../a/f").unwrap().path, "a/f");
-    assert!(matches!(fx.backing().stat("../a/f"), Err(BackingError::Escapes(_))));
-    assert!(matches!(fx.backing().stat("a/../../etc/passwd"), Err(BackingError::Escapes(_))));
+    assert!(matches!(
+        fx.backing().stat("../a/f"),
+        Err(BackingError::Escapes(_))
+    ));
+    assert!(matches!(
+        fx.backing().stat("a/../../etc/passwd"),
+        Err(BackingError::Escapes(_))
+    ));
 }
 
 fn list_names_files_and_directories(fx: &dyn Fixture) {
     fx.put("top/b.bin", b"1", 0o644);
     fx.put("top/a.bin", b"2", 0o644);
     fx.put("top/sub/c.bin", b"3", 0o644);
-    let names: Vec<(String, EntryKind)> =
-        fx.backing().list("top").unwrap().into_iter().map(|e| (e.name, e.kind)).collect();
+    let names: Vec<(String, EntryKind)> = fx
+        .backing()
+        .list("top")
+        .unwrap()
+        .into_iter()
+        .map(|e| (e.name, e.kind))
+        .collect();
     assert_eq!(
         names,
         [
@@ -88,8 +125,17 @@ fn list_names_files_and_directories(fx: &dyn Fixture) {
             ("sub".to_owned(), EntryKind::Dir)
         ]
     );
-    assert!(fx.backing().list("").unwrap().iter().any(|e| e.name == "top"));
-    assert!(matches!(fx.backing().list("missing"), Err(BackingError::NotFound(_))));
+    assert!(
+        fx.backing()
+            .list("")
+            .unwrap()
+            .iter()
+            .any(|e| e.name == "top")
+    );
+    assert!(matches!(
+        fx.backing().list("missing"),
+        Err(BackingError::NotFound(_))
+    ));
 }
 
 fn rewrite_in_place_changes_the_version(fx: &dyn Fixture) {
@@ -99,5 +145,8 @@ fn rewrite_in_place_changes_the_version(fx: &dyn Fixture) {
     let after = fx.backing().stat("f").unwrap();
     assert_eq!(after.version.size, before.version.size);
     assert_eq!(after.version.ino, before.version.ino);
-    assert_ne!(after.version, before.version, "same size, same inode, new content: new version");
+    assert_ne!(
+        after.version, before.version,
+        "same size, same inode, new content: new version"
+    );
 }

@@ -6,12 +6,18 @@ use std::io;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 
-use super::{Backing, BackingError, BackingFile, DirEntry, EntryKind, Owner, Stat, Version, normalize};
+use super::{
+    Backing, BackingError, BackingFile, DirEntry, EntryKind, Owner, Stat, Version, normalize,
+};
 
 #[derive(Debug, Clone)]
 enum Node {
     Dir(Owner),
-    File { owner: Owner, data: Arc<Vec<u8>>, version: Version },
+    File {
+        owner: Owner,
+        data: Arc<Vec<u8>>,
+        version: Version,
+    },
 }
 
 /// An in-memory tree. Cheap to clone handles to via `Arc`.
@@ -28,14 +34,23 @@ impl Default for MemBacking {
     }
 }
 
-const DEFAULT_DIR: Owner = Owner { uid: 0, gid: 0, mode: 0o755, acl: false };
+const DEFAULT_DIR: Owner = Owner {
+    uid: 0,
+    gid: 0,
+    mode: 0o755,
+    acl: false,
+};
 
 impl MemBacking {
     /// An empty tree whose root is owned by root with mode 0755.
     pub fn new() -> Self {
         let mut nodes = BTreeMap::new();
         nodes.insert(String::new(), Node::Dir(DEFAULT_DIR));
-        Self { nodes: RwLock::new(nodes), clock: AtomicI64::new(1), next_ino: AtomicU64::new(1) }
+        Self {
+            nodes: RwLock::new(nodes),
+            clock: AtomicI64::new(1),
+            next_ino: AtomicU64::new(1),
+        }
     }
 
     fn tick(&self) -> i64 {
@@ -48,7 +63,9 @@ impl MemBacking {
         let comps = normalize(path).expect("valid path");
         let mut nodes = self.nodes.write().unwrap_or_else(|e| e.into_inner());
         for i in 1..comps.len() {
-            nodes.entry(comps[..i].join("/")).or_insert(Node::Dir(DEFAULT_DIR));
+            nodes
+                .entry(comps[..i].join("/"))
+                .or_insert(Node::Dir(DEFAULT_DIR));
         }
         let t = self.tick();
         let version = Version {
@@ -58,14 +75,24 @@ impl MemBacking {
             ino: self.next_ino.fetch_add(1, Ordering::Relaxed),
             dev: 1,
         };
-        nodes.insert(comps.join("/"), Node::File { owner, data: Arc::new(data), version });
+        nodes.insert(
+            comps.join("/"),
+            Node::File {
+                owner,
+                data: Arc::new(data),
+                version,
+            },
+        );
     }
 
     /// Overwrites a file's bytes keeping its inode (an in-place rewrite).
     pub fn rewrite_in_place(&self, path: &str, data: Vec<u8>) {
         let t = self.tick();
         let mut nodes = self.nodes.write().unwrap_or_else(|e| e.into_inner());
-        if let Some(Node::File { data: d, version, .. }) = nodes.get_mut(path) {
+        if let Some(Node::File {
+            data: d, version, ..
+        }) = nodes.get_mut(path)
+        {
             *d = Arc::new(data);
             version.size = d.len() as u64;
             version.mtime_ns = t;
@@ -81,7 +108,10 @@ impl MemBacking {
 
     /// Removes a file.
     pub fn remove(&self, path: &str) {
-        self.nodes.write().unwrap_or_else(|e| e.into_inner()).remove(path);
+        self.nodes
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(path);
     }
 }
 
@@ -93,14 +123,19 @@ impl Backing for MemBacking {
         for i in 0..comps.len() {
             match nodes.get(&comps[..i].join("/")) {
                 Some(Node::Dir(o)) => dirs.push(*o),
-                Some(Node::File { .. }) | None => return Err(BackingError::NotFound(path.to_owned())),
+                Some(Node::File { .. }) | None => {
+                    return Err(BackingError::NotFound(path.to_owned()));
+                }
             }
         }
         let canon = comps.join("/");
         match nodes.get(&canon) {
-            Some(Node::File { owner, version, .. }) => {
-                Ok(Stat { path: canon, dirs, owner: *owner, version: *version })
-            }
+            Some(Node::File { owner, version, .. }) => Ok(Stat {
+                path: canon,
+                dirs,
+                owner: *owner,
+                version: *version,
+            }),
             Some(Node::Dir(_)) => Err(BackingError::NotAFile(path.to_owned())),
             None => Err(BackingError::NotFound(path.to_owned())),
         }
@@ -110,7 +145,10 @@ impl Backing for MemBacking {
         let nodes = self.nodes.read().unwrap_or_else(|e| e.into_inner());
         match nodes.get(&stat.path) {
             Some(Node::File { data, version, .. }) if *version == stat.version => {
-                Ok(Box::new(MemFile { data: data.clone(), version: *version }))
+                Ok(Box::new(MemFile {
+                    data: data.clone(),
+                    version: *version,
+                }))
             }
             Some(Node::File { .. }) => Err(BackingError::Changed(stat.path.clone())),
             _ => Err(BackingError::NotFound(stat.path.clone())),
@@ -118,12 +156,20 @@ impl Backing for MemBacking {
     }
 
     fn list(&self, dir: &str) -> Result<Vec<DirEntry>, BackingError> {
-        let prefix = if dir.is_empty() { String::new() } else { normalize(dir)?.join("/") };
+        let prefix = if dir.is_empty() {
+            String::new()
+        } else {
+            normalize(dir)?.join("/")
+        };
         let nodes = self.nodes.read().unwrap_or_else(|e| e.into_inner());
         if !matches!(nodes.get(&prefix), Some(Node::Dir(_))) {
             return Err(BackingError::NotFound(dir.to_owned()));
         }
-        let start = if prefix.is_empty() { String::new() } else { format!("{prefix}/") };
+        let start = if prefix.is_empty() {
+            String::new()
+        } else {
+            format!("{prefix}/")
+        };
         Ok(nodes
             .range(start.clone()..)
             .take_while(|(k, _)| k.starts_with(&start))
@@ -173,10 +219,24 @@ mod tests {
             self
         }
         fn put(&self, path: &str, data: &[u8], mode: u32) {
-            MemBacking::put(self, path, data.to_vec(), Owner { mode, ..DEFAULT_DIR });
+            MemBacking::put(
+                self,
+                path,
+                data.to_vec(),
+                Owner {
+                    mode,
+                    ..DEFAULT_DIR
+                },
+            );
         }
         fn set_dir_mode(&self, path: &str, mode: u32) {
-            self.set_dir(path, Owner { mode, ..DEFAULT_DIR });
+            self.set_dir(
+                path,
+                Owner {
+                    mode,
+                    ..DEFAULT_DIR
+                },
+            );
         }
         fn rewrite_in_place(&self, path: &str, data: &[u8]) {
             MemBacking::rewrite_in_place(self, path, data.to_vec());

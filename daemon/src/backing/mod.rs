@@ -169,7 +169,10 @@ impl<T: BackingFile + ?Sized> BackingFileExt for T {}
 /// Used where no symlinks exist (the in-memory store) and to validate canonical paths;
 /// the POSIX store resolves `..` physically instead, while it walks.
 pub fn normalize(path: &str) -> Result<Vec<&str>, BackingError> {
-    let invalid = |why| BackingError::Invalid { path: path.to_owned(), why };
+    let invalid = |why| BackingError::Invalid {
+        path: path.to_owned(),
+        why,
+    };
     if path.starts_with('/') {
         return Err(invalid("must be relative to the backing root"));
     }
@@ -203,9 +206,18 @@ mod tests {
         assert_eq!(normalize("a/./b//c").unwrap(), ["a", "b", "c"]);
         assert_eq!(normalize("a/../b").unwrap(), ["b"]);
         assert!(matches!(normalize("../x"), Err(BackingError::Escapes(_))));
-        assert!(matches!(normalize("a/../../x"), Err(BackingError::Escapes(_))));
-        assert!(matches!(normalize("/etc/passwd"), Err(BackingError::Invalid { .. })));
-        assert!(matches!(normalize("a\0b"), Err(BackingError::Invalid { .. })));
+        assert!(matches!(
+            normalize("a/../../x"),
+            Err(BackingError::Escapes(_))
+        ));
+        assert!(matches!(
+            normalize("/etc/passwd"),
+            Err(BackingError::Invalid { .. })
+        ));
+        assert!(matches!(
+            normalize("a\0b"),
+            Err(BackingError::Invalid { .. })
+        ));
         assert!(matches!(normalize("."), Err(BackingError::NotAFile(_))));
     }
 }

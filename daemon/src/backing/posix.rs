@@ -53,8 +53,14 @@ impl PosixBacking {
         let e: io::Error = e.into();
         match e.raw_os_error() {
             Some(libc::ENOENT) | Some(libc::ENOTDIR) => BackingError::NotFound(path.to_owned()),
-            Some(libc::ELOOP) => BackingError::Invalid { path: path.to_owned(), why: "symlink loop" },
-            _ => BackingError::Io { path: path.to_owned(), source: e },
+            Some(libc::ELOOP) => BackingError::Invalid {
+                path: path.to_owned(),
+                why: "symlink loop",
+            },
+            _ => BackingError::Io {
+                path: path.to_owned(),
+                source: e,
+            },
         }
     }
 
@@ -93,7 +99,12 @@ impl PosixBacking {
     }
 
     fn owner(st: &rustix::fs::Stat, acl: bool) -> Owner {
-        Owner { uid: st.st_uid, gid: st.st_gid, mode: st.st_mode & 0o7777, acl }
+        Owner {
+            uid: st.st_uid,
+            gid: st.st_gid,
+            mode: st.st_mode & 0o7777,
+            acl,
+        }
     }
 }
 
@@ -113,7 +124,10 @@ impl Backing for PosixBacking {
         normalize(path)?;
         let root_st = rustix::fs::fstat(&self.root_fd).map_err(|e| Self::io_err(path, e))?;
         let root_acl = Self::has_acl(&self.root_fd, None).map_err(|e| Self::io_err(path, e))?;
-        let root_fd = self.root_fd.try_clone().map_err(|e| Self::io_err(path, e))?;
+        let root_fd = self
+            .root_fd
+            .try_clone()
+            .map_err(|e| Self::io_err(path, e))?;
         // The physical directory stack: (descriptor, owner, name).
         let mut stack: Vec<(OwnedFd, Owner, String)> =
             vec![(root_fd, Self::owner(&root_st, root_acl), String::new())];
@@ -139,7 +153,10 @@ impl Backing for PosixBacking {
                 FileType::Symlink => {
                     links += 1;
                     if links > MAX_SYMLINKS {
-                        return Err(BackingError::Invalid { path: path.to_owned(), why: "too many symlinks" });
+                        return Err(BackingError::Invalid {
+                            path: path.to_owned(),
+                            why: "too many symlinks",
+                        });
                     }
                     let target = rustix::fs::readlinkat(dir, comp.as_str(), Vec::new())
                         .map_err(|e| Self::io_err(path, e))?;
@@ -166,7 +183,9 @@ impl Backing for PosixBacking {
                         return Err(BackingError::NotAFile(path.to_owned()));
                     }
                     let acl = Self::has_acl(dir, Some(&comp)).map_err(|e| Self::io_err(path, e))?;
-                    let fd = self.open_dir_at(dir, &comp).map_err(|e| Self::io_err(path, e))?;
+                    let fd = self
+                        .open_dir_at(dir, &comp)
+                        .map_err(|e| Self::io_err(path, e))?;
                     stack.push((fd, Self::owner(&st, acl), comp));
                 }
                 FileType::RegularFile => {
@@ -174,7 +193,8 @@ impl Backing for PosixBacking {
                         return Err(BackingError::NotFound(path.to_owned()));
                     }
                     let acl = Self::has_acl(dir, Some(&comp)).map_err(|e| Self::io_err(path, e))?;
-                    let mut canon: Vec<&str> = stack[1..].iter().map(|(_, _, n)| n.as_str()).collect();
+                    let mut canon: Vec<&str> =
+                        stack[1..].iter().map(|(_, _, n)| n.as_str()).collect();
                     canon.push(&comp);
                     return Ok(Stat {
                         path: canon.join("/"),
@@ -192,7 +212,9 @@ impl Backing for PosixBacking {
     fn open(&self, stat: &Stat) -> Result<Box<dyn BackingFile>, BackingError> {
         let p = stat.path.as_str();
         let comps = normalize(p)?;
-        let (name, dirs) = comps.split_last().expect("normalize returns at least one component");
+        let (name, dirs) = comps
+            .split_last()
+            .expect("normalize returns at least one component");
         let mut dir = self.root_fd.try_clone().map_err(|e| Self::io_err(p, e))?;
         for d in dirs {
             dir = self.open_dir_at(&dir, d).map_err(|e| Self::io_err(p, e))?;
@@ -204,7 +226,9 @@ impl Backing for PosixBacking {
             Mode::empty(),
         )
         .map_err(|e| Self::io_err(p, e))?;
-        let file = PosixFile { file: File::from(fd) };
+        let file = PosixFile {
+            file: File::from(fd),
+        };
         let v = file.version().map_err(|e| Self::io_err(p, e))?;
         if v != stat.version {
             return Err(BackingError::Changed(p.to_owned()));
@@ -213,7 +237,11 @@ impl Backing for PosixBacking {
     }
 
     fn list(&self, dir: &str) -> Result<Vec<DirEntry>, BackingError> {
-        let comps = if dir.is_empty() { Vec::new() } else { normalize(dir)? };
+        let comps = if dir.is_empty() {
+            Vec::new()
+        } else {
+            normalize(dir)?
+        };
         let mut fd = self.root_fd.try_clone().map_err(|e| Self::io_err(dir, e))?;
         for d in &comps {
             fd = self.open_dir_at(&fd, d).map_err(|e| Self::io_err(dir, e))?;
@@ -226,19 +254,22 @@ impl Backing for PosixBacking {
         )
         .map_err(|e| Self::io_err(dir, e))?;
         let mut out = Vec::new();
-        let mut it = rustix::fs::Dir::read_from(rd.as_fd()).map_err(|e| Self::io_err(dir, e))?;
-        while let Some(ent) = it.next() {
+        let it = rustix::fs::Dir::read_from(rd.as_fd()).map_err(|e| Self::io_err(dir, e))?;
+        for ent in it {
             let ent = ent.map_err(|e| Self::io_err(dir, e))?;
             let name = ent.file_name().to_bytes();
             if name == b"." || name == b".." {
                 continue;
             }
-            let Ok(name) = std::str::from_utf8(name) else { continue };
+            let Ok(name) = std::str::from_utf8(name) else {
+                continue;
+            };
             let kind = match ent.file_type() {
                 FileType::RegularFile => EntryKind::File,
                 FileType::Directory => EntryKind::Dir,
                 FileType::Symlink => EntryKind::Symlink,
-                FileType::Unknown => match rustix::fs::statat(&fd, name, AtFlags::SYMLINK_NOFOLLOW) {
+                FileType::Unknown => match rustix::fs::statat(&fd, name, AtFlags::SYMLINK_NOFOLLOW)
+                {
                     Ok(st) => match FileType::from_raw_mode(st.st_mode) {
                         FileType::RegularFile => EntryKind::File,
                         FileType::Directory => EntryKind::Dir,
@@ -249,7 +280,10 @@ impl Backing for PosixBacking {
                 },
                 _ => EntryKind::Other,
             };
-            out.push(DirEntry { name: name.to_owned(), kind });
+            out.push(DirEntry {
+                name: name.to_owned(),
+                kind,
+            });
         }
         out.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(out)
@@ -307,7 +341,10 @@ mod tests {
         }
         fn rewrite_in_place(&self, path: &str, data: &[u8]) {
             use std::io::Write;
-            let mut f = std::fs::OpenOptions::new().write(true).open(self.dir.path().join(path)).unwrap();
+            let mut f = std::fs::OpenOptions::new()
+                .write(true)
+                .open(self.dir.path().join(path))
+                .unwrap();
             f.write_all(data).unwrap();
         }
     }
@@ -325,16 +362,26 @@ mod tests {
         std::os::unix::fs::symlink("real", root.join("alias")).unwrap();
         std::os::unix::fs::symlink(root.join("real/a.bin"), root.join("abs-inside")).unwrap();
         std::os::unix::fs::symlink("/etc/passwd", root.join("abs-outside")).unwrap();
-        std::os::unix::fs::symlink("../../../../etc/passwd", root.join("real/rel-outside")).unwrap();
+        std::os::unix::fs::symlink("../../../../etc/passwd", root.join("real/rel-outside"))
+            .unwrap();
         std::os::unix::fs::symlink("loop", root.join("loop")).unwrap();
 
         let b = &fx.backing;
         assert_eq!(b.stat("alias/a.bin").unwrap().path, "real/a.bin");
         assert_eq!(b.stat("abs-inside").unwrap().path, "real/a.bin");
-        assert!(matches!(b.stat("abs-outside"), Err(BackingError::Escapes(_))));
-        assert!(matches!(b.stat("real/rel-outside"), Err(BackingError::Escapes(_))));
+        assert!(matches!(
+            b.stat("abs-outside"),
+            Err(BackingError::Escapes(_))
+        ));
+        assert!(matches!(
+            b.stat("real/rel-outside"),
+            Err(BackingError::Escapes(_))
+        ));
         assert!(matches!(b.stat("loop"), Err(BackingError::Invalid { .. })));
-        assert!(matches!(b.stat("real/../../etc/passwd"), Err(BackingError::Escapes(_))));
+        assert!(matches!(
+            b.stat("real/../../etc/passwd"),
+            Err(BackingError::Escapes(_))
+        ));
         // `..` is physical: alias/.. is the root, not "real".
         assert_eq!(b.stat("alias/../real/a.bin").unwrap().path, "real/a.bin");
     }

@@ -22,7 +22,11 @@ impl Bucket {
     pub fn new(rate: u64) -> Self {
         let rate = rate.max(1) as f64;
         let burst = (rate / 10.0).max(1048576.0);
-        Self { rate, burst, state: Mutex::new((burst, Instant::now())) }
+        Self {
+            rate,
+            burst,
+            state: Mutex::new((burst, Instant::now())),
+        }
     }
 
     /// Takes `n` tokens, sleeping while the bucket is in debt.
@@ -31,10 +35,15 @@ impl Bucket {
             let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
             let now = Instant::now();
             let (tokens, last) = *s;
-            let tokens = (tokens + now.duration_since(last).as_secs_f64() * self.rate).min(self.burst);
+            let tokens =
+                (tokens + now.duration_since(last).as_secs_f64() * self.rate).min(self.burst);
             let left = tokens - n as f64;
             *s = (left, now);
-            if left < 0.0 { Duration::from_secs_f64(-left / self.rate) } else { Duration::ZERO }
+            if left < 0.0 {
+                Duration::from_secs_f64(-left / self.rate)
+            } else {
+                Duration::ZERO
+            }
         };
         if !wait.is_zero() {
             std::thread::sleep(wait);
@@ -50,14 +59,20 @@ pub struct ThrottledBacking {
 
 impl fmt::Debug for ThrottledBacking {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("ThrottledBacking").field("inner", &self.inner).field("rate", &self.bucket.rate).finish()
+        f.debug_struct("ThrottledBacking")
+            .field("inner", &self.inner)
+            .field("rate", &self.bucket.rate)
+            .finish()
     }
 }
 
 impl ThrottledBacking {
     /// Limits reads through `inner` to `bytes_per_sec`.
     pub fn new(inner: Arc<dyn Backing>, bytes_per_sec: u64) -> Self {
-        Self { inner, bucket: Arc::new(Bucket::new(bytes_per_sec)) }
+        Self {
+            inner,
+            bucket: Arc::new(Bucket::new(bytes_per_sec)),
+        }
     }
 }
 
@@ -67,7 +82,10 @@ impl Backing for ThrottledBacking {
     }
 
     fn open(&self, stat: &Stat) -> Result<Box<dyn BackingFile>, BackingError> {
-        Ok(Box::new(ThrottledFile { inner: self.inner.open(stat)?, bucket: self.bucket.clone() }))
+        Ok(Box::new(ThrottledFile {
+            inner: self.inner.open(stat)?,
+            bucket: self.bucket.clone(),
+        }))
     }
 
     fn list(&self, dir: &str) -> Result<Vec<DirEntry>, BackingError> {

@@ -80,7 +80,10 @@ pub fn bind(path: &Path, mode: u32) -> io::Result<UnixListener> {
             Ok(_) => {
                 return Err(io::Error::new(
                     io::ErrorKind::AddrInUse,
-                    format!("{}: another shardcached is listening on this socket", path.display()),
+                    format!(
+                        "{}: another shardcached is listening on this socket",
+                        path.display()
+                    ),
                 ));
             }
             Err(_) => std::fs::remove_file(path)?,
@@ -93,13 +96,23 @@ pub fn bind(path: &Path, mode: u32) -> io::Result<UnixListener> {
 
 impl Server {
     /// Serves `listener` until [`Server::close`].
-    pub fn start(listener: UnixListener, path: PathBuf, ctx: Arc<Ctx>, max_conns: usize) -> io::Result<Self> {
+    pub fn start(
+        listener: UnixListener,
+        path: PathBuf,
+        ctx: Arc<Ctx>,
+        max_conns: usize,
+    ) -> io::Result<Self> {
         let listener = Arc::new(listener);
         let stop = Arc::new(AtomicBool::new(false));
         let conns: Arc<Mutex<HashMap<u64, UnixStream>>> = Arc::default();
         let active = Arc::new(AtomicUsize::new(0));
         let accept = {
-            let (listener, stop, conns, active) = (listener.clone(), stop.clone(), conns.clone(), active.clone());
+            let (listener, stop, conns, active) = (
+                listener.clone(),
+                stop.clone(),
+                conns.clone(),
+                active.clone(),
+            );
             std::thread::Builder::new().name("sc-accept".into()).spawn(move || {
                 let next_id = AtomicU64::new(0);
                 for conn in listener.incoming() {
@@ -147,7 +160,14 @@ impl Server {
                 }
             })?
         };
-        Ok(Self { path, listener, stop, conns, active, accept: Some(accept) })
+        Ok(Self {
+            path,
+            listener,
+            stop,
+            conns,
+            active,
+            accept: Some(accept),
+        })
     }
 
     /// Stops accepting, disconnects every client and waits (bounded) for their threads.
@@ -160,7 +180,12 @@ impl Server {
         if let Some(h) = self.accept.take() {
             let _ = h.join();
         }
-        for c in self.conns.lock().unwrap_or_else(|e| e.into_inner()).values() {
+        for c in self
+            .conns
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+        {
             let _ = c.shutdown(std::net::Shutdown::Both);
         }
         let _ = std::fs::remove_file(&self.path);
@@ -191,7 +216,10 @@ fn serve(conn: &UnixStream, creds: &Creds, ctx: &Ctx) {
             ctx.stats.add_report(r);
         }
         let (kind, fd) = handle(ctx, creds, req.kind);
-        let resp = pb::Response { id: req.id, kind: Some(kind) };
+        let resp = pb::Response {
+            id: req.id,
+            kind: Some(kind),
+        };
         let fds: Vec<_> = fd.iter().map(|f| f.as_fd()).collect();
         if let Err(e) = wire::send(conn, &resp, &fds) {
             tracing::debug!(pid = creds.pid, error = %e, "reply failed");
@@ -200,7 +228,11 @@ fn serve(conn: &UnixStream, creds: &Creds, ctx: &Ctx) {
     }
 }
 
-fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::Kind, Option<std::fs::File>) {
+fn handle(
+    ctx: &Ctx,
+    creds: &Creds,
+    kind: Option<request::Kind>,
+) -> (response::Kind, Option<std::fs::File>) {
     match kind {
         Some(request::Kind::Open(o)) => {
             let (r, fd) = open(ctx, creds, &o.path);
@@ -222,12 +254,20 @@ fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::K
                 None,
             )
         }
-        None => (response::Kind::Error(pb::ErrorReply { message: "empty request".into() }), None),
+        None => (
+            response::Kind::Error(pb::ErrorReply {
+                message: "empty request".into(),
+            }),
+            None,
+        ),
     }
 }
 
 fn refused(reason: Reason, message: impl Into<String>) -> pb::Refused {
-    pb::Refused { reason: reason as i32, message: message.into() }
+    pb::Refused {
+        reason: reason as i32,
+        message: message.into(),
+    }
 }
 
 /// The single mapping from lookup errors to refusals (and their counters).
@@ -262,29 +302,57 @@ fn refuse_store(stats: &Stats, e: StoreError) -> pb::Refused {
 }
 
 /// Resolves, stats and access-checks `path` for `creds`.
-fn authorize(ctx: &Ctx, creds: &Creds, path: &str) -> Result<(usize, String, Arc<Stat>), pb::Refused> {
-    let (root, rel) = ctx.meta.roots().resolve(path).map_err(|e| refuse_resolve(&ctx.stats, e))?;
-    let stat = ctx.meta.stat(root, rel).map_err(|e| refuse_resolve(&ctx.stats, e.into()))?;
+fn authorize(
+    ctx: &Ctx,
+    creds: &Creds,
+    path: &str,
+) -> Result<(usize, String, Arc<Stat>), pb::Refused> {
+    let (root, rel) = ctx
+        .meta
+        .roots()
+        .resolve(path)
+        .map_err(|e| refuse_resolve(&ctx.stats, e))?;
+    let stat = ctx
+        .meta
+        .stat(root, rel)
+        .map_err(|e| refuse_resolve(&ctx.stats, e.into()))?;
     match access::check(&stat, creds) {
         Decision::Allow => Ok((root, rel.to_owned(), stat)),
         Decision::Deny => {
             inc(&ctx.stats.refused_denied);
             tracing::debug!(uid = creds.uid, path, "access denied through the cache");
-            Err(refused(Reason::PermissionDenied, format!("{path}: permission denied")))
+            Err(refused(
+                Reason::PermissionDenied,
+                format!("{path}: permission denied"),
+            ))
         }
         Decision::Uncertain => {
             inc(&ctx.stats.refused_other);
-            Err(refused(Reason::UncertainAccess, format!("{path}: has an ACL; read it from the backing store")))
+            Err(refused(
+                Reason::UncertainAccess,
+                format!("{path}: has an ACL; read it from the backing store"),
+            ))
         }
     }
 }
 
 fn target(root: usize, rel: String, stat: Arc<Stat>, view: &View) -> Arc<Target> {
-    Arc::new(Target { root, rel, stat, key: view.key })
+    Arc::new(Target {
+        root,
+        rel,
+        stat,
+        key: view.key,
+    })
 }
 
 fn pb_version(v: &crate::backing::Version) -> pb::Version {
-    pb::Version { size: v.size, mtime_ns: v.mtime_ns, ctime_ns: v.ctime_ns, ino: v.ino, dev: v.dev }
+    pb::Version {
+        size: v.size,
+        mtime_ns: v.mtime_ns,
+        ctime_ns: v.ctime_ns,
+        ino: v.ino,
+        dev: v.dev,
+    }
 }
 
 fn is_set(bm: &[u8], i: usize) -> bool {
@@ -299,7 +367,10 @@ fn readahead(ctx: &Ctx, t: &Arc<Target>, view: &View, from: usize, n: u32) {
             break;
         }
         if !is_set(&view.present, i) {
-            if matches!(ctx.filler.request(t, i, Priority::Readahead), Scheduled::Shed) {
+            if matches!(
+                ctx.filler.request(t, i, Priority::Readahead),
+                Scheduled::Shed
+            ) {
                 break;
             }
             queued += 1;
@@ -316,7 +387,12 @@ fn open(ctx: &Ctx, creds: &Creds, path: &str) -> (pb::open_reply::Result, Option
     let root_name = &ctx.meta.roots().get(root).name;
     let mut view = match ctx.store.view(root_name, &stat) {
         Ok(v) => v,
-        Err(e) => return (pb::open_reply::Result::Refused(refuse_store(&ctx.stats, e)), None),
+        Err(e) => {
+            return (
+                pb::open_reply::Result::Refused(refuse_store(&ctx.stats, e)),
+                None,
+            );
+        }
     };
     if view.npresent == view.nblocks {
         inc(&ctx.stats.opens_full);
@@ -338,7 +414,11 @@ fn open(ctx: &Ctx, creds: &Creds, path: &str) -> (pb::open_reply::Result, Option
     (pb::open_reply::Result::Opened(opened), view.data.take())
 }
 
-fn wait(ctx: &Ctx, creds: &Creds, w: &pb::WaitRequest) -> (pb::wait_reply::Result, Option<std::fs::File>) {
+fn wait(
+    ctx: &Ctx,
+    creds: &Creds,
+    w: &pb::WaitRequest,
+) -> (pb::wait_reply::Result, Option<std::fs::File>) {
     inc(&ctx.stats.waits);
     let refuse = |r| (pb::wait_reply::Result::Refused(r), None);
     let (root, rel, stat) = match authorize(ctx, creds, &w.path) {
@@ -347,7 +427,10 @@ fn wait(ctx: &Ctx, creds: &Creds, w: &pb::WaitRequest) -> (pb::wait_reply::Resul
     };
     if w.version.as_ref() != Some(&pb_version(&stat.version)) {
         inc(&ctx.stats.refused_other);
-        return refuse(refused(Reason::Stale, format!("{}: changed on the backing store", w.path)));
+        return refuse(refused(
+            Reason::Stale,
+            format!("{}: changed on the backing store", w.path),
+        ));
     }
     let root_name = ctx.meta.roots().get(root).name.clone();
     let view = match ctx.store.view(&root_name, &stat) {
@@ -356,7 +439,11 @@ fn wait(ctx: &Ctx, creds: &Creds, w: &pb::WaitRequest) -> (pb::wait_reply::Resul
     };
     let t = target(root, rel, stat.clone(), &view);
     let first = w.first_block as usize;
-    let end = (w.first_block.saturating_add(w.count.max(1) as u64).min(MAX_WAIT_BLOCKS)).min(view.nblocks as u64) as usize;
+    let end = (w
+        .first_block
+        .saturating_add(w.count.max(1) as u64)
+        .min(MAX_WAIT_BLOCKS))
+    .min(view.nblocks as u64) as usize;
     let mut flights = Vec::new();
     for i in first..end {
         if is_set(&view.present, i) {
@@ -382,16 +469,21 @@ fn wait(ctx: &Ctx, creds: &Creds, w: &pb::WaitRequest) -> (pb::wait_reply::Resul
     if timed_out {
         inc(&ctx.stats.wait_timeouts);
     }
-    let mut view = if flights.is_empty() {
-        view
-    } else {
-        match ctx.store.view(&root_name, &stat) {
-            Ok(v) => v,
-            Err(e) => return refuse(refuse_store(&ctx.stats, e)),
-        }
+    // Always a fresh view: blocks may have landed between the first view and the
+    // requests (then there was nothing to wait on, but the old bitmap is stale).
+    let mut view = match ctx.store.view(&root_name, &stat) {
+        Ok(v) => v,
+        Err(e) => return refuse(refuse_store(&ctx.stats, e)),
     };
-    let fd = if view.data_gen != w.have_data_gen { view.data.take() } else { None };
-    let waited = pb::Waited { present: std::mem::take(&mut view.present), data_gen: view.data_gen };
+    let fd = if view.data_gen != w.have_data_gen {
+        view.data.take()
+    } else {
+        None
+    };
+    let waited = pb::Waited {
+        present: std::mem::take(&mut view.present),
+        data_gen: view.data_gen,
+    };
     (pb::wait_reply::Result::Waited(waited), fd)
 }
 
@@ -400,7 +492,13 @@ fn status(ctx: &Ctx) -> pb::StatusReply {
     pb::StatusReply {
         daemon_version: env!("CARGO_PKG_VERSION").to_owned(),
         uptime_seconds: ctx.started.elapsed().as_secs(),
-        backing_roots: ctx.meta.roots().all().iter().map(|r| r.name.clone()).collect(),
+        backing_roots: ctx
+            .meta
+            .roots()
+            .all()
+            .iter()
+            .map(|r| r.name.clone())
+            .collect(),
         cache_dir: ctx.cache_dir.display().to_string(),
         capacity_bytes: s.capacity,
         used_bytes: s.used,

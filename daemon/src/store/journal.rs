@@ -29,11 +29,13 @@ const MAX_RECORD: usize = 1 << 20;
 const MAX_BATCH: usize = 1024;
 
 type Done = SyncSender<Result<(), Arc<io::Error>>>;
+/// A framed record and where to report its durability.
+type Pending = (Vec<u8>, Done);
 
 /// An open journal accepting appends.
 #[derive(Debug)]
 pub struct Journal {
-    tx: Mutex<Option<SyncSender<(Vec<u8>, Done)>>>,
+    tx: Mutex<Option<SyncSender<Pending>>>,
     writer: Mutex<Option<JoinHandle<()>>>,
 }
 
@@ -94,7 +96,11 @@ impl Journal {
     pub fn create(path: &Path, records: impl IntoIterator<Item = Record>) -> io::Result<Self> {
         let tmp: PathBuf = path.with_extension("tmp");
         {
-            let mut f = OpenOptions::new().write(true).create(true).truncate(true).open(&tmp)?;
+            let mut f = OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(&tmp)?;
             let mut buf = Vec::with_capacity(1 << 20);
             buf.extend_from_slice(MAGIC);
             for r in records {
@@ -116,7 +122,10 @@ impl Journal {
         let writer = std::thread::Builder::new()
             .name("sc-journal".into())
             .spawn(move || writer_loop(file, rx))?;
-        Ok(Self { tx: Mutex::new(Some(tx)), writer: Mutex::new(Some(writer)) })
+        Ok(Self {
+            tx: Mutex::new(Some(tx)),
+            writer: Mutex::new(Some(writer)),
+        })
     }
 
     /// Appends `rec` and returns once it is durable. Fails if the journal is closed or a
@@ -128,7 +137,8 @@ impl Journal {
         let Some(tx) = tx else {
             return Err(io::Error::other("journal closed"));
         };
-        tx.send((frame(rec), done_tx)).map_err(|_| io::Error::other("journal writer stopped"))?;
+        tx.send((frame(rec), done_tx))
+            .map_err(|_| io::Error::other("journal writer stopped"))?;
         match done_rx.recv() {
             Ok(Ok(())) => Ok(()),
             Ok(Err(e)) => Err(io::Error::new(e.kind(), e.to_string())),
@@ -151,7 +161,7 @@ impl Drop for Journal {
     }
 }
 
-fn writer_loop(mut file: File, rx: Receiver<(Vec<u8>, Done)>) {
+fn writer_loop(mut file: File, rx: Receiver<Pending>) {
     let mut failed: Option<Arc<io::Error>> = None;
     while let Ok(first) = rx.recv() {
         let mut batch = vec![first];
@@ -191,7 +201,15 @@ mod tests {
     use shardcache_proto::store::v1::{BlockAdded, record::Kind};
 
     fn block(i: u64) -> Record {
-        Record { kind: Some(Kind::BlockAdded(BlockAdded { key: vec![1; 16], index: i, len: 10, xxh3: i, generation: 1 })) }
+        Record {
+            kind: Some(Kind::BlockAdded(BlockAdded {
+                key: vec![1; 16],
+                index: i,
+                len: 10,
+                xxh3: i,
+                generation: 1,
+            })),
+        }
     }
 
     #[test]
@@ -237,6 +255,9 @@ mod tests {
         }
         j.close();
         assert_eq!(replay(&p).unwrap().len(), 800);
-        assert!(j.append(&block(1)).is_err(), "closed journal refuses appends");
+        assert!(
+            j.append(&block(1)).is_err(),
+            "closed journal refuses appends"
+        );
     }
 }

@@ -259,7 +259,10 @@ pub struct Store {
 
 impl fmt::Debug for Store {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Store").field("dir", &self.dir).field("capacity", &self.capacity).finish()
+        f.debug_struct("Store")
+            .field("dir", &self.dir)
+            .field("capacity", &self.capacity)
+            .finish()
     }
 }
 
@@ -287,13 +290,22 @@ impl Store {
         journal::sync_dir(&data_dir)?;
         journal::sync_dir(&dir)?;
 
-        let lock = OpenOptions::new().create(true).truncate(false).write(true).open(dir.join("LOCK"))?;
-        rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive).map_err(|_| {
-            io::Error::new(
-                io::ErrorKind::WouldBlock,
-                format!("{}: another shardcached is using this cache directory", dir.display()),
-            )
-        })?;
+        let lock = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(dir.join("LOCK"))?;
+        rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive).map_err(
+            |_| {
+                io::Error::new(
+                    io::ErrorKind::WouldBlock,
+                    format!(
+                        "{}: another shardcached is using this cache directory",
+                        dir.display()
+                    ),
+                )
+            },
+        )?;
 
         let clean_marker = dir.join("CLEAN");
         let clean = clean_marker.exists();
@@ -316,7 +328,8 @@ impl Store {
         let mut dropped = 0;
         files.retain(|key, e| {
             max_generation = max_generation.max(e.generation);
-            let ok = std::fs::metadata(data_path(&data_dir, key, e.generation)).is_ok_and(|m| m.len() == e.version.size);
+            let ok = std::fs::metadata(data_path(&data_dir, key, e.generation))
+                .is_ok_and(|m| m.len() == e.version.size);
             if !ok {
                 dropped += 1;
             }
@@ -392,21 +405,19 @@ impl Store {
         let to_verify = {
             let mut idx = self.lock();
             let pkey = (root.to_owned(), stat.path.clone());
-            if let Some(old) = idx.by_path.get(&pkey).copied() {
-                if old != key {
-                    idx.by_path.remove(&pkey);
-                    if let Some(e) = idx.files.get_mut(&old) {
-                        e.doomed = true;
-                        if e.filling == 0 {
-                            evicted.extend(evict_locked(&mut idx, &old));
-                        }
+            if let Some(old) = idx.by_path.get(&pkey).copied()
+                && old != key
+            {
+                idx.by_path.remove(&pkey);
+                if let Some(e) = idx.files.get_mut(&old) {
+                    e.doomed = true;
+                    if e.filling == 0 {
+                        evicted.extend(evict_locked(&mut idx, &old));
                     }
                 }
             }
-            if idx.files.contains_key(&key) {
-                idx.policy.touch(key);
-            } else {
-                let e = Entry {
+            if let std::collections::hash_map::Entry::Vacant(slot) = idx.files.entry(key) {
+                slot.insert(Entry {
                     root: root.to_owned(),
                     path: stat.path.clone(),
                     version: stat.version,
@@ -417,9 +428,10 @@ impl Store {
                     bytes: 0,
                     filling: 0,
                     doomed: false,
-                };
-                idx.files.insert(key, e);
+                });
                 idx.policy.insert(key);
+            } else {
+                idx.policy.touch(key);
             }
             idx.by_path.insert(pkey, key);
             let e = &idx.files[&key];
@@ -452,11 +464,18 @@ impl Store {
                 None
             };
             let idx = self.lock();
-            let Some(e) = idx.files.get(&key) else { return Err(StoreError::Gone) };
+            let Some(e) = idx.files.get(&key) else {
+                return Err(StoreError::Gone);
+            };
             if e.generation != generation {
                 continue;
             }
-            let npresent = e.blocks.iter().filter(|b| b.is_some_and(|b| b.verified)).count();
+            let npresent = e
+                .blocks
+                .iter()
+                .filter(|b| b.is_some_and(|b| b.verified))
+                .count();
+            let data = if npresent > 0 { data } else { None };
             return Ok(View {
                 key,
                 block_size: e.block_size,
@@ -464,7 +483,7 @@ impl Store {
                 nblocks: e.blocks.len(),
                 npresent,
                 data_gen: if data.is_some() { generation } else { 0 },
-                data: if npresent > 0 { data } else { None },
+                data,
             });
         }
         Err(StoreError::Gone)
@@ -472,7 +491,11 @@ impl Store {
 
     /// True when block `i` of `key` is present and verified.
     pub fn is_present(&self, key: &Key, i: usize) -> bool {
-        self.lock().files.get(key).and_then(|e| e.blocks.get(i).copied().flatten()).is_some_and(|b| b.verified)
+        self.lock()
+            .files
+            .get(key)
+            .and_then(|e| e.blocks.get(i).copied().flatten())
+            .is_some_and(|b| b.verified)
     }
 
     /// Reserves space for block `i` of `key` (evicting if needed). `Ok(None)` when the
@@ -496,12 +519,14 @@ impl Store {
             loop {
                 let over_cap = idx.used + idx.reserved + len as u64 > self.capacity;
                 let (_, fs_free) = fs_stats(&self.dir)?;
-                let short = (self.min_free + idx.reserved + len as u64).saturating_sub(fs_free + freed);
+                let short =
+                    (self.min_free + idx.reserved + len as u64).saturating_sub(fs_free + freed);
                 if !over_cap && short == 0 {
                     break;
                 }
                 let Index { files, policy, .. } = &mut *idx;
-                let victim = policy.victim(&|k| k != key && files.get(k).is_some_and(|e| e.filling == 0));
+                let victim =
+                    policy.victim(&|k| k != key && files.get(k).is_some_and(|e| e.filling == 0));
                 let Some(victim) = victim else {
                     inc(&self.stats.fills_no_space);
                     return Err(StoreError::NoSpace);
@@ -513,7 +538,12 @@ impl Store {
             }
             idx.reserved += len as u64;
             idx.files.get_mut(key).expect("checked above").filling += 1;
-            Ok(Some(Permit { key: *key, index: i, len, offset }))
+            Ok(Some(Permit {
+                key: *key,
+                index: i,
+                len,
+                offset,
+            }))
         })();
         self.finish_evictions(evicted);
         result
@@ -532,7 +562,12 @@ impl Store {
         };
         let (generation, size, rec) = rec;
         let path = self.data_path(key, generation);
-        let f = OpenOptions::new().write(true).create(true).truncate(true).mode(0o600).open(&path)?;
+        let f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&path)?;
         f.set_len(size)?;
         f.sync_all()?;
         journal::sync_dir(path.parent().expect("data files live in a subdirectory"))?;
@@ -570,11 +605,22 @@ impl Store {
 
     fn write_block(&self, permit: &Permit, data: &[u8]) -> Result<BlockMeta, StoreError> {
         let generation = self.ensure_durable(&permit.key)?;
-        let f = OpenOptions::new().write(true).open(self.data_path(&permit.key, generation))?;
+        let f = OpenOptions::new()
+            .write(true)
+            .open(self.data_path(&permit.key, generation))?;
         f.write_all_at(data, permit.offset)?;
         f.sync_data()?;
-        let meta = BlockMeta { len: permit.len, xxh3: xxh3_64(data), verified: true };
-        self.journal.append(&Record::block_added(&permit.key, generation, permit.index, &meta))?;
+        let meta = BlockMeta {
+            len: permit.len,
+            xxh3: xxh3_64(data),
+            verified: true,
+        };
+        self.journal.append(&Record::block_added(
+            &permit.key,
+            generation,
+            permit.index,
+            &meta,
+        ))?;
         Ok(meta)
     }
 
@@ -602,7 +648,9 @@ impl Store {
             match std::fs::remove_file(self.data_path(&ev.key, ev.generation)) {
                 Ok(()) => {}
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-                Err(e) => tracing::warn!(error = %e, key = ?ev.key, "could not remove evicted data file"),
+                Err(e) => {
+                    tracing::warn!(error = %e, key = ?ev.key, "could not remove evicted data file")
+                }
             }
             inc(&self.stats.evicted_files);
             add(&self.stats.evicted_bytes, ev.bytes);
@@ -611,16 +659,25 @@ impl Store {
 
     /// Checks `blocks` of `key` (generation `generation`) against their checksums; drops the
     /// corrupt ones.
-    fn verify_blocks(&self, key: &Key, generation: u64, blocks: &[(usize, BlockMeta)]) -> VerifyReport {
+    fn verify_blocks(
+        &self,
+        key: &Key,
+        generation: u64,
+        blocks: &[(usize, BlockMeta)],
+    ) -> VerifyReport {
         let mut report = VerifyReport::default();
-        let Some(bs) = self.lock().files.get(key).map(|e| e.block_size) else { return report };
+        let Some(bs) = self.lock().files.get(key).map(|e| e.block_size) else {
+            return report;
+        };
         let file = File::open(self.data_path(key, generation));
         let mut buf = vec![0u8; bs as usize];
         let mut results = Vec::with_capacity(blocks.len());
         for &(i, meta) in blocks {
             let b = &mut buf[..meta.len as usize];
             let ok = match &file {
-                Ok(f) => f.read_exact_at(b, i as u64 * bs as u64).is_ok() && xxh3_64(b) == meta.xxh3,
+                Ok(f) => {
+                    f.read_exact_at(b, i as u64 * bs as u64).is_ok() && xxh3_64(b) == meta.xxh3
+                }
                 Err(_) => false,
             };
             report.checked += 1;
@@ -630,7 +687,9 @@ impl Store {
         {
             let mut idx = self.lock();
             let idx = &mut *idx;
-            let Some(e) = idx.files.get_mut(key) else { return report };
+            let Some(e) = idx.files.get_mut(key) else {
+                return report;
+            };
             if e.generation != generation {
                 return report;
             }
@@ -643,7 +702,10 @@ impl Store {
                     idx.unverified -= 1;
                 }
                 if ok {
-                    e.blocks[i] = Some(BlockMeta { verified: true, ..cur });
+                    e.blocks[i] = Some(BlockMeta {
+                        verified: true,
+                        ..cur
+                    });
                 } else {
                     e.blocks[i] = None;
                     e.bytes -= cur.len as u64;
@@ -657,7 +719,10 @@ impl Store {
             report.corrupt += 1;
             inc(&self.stats.corrupt_blocks);
             tracing::warn!(key = ?key, block = i, "cached block failed its checksum; dropped, will be refetched");
-            if let Err(e) = self.journal.append(&Record::block_removed(key, generation, i)) {
+            if let Err(e) = self
+                .journal
+                .append(&Record::block_removed(key, generation, i))
+            {
                 tracing::warn!(error = %e, "journal append failed while dropping a corrupt block");
             }
         }
@@ -666,12 +731,18 @@ impl Store {
 
     /// Re-checks the checksum of every present block.
     pub fn verify_all(&self) -> VerifyReport {
-        let entries: Vec<(Key, u64, bool, Vec<(usize, BlockMeta)>)> = self
+        type Snapshot = (Key, u64, bool, Vec<(usize, BlockMeta)>);
+        let entries: Vec<Snapshot> = self
             .lock()
             .files
             .iter()
             .map(|(k, e)| {
-                let blocks = e.blocks.iter().enumerate().filter_map(|(i, b)| b.map(|b| (i, b))).collect();
+                let blocks = e
+                    .blocks
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(i, b)| b.map(|b| (i, b)))
+                    .collect();
                 (*k, e.generation, e.durable, blocks)
             })
             .collect();
@@ -745,16 +816,30 @@ fn evict_locked(idx: &mut Index, key: &Key) -> Option<Evicted> {
         idx.by_path.remove(&pkey);
     }
     idx.used -= e.bytes;
-    idx.unverified -= e.blocks.iter().filter(|b| b.is_some_and(|b| !b.verified)).count() as u64;
-    Some(Evicted { key: *key, generation: e.generation, bytes: e.bytes })
+    idx.unverified -= e
+        .blocks
+        .iter()
+        .filter(|b| b.is_some_and(|b| !b.verified))
+        .count() as u64;
+    Some(Evicted {
+        key: *key,
+        generation: e.generation,
+        bytes: e.bytes,
+    })
 }
 
 fn remove_orphans(data_dir: &Path, files: &HashMap<Key, Entry>) {
-    let keep: std::collections::HashSet<String> =
-        files.iter().map(|(k, e)| format!("{}.{}", k.hex(), e.generation)).collect();
-    let Ok(subdirs) = std::fs::read_dir(data_dir) else { return };
+    let keep: std::collections::HashSet<String> = files
+        .iter()
+        .map(|(k, e)| format!("{}.{}", k.hex(), e.generation))
+        .collect();
+    let Ok(subdirs) = std::fs::read_dir(data_dir) else {
+        return;
+    };
     for sub in subdirs.flatten() {
-        let Ok(ents) = std::fs::read_dir(sub.path()) else { continue };
+        let Ok(ents) = std::fs::read_dir(sub.path()) else {
+            continue;
+        };
         for ent in ents.flatten() {
             let name = ent.file_name();
             if !keep.contains(name.to_string_lossy().as_ref()) {
@@ -769,11 +854,19 @@ fn remove_orphans(data_dir: &Path, files: &HashMap<Key, Entry>) {
 fn apply(files: &mut HashMap<Key, Entry>, r: jpb::Record) {
     match r.kind {
         Some(Kind::FileAdded(f)) => {
-            let (Some(key), Some(v)) = (Key::from_slice(&f.key), f.version) else { return };
+            let (Some(key), Some(v)) = (Key::from_slice(&f.key), f.version) else {
+                return;
+            };
             if f.block_size == 0 {
                 return;
             }
-            let version = Version { size: v.size, mtime_ns: v.mtime_ns, ctime_ns: v.ctime_ns, ino: v.ino, dev: v.dev };
+            let version = Version {
+                size: v.size,
+                mtime_ns: v.mtime_ns,
+                ctime_ns: v.ctime_ns,
+                ino: v.ino,
+                dev: v.dev,
+            };
             files.insert(
                 key,
                 Entry {
@@ -791,25 +884,38 @@ fn apply(files: &mut HashMap<Key, Entry>, r: jpb::Record) {
             );
         }
         Some(Kind::BlockAdded(b)) => {
-            let Some(key) = Key::from_slice(&b.key) else { return };
+            let Some(key) = Key::from_slice(&b.key) else {
+                return;
+            };
             if let Some(e) = files.get_mut(&key).filter(|e| e.generation == b.generation) {
                 let i = b.index as usize;
                 if i < e.blocks.len() && e.block_len(i) == b.len {
-                    e.blocks[i] = Some(BlockMeta { len: b.len, xxh3: b.xxh3, verified: false });
+                    e.blocks[i] = Some(BlockMeta {
+                        len: b.len,
+                        xxh3: b.xxh3,
+                        verified: false,
+                    });
                 }
             }
         }
         Some(Kind::BlockRemoved(b)) => {
-            let Some(key) = Key::from_slice(&b.key) else { return };
-            if let Some(e) = files.get_mut(&key).filter(|e| e.generation == b.generation) {
-                if let Some(slot) = e.blocks.get_mut(b.index as usize) {
-                    *slot = None;
-                }
+            let Some(key) = Key::from_slice(&b.key) else {
+                return;
+            };
+            if let Some(e) = files.get_mut(&key).filter(|e| e.generation == b.generation)
+                && let Some(slot) = e.blocks.get_mut(b.index as usize)
+            {
+                *slot = None;
             }
         }
         Some(Kind::FileRemoved(f)) => {
-            let Some(key) = Key::from_slice(&f.key) else { return };
-            if files.get(&key).is_some_and(|e| e.generation == f.generation) {
+            let Some(key) = Key::from_slice(&f.key) else {
+                return;
+            };
+            if files
+                .get(&key)
+                .is_some_and(|e| e.generation == f.generation)
+            {
                 files.remove(&key);
             }
         }
@@ -854,11 +960,22 @@ impl Record {
     }
 
     fn block_removed(key: &Key, generation: u64, i: usize) -> jpb::Record {
-        jpb::Record { kind: Some(Kind::BlockRemoved(jpb::BlockRemoved { key: key.0.to_vec(), index: i as u64, generation })) }
+        jpb::Record {
+            kind: Some(Kind::BlockRemoved(jpb::BlockRemoved {
+                key: key.0.to_vec(),
+                index: i as u64,
+                generation,
+            })),
+        }
     }
 
     fn file_removed(key: &Key, generation: u64) -> jpb::Record {
-        jpb::Record { kind: Some(Kind::FileRemoved(jpb::FileRemoved { key: key.0.to_vec(), generation })) }
+        jpb::Record {
+            kind: Some(Kind::FileRemoved(jpb::FileRemoved {
+                key: key.0.to_vec(),
+                generation,
+            })),
+        }
     }
 }
 

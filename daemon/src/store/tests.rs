@@ -19,12 +19,20 @@ fn stat(path: &str, size: u64, mtime: i64) -> Stat {
         path: path.into(),
         dirs: vec![],
         owner: Owner::default(),
-        version: Version { size, mtime_ns: mtime, ctime_ns: mtime, ino: 7, dev: 1 },
+        version: Version {
+            size,
+            mtime_ns: mtime,
+            ctime_ns: mtime,
+            ino: 7,
+            dev: 1,
+        },
     }
 }
 
 fn content(st: &Stat) -> Vec<u8> {
-    (0..st.version.size).map(|i| (i as i64 * 31 + st.version.mtime_ns) as u8).collect()
+    (0..st.version.size)
+        .map(|i| (i as i64 * 31 + st.version.mtime_ns) as u8)
+        .collect()
 }
 
 fn fill(store: &Store, st: &Stat, i: usize) -> Result<(), StoreError> {
@@ -44,7 +52,10 @@ fn check(store: &Store, st: &Stat) -> usize {
     let mut n = 0;
     for i in 0..v.nblocks {
         if v.present[i / 8] & (1 << (i % 8)) != 0 {
-            let f = v.data.as_ref().expect("a present block comes with a descriptor");
+            let f = v
+                .data
+                .as_ref()
+                .expect("a present block comes with a descriptor");
             let off = i * BS as usize;
             let len = (data.len() - off).min(BS as usize);
             let mut buf = vec![0u8; len];
@@ -76,7 +87,11 @@ fn blocks_survive_clean_and_unclean_restarts() {
     }
     let stats = Arc::new(Stats::default());
     let s = Store::open(&cfg(dir.path(), 1 << 30), stats.clone()).unwrap();
-    assert_eq!(s.status().unverified, 4, "unclean restart distrusts every block");
+    assert_eq!(
+        s.status().unverified,
+        4,
+        "unclean restart distrusts every block"
+    );
     assert_eq!(check(&s, &st), 4, "verified on first view, none refetched");
     assert_eq!(stats.blocks_verified.load(Ordering::Relaxed), 4);
     assert_eq!(s.status().unverified, 0);
@@ -94,7 +109,12 @@ fn a_corrupt_block_is_dropped_after_an_unclean_restart() {
     };
     let hex = key.hex();
     let sub = dir.path().join("shardcache-v1/data").join(&hex[..2]);
-    let file = std::fs::read_dir(&sub).unwrap().next().unwrap().unwrap().path();
+    let file = std::fs::read_dir(&sub)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
     let f = OpenOptions::new().write(true).open(&file).unwrap();
     f.write_all_at(b"XXXX", BS as u64 + 10).unwrap();
 
@@ -120,8 +140,18 @@ fn verify_all_finds_corruption_while_running() {
     let key = s.view("/r", &st).unwrap().key;
     let hex = key.hex();
     let sub = dir.path().join("shardcache-v1/data").join(&hex[..2]);
-    let file = std::fs::read_dir(&sub).unwrap().next().unwrap().unwrap().path();
-    OpenOptions::new().write(true).open(&file).unwrap().write_all_at(b"!", 5).unwrap();
+    let file = std::fs::read_dir(&sub)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .write_all_at(b"!", 5)
+        .unwrap();
     let r = s.verify_all();
     assert_eq!((r.checked, r.corrupt), (2, 1));
     assert_eq!(check(&s, &st), 1);
@@ -159,7 +189,11 @@ fn a_new_version_retires_the_old_one() {
     let v2 = stat("a", BS as u64, 2);
     fill(&s, &v1, 0).unwrap();
     assert_eq!(check(&s, &v1), 1);
-    assert_eq!(check(&s, &v2), 0, "same path, same size, new mtime: nothing present");
+    assert_eq!(
+        check(&s, &v2),
+        0,
+        "same path, same size, new mtime: nothing present"
+    );
     assert_eq!(s.status().used, 0, "old version evicted");
     fill(&s, &v2, 0).unwrap();
     assert_eq!(check(&s, &v2), 1);
@@ -249,8 +283,8 @@ mod model {
                     }
                 }
                 let s = store.as_ref().unwrap();
-                for f in 0..3 {
-                    check(s, &st(f, versions[f]));
+                for (f, v) in versions.iter().enumerate() {
+                    check(s, &st(f, *v));
                 }
                 prop_assert!(s.status().used <= c.capacity.resolve(0).max(cap_blocks * BS as u64));
             }

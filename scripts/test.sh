@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Runs every check and test of the workspace: the README's test command, and what CI runs.
+# Needs only a Rust toolchain (no system protoc); run as root for the second-uid tests.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+echo "== format and lints"
+cargo fmt --all --check
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+echo "== build (the end-to-end tests start these binaries)"
+cargo build --workspace --bins --locked
+
+echo "== docs"
+RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --quiet
+
+echo "== tests"
+if cargo nextest --version >/dev/null 2>&1; then
+    cargo nextest run --workspace --locked --no-tests=pass
+    cargo test --workspace --doc --locked
+else
+    cargo test --workspace --locked
+fi

@@ -1,0 +1,552 @@
+//! End-to-end tests of the foundation: the real `shardcached` process, the real client
+//! library and CLI, real files.
+#![allow(clippy::unwrap_used)] // a test that cannot unwrap has failed
+
+use std::io::{Read, Seek, SeekFrom};
+use std::os::unix::fs::{FileExt, PermissionsExt};
+use std::process::Command;
+use std::sync::{Arc, Barrier};
+use std::time::{Duration, Instant};
+
+use shardcache_client::{Client, ClientConfig, Source, proto as pb};
+use shardcache_tests::{Bed, bin, content, read_all, write_file};
+
+const MIB: u64 = 1 << 20;
+
+fn is_root() -> bool {
+    rustix::process::geteuid().is_root()
+}
+
+#[test]
+fn cold_and_warm_reads_equal_the_backing_bytes() {
+    let bed = Bed::new();
+    let sizes = [0, 1, MIB - 1, MIB, MIB + 1, 3 * MIB + MIB / 2];
+    for (i, s) in sizes.iter().enumerate() {
+        write_file(&bed.path(&format!("d/f{i}")), i as u64, *s);
+    }
+    let d = bed.start(&["--block-size", "1MiB"]);
+    let client = bed.client();
+    for (i, s) in sizes.iter().enumerate() {
+        let p = bed.path(&format!("d/f{i}"));
+        let want = content(i as u64, *s);
+        let (cold, _) = read_all(&client, &p).unwrap();
+        assert_eq!(cold, want, "cold read of {s} bytes");
+        let (warm, st) = read_all(&client, &p).unwrap();
+        assert_eq!(warm, want, "warm read of {s} bytes");
+        assert_eq!(st.hit_bytes, *s, "warm read is all local hits");
+        assert_eq!(st.fallback_bytes, 0);
+    }
+    // Positioned reads across block boundaries, a seek, and a mapping.
+    let p = bed.path("d/f5");
+    let want = content(5, sizes[5]);
+    let mut r = client.open(&p).unwrap();
+    assert_eq!(r.source(), Source::Cache);
+    let mut buf = vec![0u8; 2 * MIB as usize];
+    let n = r.read_at(&mut buf, MIB - 10).unwrap();
+    assert_eq!(
+        &buf[..n],
+        &want[(MIB - 10) as usize..(MIB - 10) as usize + n]
+    );
+    r.seek(SeekFrom::End(-100)).unwrap();
+    let mut tail = Vec::new();
+    r.read_to_end(&mut tail).unwrap();
+    assert_eq!(tail, want[want.len() - 100..]);
+    // SAFETY: nothing modifies the file while mapped.
+    let map = unsafe { r.mmap() }.unwrap();
+    assert_eq!(&map[..], &want[..]);
+    let c = d.counters();
+    assert_eq!(
+        c.fallback_bytes, 0,
+        "no client read the backing store itself"
+    );
+    assert_eq!(
+        c.backing_bytes,
+        sizes.iter().sum::<u64>(),
+        "each byte read from backing once"
+    );
+}
+
+#[test]
+fn a_rewritten_backing_file_gives_new_bytes_never_old() {
+    let bed = Bed::new();
+    let p = bed.path("f.bin");
+    write_file(&p, 1, 3 * MIB);
+    let d = bed.start(&["--block-size", "1MiB", "--metadata-ttl", "0"]);
+    let client = bed.client();
+    assert_eq!(read_all(&client, &p).unwrap().0, content(1, 3 * MIB));
+    assert_eq!(
+        read_all(&client, &p).unwrap().1.hit_bytes,
+        3 * MIB,
+        "cached"
+    );
+
+    // Rewrite in place: same inode, same size, new content.
+    let f = std::fs::OpenOptions::new().write(true).open(&p).unwrap();
+    f.write_all_at(&content(2, 3 * MIB), 0).unwrap();
+    f.sync_all().unwrap();
+    drop(f);
+    let fetched = d.counters().backing_bytes;
+    let (got, _) = read_all(&client, &p).unwrap();
+    assert_eq!(got, content(2, 3 * MIB), "in-place rewrite");
+    assert_eq!(
+        d.counters().backing_bytes,
+        fetched + 3 * MIB,
+        "the new version was fetched"
+    );
+
+    // Replace by rename: new inode, same size.
+    let tmp = bed.path("f.bin.tmp");
+    write_file(&tmp, 3, 3 * MIB);
+    std::fs::rename(&tmp, &p).unwrap();
+    let (got, _) = read_all(&client, &p).unwrap();
+    assert_eq!(got, content(3, 3 * MIB), "replaced file");
+    assert_eq!(
+        d.counters().backing_bytes,
+        fetched + 6 * MIB,
+        "the replacement was fetched"
+    );
+    assert_eq!(
+        read_all(&client, &p).unwrap().1.hit_bytes,
+        3 * MIB,
+        "the new version is cached"
+    );
+}
+
+#[test]
+fn kill_9_during_a_fill_keeps_complete_blocks_and_serves_nothing_partial() {
+    let bed = Bed::new();
+    let p = bed.path("big.bin");
+    let size = 48 * MIB;
+    write_file(&p, 7, size);
+    let args = [
+        "--block-size",
+        "1MiB",
+        "--backing-bandwidth",
+        "12MiB",
+        "--readahead-blocks",
+        "4",
+    ];
+    let mut d = bed.start(&args);
+    // A reader streams the file while the daemon fills it slowly.
+    let reader = {
+        let client = bed.client();
+        let p = p.clone();
+        std::thread::spawn(move || read_all(&client, &p).map(|r| r.0))
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while d.status().blocks < 8 {
+        assert!(Instant::now() < deadline, "fill made no progress");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    d.kill9();
+    // The reader in flight falls back to the backing store and still gets every byte.
+    assert_eq!(reader.join().unwrap().unwrap(), content(7, size));
+
+    d.restart();
+    let s = d.status();
+    let kept = s.blocks;
+    assert!(kept >= 8, "complete blocks survive the crash ({kept})");
+    assert!(kept < 48, "the crash happened mid-fill ({kept})");
+    assert_eq!(
+        s.unverified_blocks, kept,
+        "after an unclean stop every block is checked before use"
+    );
+    let (got, _) = read_all(&bed.client(), &p).unwrap();
+    assert_eq!(got, content(7, size));
+    let c = d.counters();
+    assert_eq!(c.corrupt_blocks, 0);
+    assert_eq!(c.blocks_verified, kept);
+    assert_eq!(
+        c.backing_reads,
+        48 - kept,
+        "kept blocks are not fetched again"
+    );
+}
+
+fn data_file(bed: &Bed) -> std::path::PathBuf {
+    let data = bed.cache.join("shardcache-v1/data");
+    let mut found = Vec::new();
+    for sub in std::fs::read_dir(&data).unwrap().flatten() {
+        for f in std::fs::read_dir(sub.path()).unwrap().flatten() {
+            found.push(f.path());
+        }
+    }
+    assert_eq!(
+        found.len(),
+        1,
+        "exactly one cached file expected: {found:?}"
+    );
+    found.pop().unwrap()
+}
+
+#[test]
+fn a_corrupt_cache_block_is_detected_not_served_and_refetched() {
+    let bed = Bed::new();
+    let p = bed.path("f.bin");
+    write_file(&p, 11, 4 * MIB);
+    let mut d = bed.start(&["--block-size", "1MiB"]);
+    let client = bed.client();
+    read_all(&client, &p).unwrap();
+    assert_eq!(d.status().blocks, 4);
+
+    // While running: corruption is found by `shardcache verify`.
+    let df = data_file(&bed);
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&df)
+        .unwrap()
+        .write_all_at(b"bit rot", MIB + 5)
+        .unwrap();
+    let out = Command::new(bin("shardcache"))
+        .args(["--socket", bed.socket.to_str().unwrap(), "verify"])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("checked 4 blocks: 1 corrupt"), "{text}");
+    let before = d.counters().backing_reads;
+    let (got, _) = read_all(&bed.client(), &p).unwrap();
+    assert_eq!(got, content(11, 4 * MIB), "corrupt block not served");
+    assert_eq!(
+        d.counters().backing_reads,
+        before + 1,
+        "only the corrupt block is refetched"
+    );
+
+    // After an unclean stop: corruption is found before the block is first used.
+    d.kill9();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(data_file(&bed))
+        .unwrap()
+        .write_all_at(b"torn", 3 * MIB)
+        .unwrap();
+    d.restart();
+    let (got, st) = read_all(&bed.client(), &p).unwrap();
+    assert_eq!(got, content(11, 4 * MIB));
+    assert_eq!(st.hit_bytes, 3 * MIB, "the three good blocks are reused");
+    let c = d.counters();
+    assert_eq!(c.corrupt_blocks, 1);
+    assert_eq!(c.backing_reads, 1);
+}
+
+#[test]
+fn reads_succeed_from_backing_when_the_daemon_is_absent_stopped_or_hung() {
+    let bed = Bed::new();
+    let p = bed.path("f.bin");
+    write_file(&p, 5, 2 * MIB + 3);
+    let want = content(5, 2 * MIB + 3);
+
+    // Never started.
+    let client = Client::with_config(ClientConfig {
+        socket: bed.socket.clone(),
+        timeout: Duration::from_millis(300),
+        wait_timeout: Duration::from_secs(5),
+        retry_after: Duration::from_millis(50),
+        pool: 2,
+    });
+    let mut r = client.open(&p).unwrap();
+    assert_eq!(r.source(), Source::Backing);
+    let mut got = Vec::new();
+    r.read_to_end(&mut got).unwrap();
+    assert_eq!(got, want);
+    assert!(client.open(bed.path("missing")).unwrap_err().kind() == std::io::ErrorKind::NotFound);
+
+    // Started, used, then stopped: the pooled connection is dead; reads still succeed.
+    let mut d = bed.start(&["--block-size", "1MiB"]);
+    assert_eq!(read_all(&client, &p).unwrap().0, want);
+    let (_, st) = read_all(&client, &p).unwrap();
+    assert_eq!(
+        st.hit_bytes + st.filled_bytes,
+        want.len() as u64,
+        "served from the cache"
+    );
+    let mut open_reader = client.open(&p).unwrap();
+    assert!(d.stop(), "clean shutdown");
+    assert_eq!(read_all(&client, &p).unwrap().0, want);
+    let mut got = Vec::new();
+    open_reader.read_to_end(&mut got).unwrap();
+    assert_eq!(
+        got, want,
+        "a reader opened before the stop keeps its local copy"
+    );
+
+    // Hung (SIGSTOP): the open times out and the client reads the backing store.
+    d.restart();
+    std::thread::sleep(Duration::from_millis(60)); // let the breaker from the stop expire
+    d.signal(libc::SIGSTOP);
+    let t = Instant::now();
+    let (got, st) = read_all(&client, &p).unwrap();
+    assert_eq!(got, want);
+    assert_eq!(st.hit_bytes + st.filled_bytes, 0);
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "fell back after the timeout, not after the hang"
+    );
+    d.signal(libc::SIGCONT);
+}
+
+#[test]
+fn thirty_two_concurrent_readers_cause_one_backing_read_per_block() {
+    let bed = Bed::new();
+    let p = bed.path("shared.bin");
+    let blocks = 16;
+    write_file(&p, 9, blocks * MIB);
+    // Throttled so that the readers really overlap on every block.
+    let d = bed.start(&["--block-size", "1MiB", "--backing-bandwidth", "64MiB"]);
+    let barrier = Arc::new(Barrier::new(32));
+    let threads: Vec<_> = (0..32)
+        .map(|_| {
+            let (client, p, barrier) = (bed.client(), p.clone(), barrier.clone());
+            std::thread::spawn(move || {
+                barrier.wait();
+                let mut r = client.open(&p).unwrap();
+                let mut v = Vec::new();
+                r.read_to_end(&mut v).unwrap();
+                (v, r.stats(), r.fallback_reason())
+            })
+        })
+        .collect();
+    let want = content(9, blocks * MIB);
+    for t in threads {
+        let (got, st, why) = t.join().unwrap();
+        assert!(got == want, "wrong bytes");
+        assert_eq!(
+            st.fallback_bytes, 0,
+            "no reader went to the backing store itself ({why:?})"
+        );
+    }
+    let c = d.counters();
+    assert_eq!(c.backing_reads, blocks, "one backing read per block");
+    assert_eq!(c.backing_bytes, blocks * MIB);
+}
+
+#[test]
+fn a_second_uid_is_denied_what_it_cannot_read_on_backing() {
+    if !is_root() {
+        eprintln!("SKIPPED: needs root to run a client as another uid");
+        return;
+    }
+    let bed = Bed::new();
+    write_file(&bed.path("private.bin"), 1, MIB);
+    std::fs::set_permissions(bed.path("private.bin"), PermissionsExt::from_mode(0o600)).unwrap();
+    write_file(&bed.path("public.bin"), 2, MIB);
+    std::fs::set_permissions(bed.path("public.bin"), PermissionsExt::from_mode(0o644)).unwrap();
+    write_file(&bed.path("closed/inner.bin"), 3, MIB);
+    std::fs::set_permissions(bed.path("closed"), PermissionsExt::from_mode(0o700)).unwrap();
+    write_file(&bed.path("group.bin"), 4, MIB);
+    std::fs::set_permissions(bed.path("group.bin"), PermissionsExt::from_mode(0o640)).unwrap();
+    std::os::unix::fs::chown(bed.path("group.bin"), Some(0), Some(4242)).unwrap();
+    let d = bed.start(&["--block-size", "1MiB"]);
+    // Root reads everything first, so the private data is in the cache.
+    for f in ["private.bin", "public.bin", "closed/inner.bin", "group.bin"] {
+        read_all(&bed.client(), &bed.path(f)).unwrap();
+    }
+
+    let cat_as = |groups: &str, f: &str| {
+        Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534"])
+            .args(if groups.is_empty() {
+                vec!["--clear-groups".to_owned()]
+            } else {
+                vec![format!("--groups={groups}")]
+            })
+            .arg(bin("shardcache"))
+            .args(["--socket", bed.socket.to_str().unwrap(), "cat", "--stats"])
+            .arg(bed.path(f))
+            .output()
+            .unwrap()
+    };
+    let before = d.counters();
+    for f in ["private.bin", "closed/inner.bin", "group.bin"] {
+        let out = cat_as("", f);
+        assert!(
+            !out.status.success(),
+            "{f} must not be readable by uid 65534"
+        );
+        assert!(out.stdout.is_empty(), "no byte of {f} leaked");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("Permission denied"),
+            "{:?}",
+            out
+        );
+    }
+    let after = d.counters();
+    assert_eq!(
+        after.refused_denied - before.refused_denied,
+        3,
+        "the daemon refused all three"
+    );
+    assert_eq!(
+        after.hit_bytes + after.filled_bytes,
+        before.hit_bytes + before.filled_bytes
+    );
+
+    let out = cat_as("", "public.bin");
+    assert!(out.status.success());
+    assert_eq!(out.stdout, content(2, MIB));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains(&format!("hit {MIB} B")),
+        "served from the cache"
+    );
+    let out = cat_as("4242", "group.bin");
+    assert!(
+        out.status.success(),
+        "a supplementary group grants read: {out:?}"
+    );
+    assert_eq!(out.stdout, content(4, MIB));
+    assert!(String::from_utf8_lossy(&out.stderr).contains(&format!("hit {MIB} B")));
+}
+
+/// Sends one raw Open request and returns the reply and how many descriptors came.
+fn raw_open(bed: &Bed, path: &str) -> (pb::open_reply::Result, usize) {
+    let sock = std::os::unix::net::UnixStream::connect(&bed.socket).unwrap();
+    let req = pb::Request {
+        id: 1,
+        report: None,
+        kind: Some(pb::request::Kind::Open(pb::OpenRequest {
+            path: path.into(),
+        })),
+    };
+    shardcache_proto::wire::send(&sock, &req, &[]).unwrap();
+    let (resp, fds): (pb::Response, _) = shardcache_proto::wire::FrameReader::new()
+        .recv(&sock)
+        .unwrap();
+    match resp.kind {
+        Some(pb::response::Kind::Open(pb::OpenReply { result: Some(r) })) => (r, fds.len()),
+        other => panic!("unexpected reply {other:?}"),
+    }
+}
+
+#[test]
+fn path_escapes_are_refused() {
+    let bed = Bed::new();
+    let outside = bed.tmp.path().join("outside.txt");
+    write_file(&outside, 1, 1001);
+    write_file(&bed.path("in/ok.bin"), 2, 1000);
+    std::os::unix::fs::symlink(&outside, bed.path("abs-link")).unwrap();
+    std::os::unix::fs::symlink("../outside.txt", bed.path("rel-link")).unwrap();
+    std::os::unix::fs::symlink("in", bed.path("dir-link")).unwrap();
+    let d = bed.start(&[]);
+    let root = bed.backing.to_str().unwrap();
+    let refused = |p: &str, want: pb::Reason| {
+        let (r, fds) = raw_open(&bed, p);
+        match r {
+            pb::open_reply::Result::Refused(r) => {
+                assert_eq!(r.reason(), want, "{p}: {}", r.message)
+            }
+            other => panic!("{p} was not refused: {other:?}"),
+        }
+        assert_eq!(fds, 0, "{p}: no descriptor");
+    };
+    refused(&format!("{root}/../outside.txt"), pb::Reason::EscapesRoot);
+    refused(
+        &format!("{root}/in/../../outside.txt"),
+        pb::Reason::EscapesRoot,
+    );
+    refused(&format!("{root}/abs-link"), pb::Reason::EscapesRoot);
+    refused(&format!("{root}/rel-link"), pb::Reason::EscapesRoot);
+    refused(outside.to_str().unwrap(), pb::Reason::NotUnderRoot);
+    refused("/etc/passwd", pb::Reason::NotUnderRoot);
+    refused("relative/path", pb::Reason::NotUnderRoot);
+    refused(&format!("{root}/in"), pb::Reason::NotAFile);
+    refused(&format!("{root}/nope"), pb::Reason::NotFound);
+    // A symlink that stays inside the root is followed.
+    assert!(matches!(
+        raw_open(&bed, &format!("{root}/dir-link/ok.bin")).0,
+        pb::open_reply::Result::Opened(_)
+    ));
+    // Through the client, an escaping path is read from the backing store by the
+    // client itself, with its own rights; the cache holds nothing of it.
+    let (got, st) = read_all(&bed.client(), &bed.path("abs-link")).unwrap();
+    assert_eq!(got, content(1, 1001));
+    assert_eq!(st.fallback_bytes, 1001);
+    let s = d.status();
+    assert_eq!(
+        s.counters.unwrap().refused_path,
+        8,
+        "seven raw escapes or outside paths, plus the client's"
+    );
+    let data = bed.cache.join("shardcache-v1/data");
+    for sub in std::fs::read_dir(&data).unwrap().flatten() {
+        for f in std::fs::read_dir(sub.path()).unwrap().flatten() {
+            assert_ne!(
+                f.metadata().unwrap().len(),
+                1001,
+                "nothing outside the root was cached"
+            );
+        }
+    }
+}
+
+#[test]
+fn capacity_is_respected_by_evicting() {
+    let bed = Bed::new();
+    for i in 0..4 {
+        write_file(&bed.path(&format!("f{i}")), i, 2 * MIB);
+    }
+    let d = bed.start(&[
+        "--block-size",
+        "1MiB",
+        "--capacity",
+        "5MiB",
+        "--min-free",
+        "0",
+    ]);
+    let client = bed.client();
+    for round in 0..2 {
+        for i in 0..4 {
+            let (got, _) = read_all(&client, &bed.path(&format!("f{i}"))).unwrap();
+            assert_eq!(got, content(i, 2 * MIB), "round {round} file {i}");
+            assert!(d.status().used_bytes <= 5 * MIB);
+        }
+    }
+    let c = d.counters();
+    assert!(
+        c.evicted_files >= 4,
+        "evictions happened ({})",
+        c.evicted_files
+    );
+    assert_eq!(
+        c.fallback_bytes, 0,
+        "eviction never sent a reader to the backing store"
+    );
+}
+
+#[test]
+fn status_cli_prints_a_table_and_json() {
+    let bed = Bed::new();
+    write_file(&bed.path("f"), 1, MIB);
+    let _d = bed.start(&[]);
+    read_all(&bed.client(), &bed.path("f")).unwrap();
+    read_all(&bed.client(), &bed.path("f")).unwrap();
+    let run = |args: &[&str]| {
+        let out = Command::new(bin("shardcache"))
+            .env("SHARDCACHE_SOCKET", &bed.socket)
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    let table = run(&["status"]);
+    for word in ["capacity", "local hit", "backing", "refused", "integrity"] {
+        assert!(table.contains(word), "{word} missing from:\n{table}");
+    }
+    let json: serde_json::Value = serde_json::from_str(&run(&["status", "--json"])).unwrap();
+    assert_eq!(json["files"], 1);
+    let local = json["counters"]["hit_bytes"].as_u64().unwrap()
+        + json["counters"]["filled_bytes"].as_u64().unwrap();
+    assert_eq!(local, 2 * MIB, "both reads were served locally");
+    // Without a daemon the CLI says what to do.
+    let out = Command::new(bin("shardcache"))
+        .args(["--socket", "/nonexistent/sock", "status"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("is the daemon running?"));
+}
