@@ -35,10 +35,15 @@ pub fn bin(name: &str) -> PathBuf {
 
 /// Deterministic pseudo-random bytes: the same (seed, offset) always gives the same byte.
 pub fn fill_bytes(seed: u64, offset: u64, buf: &mut [u8]) {
-    for (i, b) in buf.iter_mut().enumerate() {
+    let word = |w: u64| xxhash_rust::xxh3::xxh3_64_with_seed(&w.to_le_bytes(), seed).to_le_bytes();
+    let mut i = 0;
+    while i < buf.len() {
         let pos = offset + i as u64;
-        let word = xxhash_rust::xxh3::xxh3_64_with_seed(&(pos / 8).to_le_bytes(), seed);
-        *b = word.to_le_bytes()[(pos % 8) as usize];
+        let w = word(pos / 8);
+        let skip = (pos % 8) as usize;
+        let n = (8 - skip).min(buf.len() - i);
+        buf[i..i + n].copy_from_slice(&w[skip..skip + n]);
+        i += n;
     }
 }
 
@@ -82,9 +87,14 @@ pub struct Bed {
 impl Bed {
     /// A fresh bed under the system temp directory.
     pub fn new() -> Self {
+        Self::new_in(&std::env::temp_dir())
+    }
+
+    /// A fresh bed in a new directory under `parent`.
+    pub fn new_in(parent: &Path) -> Self {
         let tmp = tempfile::Builder::new()
             .prefix("shardcache-test-")
-            .tempdir()
+            .tempdir_in(parent)
             .expect("tempdir");
         // World-searchable, so that tests can run clients as other users.
         std::fs::set_permissions(
@@ -153,9 +163,10 @@ impl Daemon {
             bed.cache.display().to_string(),
             "--socket".into(),
             bed.socket.display().to_string(),
-            "--log".into(),
-            "info,shardcache_daemon=debug".into(),
         ];
+        if !extra.contains(&"--log") {
+            args.extend(["--log".into(), "info,shardcache_daemon=debug".into()]);
+        }
         args.extend(extra.iter().map(|s| s.to_string()));
         let mut d = Self {
             child: None,
@@ -303,4 +314,57 @@ pub fn read_all(
     let mut v = Vec::new();
     r.read_to_end(&mut v)?;
     Ok((v, r.stats()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generated_bytes_do_not_depend_on_how_they_are_cut() {
+        let whole = content(3, 1000);
+        let mut part = vec![0u8; 997];
+        fill_bytes(3, 3, &mut part);
+        assert_eq!(part, whole[3..]);
+        assert_ne!(content(4, 1000), whole);
+    }
+}
+
+/// Drops a file's pages from the page cache, so that the next read comes from disk.
+pub fn drop_page_cache(path: &Path) -> std::io::Result<()> {
+    let f = File::open(path)?;
+    rustix::fs::fadvise(&f, 0, None, rustix::fs::Advice::DontNeed)?;
+    Ok(())
+}
+
+/// The data file holding the cached copy of `rel` (under backing root `root`), if any.
+pub fn cache_data_file(cache_dir: &Path, root: &Path, rel: &str) -> Option<PathBuf> {
+    use shardcache_daemon::backing::Backing;
+    let backing = shardcache_daemon::backing::posix::PosixBacking::new(root).ok()?;
+    let st = backing.stat(rel).ok()?;
+    let key = shardcache_daemon::store::Key::of(root.to_str()?, &st.path, &st.version).hex();
+    let dir = cache_dir.join("shardcache-v1/data").join(&key[..2]);
+    std::fs::read_dir(dir)
+        .ok()?
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with(&format!("{key}.")))
+        })
+}
+
+/// Median of a non-empty slice.
+pub fn median(v: &[f64]) -> f64 {
+    let mut s = v.to_vec();
+    s.sort_by(f64::total_cmp);
+    s[s.len() / 2]
+}
+
+/// The `q` quantile (0..=1) of durations, in microseconds.
+pub fn quantile_us(v: &mut [Duration], q: f64) -> f64 {
+    v.sort();
+    let i = ((v.len() - 1) as f64 * q).round() as usize;
+    v[i].as_secs_f64() * 1e6
 }

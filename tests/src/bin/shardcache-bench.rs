@@ -1,0 +1,410 @@
+//! `shardcache-bench`: measures shardcache against raw baselines taken in the same run
+//! (absolute numbers on shared machines are noise; ratios are what we compare).
+//!
+//! `shardcache-bench foundation` (the README's benchmark command):
+//! - cold fill: reading files through a cold cache (the daemon fills NVMe durably while
+//!   the client reads) ÷ a raw durable copy of the same backing files (read, write,
+//!   fsync), backing page cache dropped before each;
+//! - warm sequential: reading the cached files through the client ÷ reading the same
+//!   local cache files directly, from disk (page cache dropped) and from page cache;
+//! - small files: warm open+read+close of 100 KiB files through the client ÷ the same
+//!   on the local cache files directly (p50, p99, files/s).
+//!
+//! Rounds alternate which side goes first; the median ratio is reported.
+
+use std::fs::File;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use clap::{Parser, Subcommand};
+use shardcache_client::{Client, ClientConfig};
+use shardcache_tests::{Bed, cache_data_file, drop_page_cache, median, quantile_us, write_file};
+
+#[derive(Debug, Parser)]
+#[command(name = "shardcache-bench")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// The single-node data path: cold fill, warm sequential, small files.
+    Foundation(Foundation),
+}
+
+#[derive(Debug, clap::Args)]
+struct Foundation {
+    /// Directory for the generated data and the cache (local disk).
+    #[arg(long, default_value_os_t = std::env::temp_dir())]
+    dir: PathBuf,
+    /// Number of large files.
+    #[arg(long, default_value_t = 6)]
+    large_files: u64,
+    /// Size of each large file in MiB.
+    #[arg(long, default_value_t = 512)]
+    large_mib: u64,
+    /// Number of small files.
+    #[arg(long, default_value_t = 4000)]
+    small_files: u64,
+    /// Size of each small file in KiB.
+    #[arg(long, default_value_t = 100)]
+    small_kib: u64,
+    /// Cache block size.
+    #[arg(long, default_value = "4MiB")]
+    block_size: String,
+    /// Rounds per measurement (alternating order).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+}
+
+const BUF: usize = 4 << 20;
+const MIB: f64 = 1048576.0;
+
+fn read_through(r: &mut impl Read, buf: &mut [u8]) -> u64 {
+    let mut total = 0;
+    loop {
+        match r.read(buf) {
+            Ok(0) => return total,
+            Ok(n) => total += n as u64,
+            Err(e) => panic!("read failed: {e}"),
+        }
+    }
+}
+
+fn secs<F: FnOnce()>(f: F) -> f64 {
+    let t = Instant::now();
+    f();
+    t.elapsed().as_secs_f64()
+}
+
+fn drop_all(paths: &[PathBuf]) {
+    for p in paths {
+        drop_page_cache(p).expect("fadvise");
+    }
+}
+
+fn main() {
+    match Cli::parse().cmd {
+        Cmd::Foundation(a) => foundation(&a),
+    }
+}
+
+fn foundation(a: &Foundation) {
+    let bed = Bed::new_in(&a.dir);
+    let large: Vec<PathBuf> = (0..a.large_files)
+        .map(|i| bed.path(&format!("large/L{i}.bin")))
+        .collect();
+    let small: Vec<PathBuf> = (0..a.small_files)
+        .map(|i| bed.path(&format!("small/S{i:05}.bin")))
+        .collect();
+    let large_bytes = a.large_files * a.large_mib << 20;
+    eprintln!(
+        "generating {} × {} MiB and {} × {} KiB in {} ...",
+        a.large_files,
+        a.large_mib,
+        a.small_files,
+        a.small_kib,
+        bed.tmp.path().display()
+    );
+    for (i, p) in large.iter().enumerate() {
+        write_file(p, i as u64, a.large_mib << 20);
+    }
+    for (i, p) in small.iter().enumerate() {
+        write_file(p, 1000 + i as u64, a.small_kib << 10);
+    }
+    drop_all(&large);
+    let args = [
+        "--block-size",
+        a.block_size.as_str(),
+        "--min-free",
+        "1GiB",
+        "--log",
+        "warn",
+    ];
+    let mut daemon = bed.start(&args);
+    let client = || {
+        Client::with_config(ClientConfig {
+            socket: bed.socket.clone(),
+            ..ClientConfig::default()
+        })
+    };
+    let mut buf = vec![0u8; BUF];
+    let scratch = bed.tmp.path().join("scratch");
+    std::fs::create_dir_all(&scratch).expect("mkdir");
+
+    // Cold fill vs a raw durable copy.
+    let mut cold = Vec::new();
+    for r in 0..a.rounds {
+        let mut raw_copy = || {
+            drop_all(&large);
+            let t = secs(|| {
+                for (i, p) in large.iter().enumerate() {
+                    let mut src = File::open(p).expect("open");
+                    let mut dst = File::create(scratch.join(format!("{i}"))).expect("create");
+                    loop {
+                        let n = src.read(&mut buf).expect("read");
+                        if n == 0 {
+                            break;
+                        }
+                        dst.write_all(&buf[..n]).expect("write");
+                    }
+                    dst.sync_all().expect("fsync");
+                }
+            });
+            for i in 0..large.len() {
+                let _ = std::fs::remove_file(scratch.join(format!("{i}")));
+            }
+            large_bytes as f64 / t
+        };
+        let mut cached = || {
+            // A fresh, empty cache.
+            daemon.stop();
+            std::fs::remove_dir_all(bed.cache.join("shardcache-v1")).expect("clear cache");
+            daemon.restart();
+            drop_all(&large);
+            let c = client();
+            let mut b = vec![0u8; BUF];
+            let t = secs(|| {
+                for p in &large {
+                    let mut rd = c.open(p).expect("open");
+                    assert_eq!(read_through(&mut rd, &mut b), a.large_mib << 20);
+                }
+            });
+            let fb = c
+                .status()
+                .expect("status")
+                .counters
+                .unwrap_or_default()
+                .fallback_bytes;
+            assert_eq!(
+                fb, 0,
+                "the client read the backing store itself: not a cache measurement"
+            );
+            large_bytes as f64 / t
+        };
+        let (raw, ours) = if r % 2 == 0 {
+            let x = raw_copy();
+            (x, cached())
+        } else {
+            let y = cached();
+            (raw_copy(), y)
+        };
+        eprintln!(
+            "  cold round {r}: raw copy {:.0} MiB/s, through cache {:.0} MiB/s",
+            raw / MIB,
+            ours / MIB
+        );
+        cold.push((raw, ours));
+    }
+
+    // Warm sequential: the cache now holds every large file.
+    let data: Vec<PathBuf> = large
+        .iter()
+        .map(|p| {
+            let rel = p
+                .strip_prefix(&bed.backing)
+                .expect("under root")
+                .to_str()
+                .expect("utf8");
+            cache_data_file(&bed.cache, &bed.backing, rel).expect("large file cached")
+        })
+        .collect();
+    let mut warm_disk = Vec::new();
+    let mut warm_hot = Vec::new();
+    for r in 0..a.rounds {
+        for (hot, out) in [(false, &mut warm_disk), (true, &mut warm_hot)] {
+            let raw = || {
+                if !hot {
+                    drop_all(&data);
+                }
+                let mut b = vec![0u8; BUF];
+                let t = secs(|| {
+                    for p in &data {
+                        read_through(&mut File::open(p).expect("open"), &mut b);
+                    }
+                });
+                large_bytes as f64 / t
+            };
+            let c = client();
+            let through = || {
+                if !hot {
+                    drop_all(&data);
+                }
+                let mut b = vec![0u8; BUF];
+                let t = secs(|| {
+                    for p in &large {
+                        let mut rd = c.open(p).expect("open");
+                        read_through(&mut rd, &mut b);
+                        assert_eq!(
+                            rd.stats().hit_bytes,
+                            a.large_mib << 20,
+                            "warm read not all hits"
+                        );
+                    }
+                });
+                large_bytes as f64 / t
+            };
+            if hot {
+                raw();
+            }
+            let (x, y) = if r % 2 == 0 {
+                let x = raw();
+                (x, through())
+            } else {
+                let y = through();
+                (raw(), y)
+            };
+            eprintln!(
+                "  warm round {r} ({}): raw {:.0} MiB/s, client {:.0} MiB/s",
+                if hot { "page cache" } else { "disk" },
+                x / MIB,
+                y / MIB
+            );
+            out.push((x, y));
+        }
+    }
+
+    // Small files: populate, then warm open+read+close.
+    let c = client();
+    for p in &small {
+        read_through(&mut c.open(p).expect("open"), &mut buf);
+    }
+    let small_data: Vec<PathBuf> = small
+        .iter()
+        .map(|p| {
+            let rel = p
+                .strip_prefix(&bed.backing)
+                .expect("under root")
+                .to_str()
+                .expect("utf8");
+            cache_data_file(&bed.cache, &bed.backing, rel).expect("small file cached")
+        })
+        .collect();
+    let mut small_rounds = Vec::new();
+    let time_each = |paths: &[PathBuf], f: &mut dyn FnMut(&Path)| -> (Vec<Duration>, f64) {
+        let t0 = Instant::now();
+        let lat = paths
+            .iter()
+            .map(|p| {
+                let t = Instant::now();
+                f(p);
+                t.elapsed()
+            })
+            .collect();
+        (lat, paths.len() as f64 / t0.elapsed().as_secs_f64())
+    };
+    for r in 0..a.rounds {
+        let mut b = vec![0u8; 256 << 10];
+        let mut raw = || {
+            time_each(&small_data, &mut |p| {
+                read_through(&mut File::open(p).expect("open"), &mut b);
+            })
+        };
+        let mut b2 = vec![0u8; 256 << 10];
+        let mut through = || {
+            time_each(&small, &mut |p| {
+                let mut rd = c.open(p).expect("open");
+                read_through(&mut rd, &mut b2);
+            })
+        };
+        let (x, y) = if r % 2 == 0 {
+            let x = raw();
+            (x, through())
+        } else {
+            let y = through();
+            (raw(), y)
+        };
+        small_rounds.push((x, y));
+    }
+    let st = c.status().expect("status").counters.unwrap_or_default();
+    daemon.stop();
+
+    let ratios =
+        |v: &[(f64, f64)]| median(&v.iter().map(|(raw, ours)| ours / raw).collect::<Vec<_>>());
+    let med = |v: &[(f64, f64)], side: usize| {
+        median(
+            &v.iter()
+                .map(|p| if side == 0 { p.0 } else { p.1 })
+                .collect::<Vec<_>>(),
+        ) / MIB
+    };
+    println!();
+    println!(
+        "shardcache foundation benchmark: {} × {} MiB large files ({:.1} GiB), {} × {} KiB small files, block {}, {} rounds",
+        a.large_files,
+        a.large_mib,
+        large_bytes as f64 / (1u64 << 30) as f64,
+        a.small_files,
+        a.small_kib,
+        a.block_size,
+        a.rounds
+    );
+    println!(
+        "{:<44}{:>12}{:>12}{:>9}{:>8}",
+        "measure (medians)", "baseline", "shardcache", "ratio", "goal"
+    );
+    println!(
+        "{:<44}{:>8.0} MiB/s{:>8.0} MiB/s{:>9.3}{:>8}",
+        "cold fill ÷ raw durable copy",
+        med(&cold, 0),
+        med(&cold, 1),
+        ratios(&cold),
+        "≥ 0.95"
+    );
+    println!(
+        "{:<44}{:>8.0} MiB/s{:>8.0} MiB/s{:>9.3}{:>8}",
+        "warm sequential ÷ raw read of cache files (disk)",
+        med(&warm_disk, 0),
+        med(&warm_disk, 1),
+        ratios(&warm_disk),
+        "≥ 0.97"
+    );
+    println!(
+        "{:<44}{:>8.0} MiB/s{:>8.0} MiB/s{:>9.3}{:>8}",
+        "  same, from page cache",
+        med(&warm_hot, 0),
+        med(&warm_hot, 1),
+        ratios(&warm_hot),
+        ""
+    );
+    let mut raw_lat: Vec<Duration> = small_rounds
+        .iter()
+        .flat_map(|((l, _), _)| l.clone())
+        .collect();
+    let mut our_lat: Vec<Duration> = small_rounds
+        .iter()
+        .flat_map(|(_, (l, _))| l.clone())
+        .collect();
+    let fps: Vec<(f64, f64)> = small_rounds
+        .iter()
+        .map(|((_, x), (_, y))| (*x, *y))
+        .collect();
+    println!(
+        "{:<44}{:>7.0} f/s{:>8.0} f/s{:>9.3}{:>8}",
+        "small files: warm open+read files/s",
+        median(&fps.iter().map(|p| p.0).collect::<Vec<_>>()),
+        median(&fps.iter().map(|p| p.1).collect::<Vec<_>>()),
+        ratios(&fps),
+        "≥ 0.8"
+    );
+    println!(
+        "{:<44}{:>10.1} µs{:>10.1} µs",
+        "  p50 latency",
+        quantile_us(&mut raw_lat, 0.5),
+        quantile_us(&mut our_lat, 0.5)
+    );
+    println!(
+        "{:<44}{:>10.1} µs{:>10.1} µs",
+        "  p99 latency",
+        quantile_us(&mut raw_lat, 0.99),
+        quantile_us(&mut our_lat, 0.99)
+    );
+    println!(
+        "daemon: {} backing reads, {:.0} MiB from backing, {} client fallback bytes",
+        st.backing_reads,
+        st.backing_bytes as f64 / MIB,
+        st.fallback_bytes
+    );
+}
