@@ -316,20 +316,6 @@ pub fn read_all(
     Ok((v, r.stats()))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn generated_bytes_do_not_depend_on_how_they_are_cut() {
-        let whole = content(3, 1000);
-        let mut part = vec![0u8; 997];
-        fill_bytes(3, 3, &mut part);
-        assert_eq!(part, whole[3..]);
-        assert_ne!(content(4, 1000), whole);
-    }
-}
-
 /// Drops a file's pages from the page cache, so that the next read comes from disk.
 pub fn drop_page_cache(path: &Path) -> std::io::Result<()> {
     let f = File::open(path)?;
@@ -367,4 +353,18 @@ pub fn quantile_us(v: &mut [Duration], q: f64) -> f64 {
     v.sort();
     let i = ((v.len() - 1) as f64 * q).round() as usize;
     v[i].as_secs_f64() * 1e6
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn generated_bytes_do_not_depend_on_how_they_are_cut() {
+        let whole = content(3, 1000);
+        let mut part = vec![0u8; 997];
+        fill_bytes(3, 3, &mut part);
+        assert_eq!(part, whole[3..]);
+        assert_ne!(content(4, 1000), whole);
+    }
 }

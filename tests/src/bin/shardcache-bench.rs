@@ -99,7 +99,7 @@ fn foundation(a: &Foundation) {
     let small: Vec<PathBuf> = (0..a.small_files)
         .map(|i| bed.path(&format!("small/S{i:05}.bin")))
         .collect();
-    let large_bytes = a.large_files * a.large_mib << 20;
+    let large_bytes = (a.large_files * a.large_mib) << 20;
     eprintln!(
         "generating {} × {} MiB and {} × {} KiB in {} ...",
         a.large_files,
