@@ -136,38 +136,61 @@ fn pread_full(f: &File, buf: &mut [u8], off: u64) -> io::Result<usize> {
 impl Reader {
     pub(crate) fn open(client: Client, path: &Path) -> io::Result<Self> {
         let path = std::path::absolute(path)?;
-        let mut reason = None;
-        let state = match path.to_str() {
-            None => {
-                reason = Some("path is not UTF-8".to_owned());
-                None
-            }
+        let outcome = match path.to_str() {
+            None => Err("path is not UTF-8".to_owned()),
             Some(p) => {
                 let req = request::Kind::Open(pb::OpenRequest { path: p.to_owned() });
                 match client.inner.call(req, client.inner.cfg.timeout) {
-                    Ok((response::Kind::Open(pb::OpenReply { result: Some(r) }), fds)) => match r {
-                        open_reply::Result::Opened(o) => match cached(o, fds) {
-                            Ok(c) => Some(c),
-                            Err(e) => {
-                                reason = Some(e);
-                                None
-                            }
-                        },
-                        open_reply::Result::Refused(r) => {
-                            reason = Some(format!("refused: {}", r.message));
-                            None
-                        }
-                    },
-                    Ok(_) => {
-                        reason = Some("unexpected reply".into());
-                        None
-                    }
-                    Err(e) => {
-                        reason = Some(e.to_string());
-                        None
-                    }
+                    Ok((response::Kind::Open(reply), fds)) => outcome(reply, &mut fds.into_iter()),
+                    Ok(_) => Err("unexpected reply".into()),
+                    Err(e) => Err(e.to_string()),
                 }
             }
+        };
+        Self::build(client, path, outcome)
+    }
+
+    /// Opens many files in as few exchanges as possible (64 per request). Each result is
+    /// what [`Client::open`] would have returned for that path.
+    pub(crate) fn open_many(client: &Client, paths: &[&Path]) -> Vec<io::Result<Self>> {
+        let mut out = Vec::with_capacity(paths.len());
+        for chunk in paths.chunks(shardcache_proto::wire::MAX_FDS) {
+            let abs: Vec<io::Result<std::path::PathBuf>> =
+                chunk.iter().map(std::path::absolute).collect();
+            let names: Option<Vec<String>> = abs
+                .iter()
+                .map(|p| p.as_ref().ok().and_then(|p| p.to_str()).map(str::to_owned))
+                .collect();
+            let outcomes: Vec<Outcome> = match names {
+                None => failed(chunk.len(), "a path is not UTF-8 or not absolute"),
+                Some(paths) => {
+                    let req = request::Kind::OpenMany(pb::OpenManyRequest { paths });
+                    match client.inner.call(req, client.inner.cfg.timeout) {
+                        Ok((response::Kind::OpenMany(m), fds))
+                            if m.results.len() == chunk.len() =>
+                        {
+                            let mut fds = fds.into_iter();
+                            m.results
+                                .into_iter()
+                                .map(|r| outcome(r, &mut fds))
+                                .collect()
+                        }
+                        Ok(_) => failed(chunk.len(), "unexpected reply"),
+                        Err(e) => failed(chunk.len(), &e.to_string()),
+                    }
+                }
+            };
+            for (p, o) in abs.into_iter().zip(outcomes) {
+                out.push(p.and_then(|p| Self::build(client.clone(), p, o)));
+            }
+        }
+        out
+    }
+
+    fn build(client: Client, path: std::path::PathBuf, outcome: Outcome) -> io::Result<Self> {
+        let (state, reason) = match outcome {
+            Ok(c) => (Some(c), None),
+            Err(why) => (None, Some(why)),
         };
         let (state, size) = match state {
             Some(c) => {
@@ -487,15 +510,33 @@ struct Opened {
     data: Option<File>,
 }
 
-fn cached(o: pb::Opened, fds: Vec<OwnedFd>) -> Result<Opened, String> {
-    let data = fds.into_iter().next().map(File::from);
-    if o.data_gen != 0 && data.is_none() {
-        return Err("daemon reply lacks the data descriptor".into());
+/// What the daemon said about one open: something to read through, or why not.
+type Outcome = Result<Opened, String>;
+
+fn failed(n: usize, why: &str) -> Vec<Outcome> {
+    (0..n).map(|_| Err(why.to_owned())).collect()
+}
+
+/// Interprets one open reply, taking its descriptor (if it has one) from `fds`.
+fn outcome(reply: pb::OpenReply, fds: &mut impl Iterator<Item = OwnedFd>) -> Outcome {
+    match reply.result {
+        Some(open_reply::Result::Opened(o)) => {
+            let data = if o.data_gen != 0 {
+                fds.next().map(File::from)
+            } else {
+                None
+            };
+            if o.data_gen != 0 && data.is_none() {
+                return Err("daemon reply lacks the data descriptor".into());
+            }
+            if o.version.is_none() || o.block_size == 0 {
+                return Err("daemon reply lacks the version".into());
+            }
+            Ok(Opened { reply: o, data })
+        }
+        Some(open_reply::Result::Refused(r)) => Err(format!("refused: {}", r.message)),
+        None => Err("empty reply".into()),
     }
-    if o.version.is_none() || o.block_size == 0 {
-        return Err("daemon reply lacks the version".into());
-    }
-    Ok(Opened { reply: o, data })
 }
 
 impl Opened {

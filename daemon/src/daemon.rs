@@ -83,6 +83,7 @@ impl Daemon {
             max_wait: cfg.max_wait,
             started: Instant::now(),
             cache_dir: cfg.cache_dir.clone(),
+            spin: cfg.spin,
         });
         let server = Server::start(listener, cfg.socket.clone(), ctx, cfg.max_connections)
             .context("starting the server")?;

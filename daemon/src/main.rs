@@ -56,6 +56,10 @@ struct Args {
     /// Longest a client waits on a fill before reading the backing store itself [default: 30s].
     #[arg(long, env = "SHARDCACHED_MAX_WAIT", value_parser = config::parse_duration)]
     max_wait: Option<std::time::Duration>,
+    /// How long a connection thread polls for the next request before sleeping, e.g.
+    /// 50us, 0 [default: 50us].
+    #[arg(long, env = "SHARDCACHED_SPIN", value_parser = config::parse_duration)]
+    spin: Option<std::time::Duration>,
     /// Log filter (tracing EnvFilter syntax) [default: info].
     #[arg(long, env = "SHARDCACHED_LOG", default_value = "info")]
     log: String,
@@ -85,7 +89,8 @@ fn load(args: &Args) -> anyhow::Result<Config> {
         metadata_ttl,
         readahead_blocks,
         fill_workers,
-        max_wait
+        max_wait,
+        spin
     );
     if let Some(bw) = args.backing_bandwidth {
         cfg.backing_bandwidth = (bw > 0).then_some(bw);

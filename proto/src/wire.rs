@@ -9,6 +9,7 @@
 use std::io::{self, IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::time::{Duration, Instant};
 
 use prost::Message;
 use rustix::net::{
@@ -18,8 +19,8 @@ use rustix::net::{
 
 /// Largest frame either side accepts. Larger frames are a protocol error.
 pub const MAX_FRAME: usize = 16 << 20;
-/// Most descriptors one frame may carry.
-pub const MAX_FDS: usize = 4;
+/// Most descriptors one frame may carry (and most files one OpenMany may name).
+pub const MAX_FDS: usize = 64;
 
 /// What can go wrong moving a frame.
 #[derive(Debug, thiserror::Error)]
@@ -82,8 +83,10 @@ pub fn send<M: Message>(sock: impl AsFd, msg: &M, fds: &[BorrowedFd<'_>]) -> Res
 /// Reads frames from one socket, keeping bytes that arrived beyond the current frame.
 #[derive(Debug, Default)]
 pub struct FrameReader {
+    /// Allocated (and zeroed) once; `start..end` holds received, unparsed bytes.
     buf: Vec<u8>,
     start: usize,
+    end: usize,
 }
 
 impl FrameReader {
@@ -93,36 +96,47 @@ impl FrameReader {
     }
 
     /// Receives one frame and decodes it as `M`, returning it with the descriptors that
-    /// arrived with it (close-on-exec set).
+    /// arrived with it (close-on-exec set). Blocks until it arrives (or the socket's
+    /// read timeout passes).
     pub fn recv<M: Message + Default>(
         &mut self,
         sock: impl AsFd,
     ) -> Result<(M, Vec<OwnedFd>), WireError> {
+        self.recv_spin(sock, Duration::ZERO)
+    }
+
+    /// Like [`FrameReader::recv`], but first polls without sleeping for up to `spin`.
+    ///
+    /// On virtual machines a sleeping thread takes tens of microseconds to wake; a
+    /// request/response peer that answers within `spin` is then served without any
+    /// sleep on this side, at the price of one busy core for at most `spin`.
+    pub fn recv_spin<M: Message + Default>(
+        &mut self,
+        sock: impl AsFd,
+        spin: Duration,
+    ) -> Result<(M, Vec<OwnedFd>), WireError> {
         let mut fds = Vec::new();
+        let spin_until = (!spin.is_zero()).then(|| Instant::now() + spin);
         let len = loop {
             if let Some(len) = self.frame_len()?
-                && self.available() >= 4 + len
+                && self.end - self.start >= 4 + len
             {
                 break len;
             }
-            self.fill(sock.as_fd(), &mut fds)?;
+            self.fill(sock.as_fd(), &mut fds, spin_until)?;
         };
         let body = &self.buf[self.start + 4..self.start + 4 + len];
         let msg = M::decode(body)?;
         self.start += 4 + len;
-        if self.start == self.buf.len() {
-            self.buf.clear();
+        if self.start == self.end {
             self.start = 0;
+            self.end = 0;
         }
         Ok((msg, fds))
     }
 
-    fn available(&self) -> usize {
-        self.buf.len() - self.start
-    }
-
     fn frame_len(&self) -> Result<Option<usize>, WireError> {
-        if self.available() < 4 {
+        if self.end - self.start < 4 {
             return Ok(None);
         }
         let mut b = [0u8; 4];
@@ -134,39 +148,52 @@ impl FrameReader {
         Ok(Some(len))
     }
 
-    fn fill(&mut self, sock: BorrowedFd<'_>, fds: &mut Vec<OwnedFd>) -> Result<(), WireError> {
+    fn fill(
+        &mut self,
+        sock: BorrowedFd<'_>,
+        fds: &mut Vec<OwnedFd>,
+        spin_until: Option<Instant>,
+    ) -> Result<(), WireError> {
+        // Make room: move unparsed bytes to the front, grow for a large frame.
         if self.start > 0 {
-            self.buf.drain(..self.start);
+            self.buf.copy_within(self.start..self.end, 0);
+            self.end -= self.start;
             self.start = 0;
         }
-        let want = match self.frame_len()? {
-            Some(len) => (4 + len).max(64 << 10),
-            None => 64 << 10,
+        let need = match self.frame_len()? {
+            Some(len) => 4 + len,
+            None => 4,
         };
-        let old = self.buf.len();
-        self.buf.resize(old.max(want), 0);
+        let want = need.max(64 << 10);
+        if self.buf.len() < want {
+            self.buf.resize(want, 0);
+        }
         let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
         loop {
+            let spinning = spin_until.is_some_and(|t| Instant::now() < t);
+            let flags = if spinning {
+                RecvFlags::CMSG_CLOEXEC | RecvFlags::DONTWAIT
+            } else {
+                RecvFlags::CMSG_CLOEXEC
+            };
             let mut control = RecvAncillaryBuffer::new(&mut space);
-            let mut iov = [IoSliceMut::new(&mut self.buf[old..])];
-            match rustix::net::recvmsg(sock, &mut iov, &mut control, RecvFlags::CMSG_CLOEXEC) {
+            let mut iov = [IoSliceMut::new(&mut self.buf[self.end..])];
+            match rustix::net::recvmsg(sock, &mut iov, &mut control, flags) {
                 Ok(r) => {
                     for m in control.drain() {
                         if let RecvAncillaryMessage::ScmRights(rights) = m {
                             fds.extend(rights);
                         }
                     }
-                    self.buf.truncate(old + r.bytes);
                     if r.bytes == 0 {
                         return Err(WireError::Closed);
                     }
+                    self.end += r.bytes;
                     return Ok(());
                 }
                 Err(rustix::io::Errno::INTR) => continue,
-                Err(e) => {
-                    self.buf.truncate(old);
-                    return Err(io::Error::from(e).into());
-                }
+                Err(rustix::io::Errno::AGAIN) if spinning => std::hint::spin_loop(),
+                Err(e) => return Err(io::Error::from(e).into()),
             }
         }
     }

@@ -134,6 +134,7 @@ impl Bed {
             wait_timeout: Duration::from_secs(60),
             retry_after: Duration::from_millis(200),
             pool: 4,
+            ..ClientConfig::default()
         })
     }
 }

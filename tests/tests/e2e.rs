@@ -248,6 +248,7 @@ fn reads_succeed_from_backing_when_the_daemon_is_absent_stopped_or_hung() {
         wait_timeout: Duration::from_secs(5),
         retry_after: Duration::from_millis(50),
         pool: 2,
+        ..ClientConfig::default()
     });
     let mut r = client.open(&p).unwrap();
     assert_eq!(r.source(), Source::Backing);

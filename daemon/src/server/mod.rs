@@ -13,6 +13,7 @@
 mod creds;
 
 use std::collections::HashMap;
+use std::fs::File;
 use std::io;
 use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
@@ -56,6 +57,8 @@ pub struct Ctx {
     pub started: Instant,
     /// The configured cache directory (for status).
     pub cache_dir: PathBuf,
+    /// How long a connection thread polls for the next request before sleeping.
+    pub spin: Duration,
 }
 
 /// A running server.
@@ -204,7 +207,7 @@ impl Server {
 fn serve(conn: &UnixStream, creds: &Creds, ctx: &Ctx) {
     let mut reader = FrameReader::new();
     loop {
-        let req: pb::Request = match reader.recv(conn) {
+        let req: pb::Request = match reader.recv_spin(conn, ctx.spin) {
             Ok((req, _fds)) => req,
             Err(WireError::Closed) => return,
             Err(e) => {
@@ -228,38 +231,56 @@ fn serve(conn: &UnixStream, creds: &Creds, ctx: &Ctx) {
     }
 }
 
-fn handle(
-    ctx: &Ctx,
-    creds: &Creds,
-    kind: Option<request::Kind>,
-) -> (response::Kind, Option<std::fs::File>) {
+fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::Kind, Vec<File>) {
     match kind {
         Some(request::Kind::Open(o)) => {
             let (r, fd) = open(ctx, creds, &o.path);
-            (response::Kind::Open(pb::OpenReply { result: Some(r) }), fd)
+            (
+                response::Kind::Open(pb::OpenReply { result: Some(r) }),
+                fd.into_iter().collect(),
+            )
+        }
+        Some(request::Kind::OpenMany(m)) => {
+            if m.paths.len() > wire::MAX_FDS {
+                let message = format!("open_many: at most {} paths per request", wire::MAX_FDS);
+                return (
+                    response::Kind::Error(pb::ErrorReply { message }),
+                    Vec::new(),
+                );
+            }
+            let mut results = Vec::with_capacity(m.paths.len());
+            let mut fds = Vec::new();
+            for p in &m.paths {
+                let (r, fd) = open(ctx, creds, p);
+                results.push(pb::OpenReply { result: Some(r) });
+                fds.extend(fd);
+            }
+            (response::Kind::OpenMany(pb::OpenManyReply { results }), fds)
         }
         Some(request::Kind::Wait(w)) => {
             let (r, fd) = wait(ctx, creds, &w);
-            (response::Kind::Wait(pb::WaitReply { result: Some(r) }), fd)
-        }
-        Some(request::Kind::Status(_)) => (response::Kind::Status(status(ctx)), None),
-        Some(request::Kind::Verify(_)) => {
-            let r = ctx.store.verify_all();
             (
-                response::Kind::Verify(pb::VerifyReply {
-                    blocks_checked: r.checked,
-                    corrupt_blocks: r.corrupt,
-                    missing_files: r.missing_files,
-                }),
-                None,
+                response::Kind::Wait(pb::WaitReply { result: Some(r) }),
+                fd.into_iter().collect(),
             )
         }
-        None => (
-            response::Kind::Error(pb::ErrorReply {
-                message: "empty request".into(),
-            }),
-            None,
-        ),
+        Some(request::Kind::Status(_)) => (response::Kind::Status(status(ctx)), Vec::new()),
+        Some(request::Kind::Verify(_)) => {
+            let r = ctx.store.verify_all();
+            let reply = pb::VerifyReply {
+                blocks_checked: r.checked,
+                corrupt_blocks: r.corrupt,
+                missing_files: r.missing_files,
+            };
+            (response::Kind::Verify(reply), Vec::new())
+        }
+        None => {
+            let message = "empty request".to_owned();
+            (
+                response::Kind::Error(pb::ErrorReply { message }),
+                Vec::new(),
+            )
+        }
     }
 }
 
@@ -378,7 +399,7 @@ fn readahead(ctx: &Ctx, t: &Arc<Target>, view: &View, from: usize, n: u32) {
     }
 }
 
-fn open(ctx: &Ctx, creds: &Creds, path: &str) -> (pb::open_reply::Result, Option<std::fs::File>) {
+fn open(ctx: &Ctx, creds: &Creds, path: &str) -> (pb::open_reply::Result, Option<File>) {
     inc(&ctx.stats.opens);
     let (root, rel, stat) = match authorize(ctx, creds, path) {
         Ok(x) => x,
@@ -414,11 +435,7 @@ fn open(ctx: &Ctx, creds: &Creds, path: &str) -> (pb::open_reply::Result, Option
     (pb::open_reply::Result::Opened(opened), view.data.take())
 }
 
-fn wait(
-    ctx: &Ctx,
-    creds: &Creds,
-    w: &pb::WaitRequest,
-) -> (pb::wait_reply::Result, Option<std::fs::File>) {
+fn wait(ctx: &Ctx, creds: &Creds, w: &pb::WaitRequest) -> (pb::wait_reply::Result, Option<File>) {
     inc(&ctx.stats.waits);
     let refuse = |r| (pb::wait_reply::Result::Refused(r), None);
     let (root, rel, stat) = match authorize(ctx, creds, &w.path) {

@@ -70,8 +70,25 @@ impl Key {
 
     /// Lower-case hex, as used in data file names.
     pub fn hex(&self) -> String {
-        self.0.iter().map(|b| format!("{b:02x}")).collect()
+        const DIGITS: &[u8; 16] = b"0123456789abcdef";
+        let mut s = String::with_capacity(32);
+        for b in self.0 {
+            s.push(DIGITS[(b >> 4) as usize] as char);
+            s.push(DIGITS[(b & 15) as usize] as char);
+        }
+        s
     }
+}
+
+/// Identity of a path regardless of version: xxh3-128 of (root, canonical path).
+type PathKey = u128;
+
+fn path_key(root: &str, path: &str) -> PathKey {
+    let mut b = Vec::with_capacity(root.len() + path.len() + 1);
+    b.extend_from_slice(root.as_bytes());
+    b.push(0);
+    b.extend_from_slice(path.as_bytes());
+    xxh3_128(&b)
 }
 
 impl fmt::Debug for Key {
@@ -127,7 +144,7 @@ impl Entry {
 
 struct Index {
     files: HashMap<Key, Entry>,
-    by_path: HashMap<(String, String), Key>,
+    by_path: HashMap<PathKey, Key>,
     used: u64,
     reserved: u64,
     unverified: u64,
@@ -360,7 +377,7 @@ impl Store {
                 }
             }
             index.policy.insert(key);
-            index.by_path.insert((e.root.clone(), e.path.clone()), key);
+            index.by_path.insert(path_key(&e.root, &e.path), key);
             index.files.insert(key, e);
         }
         let journal = Journal::create(&journal_path, records)?;
@@ -404,7 +421,7 @@ impl Store {
         let mut evicted = Vec::new();
         let to_verify = {
             let mut idx = self.lock();
-            let pkey = (root.to_owned(), stat.path.clone());
+            let pkey = path_key(root, &stat.path);
             if let Some(old) = idx.by_path.get(&pkey).copied()
                 && old != key
             {
@@ -811,7 +828,7 @@ fn data_path(data_dir: &Path, key: &Key, generation: u64) -> PathBuf {
 fn evict_locked(idx: &mut Index, key: &Key) -> Option<Evicted> {
     let e = idx.files.remove(key)?;
     idx.policy.remove(key);
-    let pkey = (e.root.clone(), e.path.clone());
+    let pkey = path_key(&e.root, &e.path);
     if idx.by_path.get(&pkey) == Some(key) {
         idx.by_path.remove(&pkey);
     }

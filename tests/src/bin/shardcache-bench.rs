@@ -318,6 +318,36 @@ fn foundation(a: &Foundation) {
         };
         small_rounds.push((x, y));
     }
+    // The same through `open_many`, 64 files per exchange with the daemon.
+    let mut batched = Vec::new();
+    for r in 0..a.rounds {
+        let mut b = vec![0u8; 256 << 10];
+        let mut raw = || {
+            let t = Instant::now();
+            for p in &small_data {
+                read_through(&mut File::open(p).expect("open"), &mut b);
+            }
+            small_data.len() as f64 / t.elapsed().as_secs_f64()
+        };
+        let mut b2 = vec![0u8; 256 << 10];
+        let mut through = || {
+            let t = Instant::now();
+            for chunk in small.chunks(64) {
+                for rd in c.open_many(chunk) {
+                    read_through(&mut rd.expect("open"), &mut b2);
+                }
+            }
+            small.len() as f64 / t.elapsed().as_secs_f64()
+        };
+        let (x, y) = if r % 2 == 0 {
+            let x = raw();
+            (x, through())
+        } else {
+            let y = through();
+            (raw(), y)
+        };
+        batched.push((x, y));
+    }
     let st = c.status().expect("status").counters.unwrap_or_default();
     daemon.stop();
 
@@ -400,6 +430,14 @@ fn foundation(a: &Foundation) {
         "  p99 latency",
         quantile_us(&mut raw_lat, 0.99),
         quantile_us(&mut our_lat, 0.99)
+    );
+    println!(
+        "{:<44}{:>7.0} f/s{:>8.0} f/s{:>9.3}{:>8}",
+        "small files, open_many (64 per exchange)",
+        median(&batched.iter().map(|p| p.0).collect::<Vec<_>>()),
+        median(&batched.iter().map(|p| p.1).collect::<Vec<_>>()),
+        ratios(&batched),
+        "≥ 0.8"
     );
     println!(
         "daemon: {} backing reads, {:.0} MiB from backing, {} client fallback bytes",
