@@ -320,3 +320,30 @@ mod tests {
         );
     }
 }
+
+#[cfg(test)]
+mod packaged {
+    use super::*;
+
+    /// The example configuration shipped in packaging/ parses and matches the defaults.
+    #[test]
+    fn the_packaged_example_is_valid_and_documents_the_defaults() {
+        let c: Config = toml::from_str(include_str!("../../packaging/shardcached.toml")).unwrap();
+        c.validate().unwrap();
+        let d = Config::default();
+        assert_eq!(c.cache_dir, d.cache_dir);
+        assert_eq!(c.socket, d.socket);
+        assert_eq!(c.socket_mode, d.socket_mode);
+        assert_eq!(c.capacity, d.capacity);
+        assert_eq!(c.min_free, d.min_free);
+        assert_eq!(c.block_size, d.block_size);
+        assert_eq!(c.metadata_ttl, d.metadata_ttl);
+        assert_eq!(c.readahead_blocks, d.readahead_blocks);
+        assert_eq!(c.fill_workers, d.fill_workers);
+        assert_eq!(c.fill_queue, d.fill_queue);
+        assert_eq!(c.max_wait, d.max_wait);
+        assert_eq!(c.backing_bandwidth, d.backing_bandwidth);
+        assert_eq!(c.max_connections, d.max_connections);
+        assert_eq!(c.spin, d.spin);
+    }
+}
