@@ -551,3 +551,49 @@ fn status_cli_prints_a_table_and_json() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("is the daemon running?"));
 }
+
+#[test]
+fn open_many_gives_each_path_what_open_would() {
+    let bed = Bed::new();
+    for i in 0..70 {
+        write_file(&bed.path(&format!("s/{i:03}")), i, 1000 + i * 37);
+    }
+    let d = bed.start(&[]);
+    let client = bed.client();
+    // Warm half of them.
+    for i in (0..70).step_by(2) {
+        read_all(&client, &bed.path(&format!("s/{i:03}"))).unwrap();
+    }
+    let mut paths: Vec<std::path::PathBuf> =
+        (0..70).map(|i| bed.path(&format!("s/{i:03}"))).collect();
+    paths.push(bed.path("s/missing"));
+    paths.push("/etc/hostname".into());
+    let readers = client.open_many(&paths);
+    assert_eq!(
+        readers.len(),
+        72,
+        "70 files over two exchanges, plus two odd ones"
+    );
+    for (i, r) in readers.into_iter().take(70).enumerate() {
+        let mut r = r.unwrap();
+        assert_eq!(r.source(), Source::Cache, "file {i}");
+        let mut v = Vec::new();
+        r.read_to_end(&mut v).unwrap();
+        assert_eq!(v, content(i as u64, 1000 + i as u64 * 37), "file {i}");
+    }
+    let mut rest = client.open_many(&paths[70..]).into_iter();
+    assert_eq!(
+        rest.next().unwrap().unwrap_err().kind(),
+        std::io::ErrorKind::NotFound
+    );
+    if std::path::Path::new("/etc/hostname").exists() {
+        assert_eq!(
+            rest.next().unwrap().unwrap().source(),
+            Source::Backing,
+            "outside the roots: read directly"
+        );
+    }
+    let c = d.counters();
+    assert_eq!(c.fallback_bytes, 0);
+    assert!(c.opens_full >= 35, "the warmed half was complete at open");
+}

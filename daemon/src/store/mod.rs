@@ -263,6 +263,9 @@ pub struct StoreStatus {
 pub struct Store {
     dir: PathBuf,
     data_dir: PathBuf,
+    /// A descriptor of `data_dir`: data files are opened relative to it, which spares the
+    /// kernel the walk of the whole cache path on every client open.
+    data_fd: std::os::fd::OwnedFd,
     index: Mutex<Index>,
     journal: Journal,
     capacity: u64,
@@ -392,6 +395,13 @@ impl Store {
         );
         Ok(Self {
             dir,
+            data_fd: rustix::fs::open(
+                &data_dir,
+                rustix::fs::OFlags::PATH
+                    | rustix::fs::OFlags::DIRECTORY
+                    | rustix::fs::OFlags::CLOEXEC,
+                rustix::fs::Mode::empty(),
+            )?,
             data_dir,
             index: Mutex::new(index),
             journal,
@@ -407,6 +417,20 @@ impl Store {
 
     fn lock(&self) -> MutexGuard<'_, Index> {
         self.index.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Opens a data file read-only (a fresh open file description each time, so that
+    /// clients never share a file offset).
+    fn open_data(&self, key: &Key, generation: u64) -> io::Result<File> {
+        let hex = key.hex();
+        let rel = format!("{}/{hex}.{generation}", &hex[..2]);
+        let fd = rustix::fs::openat(
+            &self.data_fd,
+            rel.as_str(),
+            rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC | rustix::fs::OFlags::NOFOLLOW,
+            rustix::fs::Mode::empty(),
+        )?;
+        Ok(File::from(fd))
     }
 
     fn data_path(&self, key: &Key, generation: u64) -> PathBuf {
@@ -472,7 +496,7 @@ impl Store {
                 None => return Err(StoreError::Gone),
             };
             let data = if durable {
-                match File::open(self.data_path(&key, generation)) {
+                match self.open_data(&key, generation) {
                     Ok(f) => Some(f),
                     Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
                     Err(e) => return Err(e.into()),
