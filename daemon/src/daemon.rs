@@ -33,8 +33,9 @@ impl Daemon {
         let stats = Arc::new(Stats::default());
         let mut roots = Vec::new();
         for r in &cfg.backing_roots {
-            let posix =
-                PosixBacking::new(r).with_context(|| format!("backing root {}", r.display()))?;
+            // Directories are trusted as long as file metadata (metadata_ttl).
+            let posix = PosixBacking::with_dir_ttl(r, cfg.metadata_ttl)
+                .with_context(|| format!("backing root {}", r.display()))?;
             let path = posix.root().to_owned();
             let name = path
                 .to_str()

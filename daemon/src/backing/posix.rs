@@ -14,6 +14,8 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
 
 use rustix::fs::{AtFlags, FileType, Mode, OFlags};
 use rustix::io::Errno;
@@ -30,18 +32,66 @@ const MAX_SYMLINKS: usize = 40;
 pub struct PosixBacking {
     root: PathBuf,
     root_fd: OwnedFd,
+    /// Directories already resolved (by their plain relative path), trusted for the
+    /// metadata TTL: a file's stat then costs one `statat` and one `getxattr` instead of
+    /// three calls per path component.
+    dirs: Option<moka::sync::Cache<String, Arc<DirStack>>>,
 }
+
+/// The physical directory stack of a walk: (descriptor, owner, name), the root first.
+type DirStack = Vec<(Arc<OwnedFd>, Owner, String)>;
 
 impl PosixBacking {
     /// Opens the tree at `root` (which must be an existing directory; it is canonicalized).
     pub fn new(root: &Path) -> io::Result<Self> {
+        Self::with_dir_ttl(root, Duration::ZERO)
+    }
+
+    /// Like [`PosixBacking::new`], trusting resolved directories (their owners and modes)
+    /// for `ttl`; `0` resolves every component on every stat.
+    pub fn with_dir_ttl(root: &Path, ttl: Duration) -> io::Result<Self> {
         let root = std::fs::canonicalize(root)?;
         let root_fd = rustix::fs::open(
             &root,
             OFlags::PATH | OFlags::DIRECTORY | OFlags::CLOEXEC,
             Mode::empty(),
         )?;
-        Ok(Self { root, root_fd })
+        let dirs = (!ttl.is_zero()).then(|| {
+            moka::sync::Cache::builder()
+                .max_capacity(65536)
+                .time_to_live(ttl)
+                .build()
+        });
+        Ok(Self {
+            root,
+            root_fd,
+            dirs,
+        })
+    }
+
+    fn remember(&self, key: &str, stack: &DirStack) {
+        if let Some(d) = &self.dirs {
+            d.insert(key.to_owned(), Arc::new(stack.clone()));
+        }
+    }
+
+    fn root_stack(&self, path: &str) -> Result<DirStack, BackingError> {
+        if let Some(s) = self.dirs.as_ref().and_then(|d| d.get("")) {
+            return Ok((*s).clone());
+        }
+        let root_st = rustix::fs::fstat(&self.root_fd).map_err(|e| Self::io_err(path, e))?;
+        let root_acl = Self::has_acl(&self.root_fd, None).map_err(|e| Self::io_err(path, e))?;
+        let root_fd = self
+            .root_fd
+            .try_clone()
+            .map_err(|e| Self::io_err(path, e))?;
+        let stack = vec![(
+            Arc::new(root_fd),
+            Self::owner(&root_st, root_acl),
+            String::new(),
+        )];
+        self.remember("", &stack);
+        Ok(stack)
     }
 
     /// The canonical root directory.
@@ -122,16 +172,24 @@ impl Backing for PosixBacking {
     fn stat(&self, path: &str) -> Result<Stat, BackingError> {
         // Validate the shape (relative, no NUL) up front; `..` is applied physically below.
         normalize(path)?;
-        let root_st = rustix::fs::fstat(&self.root_fd).map_err(|e| Self::io_err(path, e))?;
-        let root_acl = Self::has_acl(&self.root_fd, None).map_err(|e| Self::io_err(path, e))?;
-        let root_fd = self
-            .root_fd
-            .try_clone()
-            .map_err(|e| Self::io_err(path, e))?;
-        // The physical directory stack: (descriptor, owner, name).
-        let mut stack: Vec<(OwnedFd, Owner, String)> =
-            vec![(root_fd, Self::owner(&root_st, root_acl), String::new())];
-        let mut pending: Vec<String> = path.split('/').rev().map(str::to_owned).collect();
+        // A plain path (no empty, `.` or `..` component) whose directory was resolved
+        // recently starts from there.
+        let plain = path
+            .split('/')
+            .all(|c| !c.is_empty() && c != "." && c != "..");
+        let cached = match (plain, path.rfind('/'), &self.dirs) {
+            (true, Some(i), Some(d)) => d.get(&path[..i]).map(|s| (s, &path[i + 1..])),
+            _ => None,
+        };
+        let (mut stack, mut pending): (DirStack, Vec<String>) = match cached {
+            Some((s, name)) => ((*s).clone(), vec![name.to_owned()]),
+            None => (
+                self.root_stack(path)?,
+                path.split('/').rev().map(str::to_owned).collect(),
+            ),
+        };
+        // Directories reached without symlinks or `..` are remembered under their path.
+        let mut clean = true;
         let mut links = 0;
         while let Some(comp) = pending.pop() {
             match comp.as_str() {
@@ -141,6 +199,7 @@ impl Backing for PosixBacking {
                         return Err(BackingError::Escapes(path.to_owned()));
                     }
                     stack.pop();
+                    clean = false;
                     continue;
                 }
                 _ => {}
@@ -151,6 +210,7 @@ impl Backing for PosixBacking {
                 .map_err(|e| Self::io_err(path, e))?;
             match FileType::from_raw_mode(st.st_mode) {
                 FileType::Symlink => {
+                    clean = false;
                     links += 1;
                     if links > MAX_SYMLINKS {
                         return Err(BackingError::Invalid {
@@ -186,7 +246,12 @@ impl Backing for PosixBacking {
                     let fd = self
                         .open_dir_at(dir, &comp)
                         .map_err(|e| Self::io_err(path, e))?;
-                    stack.push((fd, Self::owner(&st, acl), comp));
+                    stack.push((Arc::new(fd), Self::owner(&st, acl), comp));
+                    if clean {
+                        let key: Vec<&str> =
+                            stack[1..].iter().map(|(_, _, n)| n.as_str()).collect();
+                        self.remember(&key.join("/"), &stack);
+                    }
                 }
                 FileType::RegularFile => {
                     if more {
@@ -319,9 +384,17 @@ mod tests {
 
     impl Posix {
         fn new() -> Self {
+            Self::with_ttl(Duration::ZERO)
+        }
+
+        fn with_ttl(ttl: Duration) -> Self {
             let dir = tempfile::tempdir().unwrap();
-            let backing = PosixBacking::new(dir.path()).unwrap();
+            let backing = PosixBacking::with_dir_ttl(dir.path(), ttl).unwrap();
             Self { dir, backing }
+        }
+
+        fn cached() -> Self {
+            Self::with_ttl(Duration::from_secs(3600))
         }
     }
 
@@ -355,8 +428,43 @@ mod tests {
     }
 
     #[test]
+    fn conformance_with_a_directory_cache() {
+        conformance::run_all(&Posix::cached);
+    }
+
+    #[test]
     fn symlinks_inside_the_root_resolve_and_outside_are_refused() {
-        let fx = Posix::new();
+        for fx in [Posix::new(), Posix::cached()] {
+            symlinks(fx);
+        }
+    }
+
+    #[test]
+    fn cached_directories_keep_their_owners_and_stay_correct() {
+        let fx = Posix::cached();
+        fx.put("a/b/f1", b"1", 0o644);
+        fx.put("a/b/f2", b"22", 0o644);
+        fx.set_dir_mode("a", 0o711);
+        let s1 = fx.backing.stat("a/b/f1").unwrap();
+        let s2 = fx.backing.stat("a/b/f2").unwrap();
+        assert_eq!(s2.path, "a/b/f2");
+        assert_eq!(
+            s1.dirs, s2.dirs,
+            "the second stat reuses the resolved directory"
+        );
+        assert_eq!(s2.dirs[1].mode, 0o711);
+        assert_eq!(s2.version.size, 2);
+        assert!(matches!(
+            fx.backing.stat("a/b/none"),
+            Err(BackingError::NotFound(_))
+        ));
+        // A symlinked directory is resolved, never cached under the link's name.
+        std::os::unix::fs::symlink("a/b", fx.dir.path().join("link")).unwrap();
+        assert_eq!(fx.backing.stat("link/f1").unwrap().path, "a/b/f1");
+        assert_eq!(fx.backing.stat("link/f2").unwrap().path, "a/b/f2");
+    }
+
+    fn symlinks(fx: Posix) {
         fx.put("real/a.bin", b"abc", 0o644);
         let root = fx.dir.path();
         std::os::unix::fs::symlink("real", root.join("alias")).unwrap();
