@@ -13,7 +13,9 @@
 //! underneath is never cached under the old version's key.
 
 use std::cmp::Ordering as CmpOrdering;
-use std::collections::{BinaryHeap, HashMap};
+use std::collections::BinaryHeap;
+
+use rustc_hash::FxHashMap as HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Instant;
@@ -164,7 +166,7 @@ impl Filler {
         let inner = Arc::new(Inner {
             queue: Mutex::new(Queue::default()),
             cv: Condvar::new(),
-            flights: Mutex::new(HashMap::new()),
+            flights: Mutex::new(HashMap::default()),
             store,
             meta,
             stats,

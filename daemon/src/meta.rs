@@ -81,8 +81,19 @@ impl Roots {
 
 #[derive(Debug)]
 struct Cached {
+    /// The path as asked (checked on every hit: the cache key is only its hash).
+    rel: String,
     stat: Arc<Stat>,
     at: Instant,
+}
+
+/// Cache key: xxh3-128 of (root index, relative path as asked). Hashing spares an
+/// allocation per lookup; a hit is confirmed against the stored path.
+fn cache_key(root: usize, rel: &str) -> u128 {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    h.update(&(root as u64).to_le_bytes());
+    h.update(rel.as_bytes());
+    h.digest128()
 }
 
 /// Metadata of backing files, trusted for `ttl`.
@@ -90,7 +101,7 @@ struct Cached {
 pub struct Meta {
     roots: Arc<Roots>,
     ttl: Duration,
-    cache: moka::sync::Cache<(usize, String), Arc<Cached>>,
+    cache: moka::sync::Cache<u128, Arc<Cached>, rustc_hash::FxBuildHasher>,
     stats: Arc<Stats>,
 }
 
@@ -100,7 +111,7 @@ impl Meta {
         let cache = moka::sync::Cache::builder()
             .max_capacity(max_entries)
             .time_to_live(ttl.max(Duration::from_millis(1)))
-            .build();
+            .build_with_hasher(rustc_hash::FxBuildHasher);
         Self {
             roots,
             ttl,
@@ -116,10 +127,11 @@ impl Meta {
 
     /// The metadata of `rel` under root `root`, fresh within the TTL.
     pub fn stat(&self, root: usize, rel: &str) -> Result<Arc<Stat>, BackingError> {
-        let key = (root, rel.to_owned());
+        let key = cache_key(root, rel);
         if !self.ttl.is_zero()
             && let Some(c) = self.cache.get(&key)
             && c.at.elapsed() < self.ttl
+            && c.rel == rel
         {
             return Ok(c.stat.clone());
         }
@@ -127,20 +139,19 @@ impl Meta {
         inc(&self.stats.backing_stats);
         let stat = Arc::new(self.roots.get(root).backing.stat(rel)?);
         if !self.ttl.is_zero() {
-            self.cache.insert(
-                key,
-                Arc::new(Cached {
-                    stat: stat.clone(),
-                    at,
-                }),
-            );
+            let cached = Cached {
+                rel: rel.to_owned(),
+                stat: stat.clone(),
+                at,
+            };
+            self.cache.insert(key, Arc::new(cached));
         }
         Ok(stat)
     }
 
     /// Forgets `rel` (after the backing store reported it changed).
     pub fn invalidate(&self, root: usize, rel: &str) {
-        self.cache.invalidate(&(root, rel.to_owned()));
+        self.cache.invalidate(&cache_key(root, rel));
     }
 }
 

@@ -5,7 +5,9 @@
 //! plan. The epoch-aware policy (evict what is needed farthest in the future) plugs in
 //! here.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
+
+use rustc_hash::FxHashMap as HashMap;
 use std::fmt;
 
 use super::Key;

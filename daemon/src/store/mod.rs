@@ -27,7 +27,7 @@
 pub mod evict;
 pub mod journal;
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap as HashMap;
 use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io;
@@ -340,7 +340,7 @@ impl Store {
 
         let journal_path = dir.join("journal");
         let records = journal::replay(&journal_path)?;
-        let mut files: HashMap<Key, Entry> = HashMap::new();
+        let mut files: HashMap<Key, Entry> = HashMap::default();
         for r in records {
             apply(&mut files, r);
         }
@@ -358,8 +358,8 @@ impl Store {
         remove_orphans(&data_dir, &files);
 
         let mut index = Index {
-            files: HashMap::new(),
-            by_path: HashMap::new(),
+            files: HashMap::default(),
+            by_path: HashMap::default(),
             used: 0,
             reserved: 0,
             unverified: 0,
@@ -422,8 +422,7 @@ impl Store {
     /// Opens a data file read-only (a fresh open file description each time, so that
     /// clients never share a file offset).
     fn open_data(&self, key: &Key, generation: u64) -> io::Result<File> {
-        let hex = key.hex();
-        let rel = format!("{}/{hex}.{generation}", &hex[..2]);
+        let rel = data_name(key, generation);
         let fd = rustix::fs::openat(
             &self.data_fd,
             rel.as_str(),
@@ -844,9 +843,32 @@ impl Store {
     }
 }
 
-fn data_path(data_dir: &Path, key: &Key, generation: u64) -> PathBuf {
+/// `<xx>/<key>.<generation>`, built without the formatting machinery (this is on the
+/// path of every client open).
+fn data_name(key: &Key, generation: u64) -> String {
     let hex = key.hex();
-    data_dir.join(&hex[..2]).join(format!("{hex}.{generation}"))
+    let mut s = String::with_capacity(56);
+    s.push_str(&hex[..2]);
+    s.push('/');
+    s.push_str(&hex);
+    s.push('.');
+    let mut digits = [0u8; 20];
+    let mut n = generation;
+    let mut i = digits.len();
+    loop {
+        i -= 1;
+        digits[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            break;
+        }
+    }
+    s.extend(digits[i..].iter().map(|&d| d as char));
+    s
+}
+
+fn data_path(data_dir: &Path, key: &Key, generation: u64) -> PathBuf {
+    data_dir.join(data_name(key, generation))
 }
 
 fn evict_locked(idx: &mut Index, key: &Key) -> Option<Evicted> {

@@ -68,6 +68,14 @@ fn check(store: &Store, st: &Stat) -> usize {
 }
 
 #[test]
+fn data_names_match_the_documented_layout() {
+    let k = Key([0xab; 16]);
+    for g in [0, 7, 1_764_000_000_123_456_789, u64::MAX] {
+        assert_eq!(data_name(&k, g), format!("ab/{}.{g}", "ab".repeat(16)));
+    }
+}
+
+#[test]
 fn blocks_survive_clean_and_unclean_restarts() {
     let dir = tempfile::tempdir().unwrap();
     let st = stat("a", 3 * BS as u64 + 100, 1);
