@@ -597,3 +597,20 @@ fn open_many_gives_each_path_what_open_would() {
     assert_eq!(c.fallback_bytes, 0);
     assert!(c.opens_full >= 35, "the warmed half was complete at open");
 }
+
+#[test]
+fn a_full_cache_degrades_to_backing_reads() {
+    let bed = Bed::new();
+    write_file(&bed.path("f.bin"), 3, 3 * MIB + 5);
+    // A free-space floor of the whole file system: nothing can ever be admitted.
+    let d = bed.start(&["--block-size", "1MiB", "--min-free", "100%"]);
+    let client = bed.client();
+    for _ in 0..2 {
+        let (got, st) = read_all(&client, &bed.path("f.bin")).unwrap();
+        assert_eq!(got, content(3, 3 * MIB + 5));
+        assert_eq!(st.fallback_bytes, 3 * MIB + 5, "every byte read from the backing store");
+    }
+    let c = d.counters();
+    assert!(c.fills_no_space > 0, "the daemon reported the full cache");
+    assert_eq!(d.status().used_bytes, 0);
+}
