@@ -358,3 +358,164 @@ fn read_block(inner: &Inner, t: &Target, offset: u64, len: usize) -> Result<Vec<
     }
     Ok(buf)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backing::fault::{Faults, FaultyBacking};
+    use crate::backing::mem::MemBacking;
+    use crate::backing::{Backing, Owner};
+    use crate::config::SizeSpec;
+    use crate::meta::{Root, Roots};
+    use crate::store::StoreConfig;
+    use std::sync::atomic::Ordering;
+    use std::time::Duration;
+
+    const BS: u32 = 4096;
+
+    struct Rig {
+        _dir: tempfile::TempDir,
+        mem: Arc<MemBacking>,
+        faults: Arc<Faults>,
+        meta: Arc<Meta>,
+        store: Arc<Store>,
+        stats: Arc<Stats>,
+        filler: Filler,
+    }
+
+    fn rig() -> Rig {
+        let dir = tempfile::tempdir().unwrap();
+        let mem = Arc::new(MemBacking::new());
+        let (faulty, faults) = FaultyBacking::new(mem.clone());
+        let backing: Arc<dyn Backing> = Arc::new(faulty);
+        let roots = Arc::new(Roots::new(vec![Root {
+            path: "/r".into(),
+            name: "/r".into(),
+            backing,
+        }]));
+        let stats = Arc::new(Stats::default());
+        let meta = Arc::new(Meta::new(
+            roots,
+            Duration::from_secs(3600),
+            1000,
+            stats.clone(),
+        ));
+        let cfg = StoreConfig {
+            dir: dir.path().to_owned(),
+            capacity: SizeSpec::Bytes(1 << 30),
+            min_free: SizeSpec::Bytes(0),
+            block_size: BS,
+        };
+        let store = Arc::new(Store::open(&cfg, stats.clone()).unwrap());
+        let filler = Filler::new(store.clone(), meta.clone(), stats.clone(), 4, 64).unwrap();
+        Rig {
+            _dir: dir,
+            mem,
+            faults,
+            meta,
+            store,
+            stats,
+            filler,
+        }
+    }
+
+    impl Rig {
+        fn put(&self, path: &str, len: usize) {
+            let data = (0..len).map(|i| (i % 251) as u8).collect();
+            self.mem.put(
+                path,
+                data,
+                Owner {
+                    mode: 0o644,
+                    ..Owner::default()
+                },
+            );
+        }
+
+        fn target(&self, path: &str) -> Arc<Target> {
+            let stat = self.meta.stat(0, path).unwrap();
+            let view = self.store.view("/r", &stat).unwrap();
+            Arc::new(Target {
+                root: 0,
+                rel: path.to_owned(),
+                stat,
+                key: view.key,
+            })
+        }
+
+        fn wait(&self, t: &Arc<Target>, i: usize) -> Option<bool> {
+            match self.filler.request(t, i, Priority::Demand) {
+                Scheduled::Present => Some(true),
+                Scheduled::InFlight(f) => f.wait_until(Instant::now() + Duration::from_secs(20)),
+                Scheduled::Shed => None,
+            }
+        }
+    }
+
+    #[test]
+    fn concurrent_requests_for_a_block_cause_one_backing_read() {
+        let r = Arc::new(rig());
+        r.put("f", 4 * BS as usize);
+        let t = r.target("f");
+        let threads: Vec<_> = (0..16)
+            .map(|_| {
+                let (r, t) = (r.clone(), t.clone());
+                std::thread::spawn(move || (0..4).all(|i| r.wait(&t, i) == Some(true)))
+            })
+            .collect();
+        for th in threads {
+            assert!(th.join().unwrap());
+        }
+        assert_eq!(
+            r.faults.reads.load(Ordering::Relaxed),
+            4,
+            "one read per block"
+        );
+        assert!((0..4).all(|i| r.store.is_present(&t.key, i)));
+        r.filler.close();
+    }
+
+    #[test]
+    fn a_failing_backing_store_leaves_nothing_behind_and_recovers() {
+        let r = rig();
+        r.put("f", 2 * BS as usize);
+        let t = r.target("f");
+        r.faults.fail_reads.store(true, Ordering::Relaxed);
+        assert_eq!(r.wait(&t, 0), Some(false));
+        assert!(!r.store.is_present(&t.key, 0));
+        assert_eq!(r.store.status().used, 0, "the reservation was returned");
+        assert_eq!(r.stats.fill_errors.load(Ordering::Relaxed), 1);
+        r.faults.fail_reads.store(false, Ordering::Relaxed);
+        assert_eq!(r.wait(&t, 0), Some(true), "a later request succeeds");
+        r.filler.close();
+    }
+
+    #[test]
+    fn a_file_changed_underneath_is_not_cached_under_the_old_version() {
+        let r = rig();
+        r.put("f", BS as usize);
+        let t = r.target("f");
+        r.put("f", BS as usize); // a new version (new inode), same size
+        assert_eq!(r.wait(&t, 0), Some(false));
+        assert!(!r.store.is_present(&t.key, 0));
+        assert_ne!(
+            r.meta.stat(0, "f").unwrap().version,
+            t.stat.version,
+            "metadata was invalidated"
+        );
+        r.filler.close();
+    }
+
+    #[test]
+    fn close_releases_waiters() {
+        let r = rig();
+        r.put("f", BS as usize);
+        let t = r.target("f");
+        r.faults.fail_reads.store(true, Ordering::Relaxed);
+        r.filler.close();
+        assert!(
+            matches!(r.filler.request(&t, 0, Priority::Demand), Scheduled::Shed),
+            "closed: nothing scheduled"
+        );
+    }
+}

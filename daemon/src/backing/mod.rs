@@ -1,7 +1,7 @@
 //! The backing store: where the training data really lives (a mounted parallel file
 //! system, later an object store). The daemon reads it only through the [`Backing`]
 //! trait, which has a POSIX implementation ([`posix`]), an in-memory one ([`mem`]) and
-//! wrappers that change its behaviour without touching it ([`throttle`]).
+//! wrappers that change its behaviour without touching it ([`throttle`], [`fault`]).
 //!
 //! A backing store owns path resolution: [`Backing::stat`] turns a path relative to the
 //! store's root into its canonical form (symlinks followed, never out of the root) and
@@ -15,6 +15,7 @@
 use std::fmt;
 use std::io;
 
+pub mod fault;
 pub mod mem;
 pub mod posix;
 pub mod throttle;

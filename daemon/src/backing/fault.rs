@@ -1,0 +1,87 @@
+//! Fault injection and observation for tests and benchmarks, as a wrapper: a
+//! [`FaultyBacking`] counts every call that reaches the store and fails reads on demand,
+//! without a test-only field in any production type.
+
+use std::fmt;
+use std::io;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use super::{Backing, BackingError, BackingFile, DirEntry, Stat, Version};
+
+/// Counters and switches shared by a [`FaultyBacking`] and the files opened through it.
+#[derive(Debug, Default)]
+pub struct Faults {
+    /// `stat` calls that reached the store.
+    pub stats: AtomicU64,
+    /// `read_at` calls that reached the store.
+    pub reads: AtomicU64,
+    /// Make every read fail with an I/O error.
+    pub fail_reads: AtomicBool,
+}
+
+/// Wraps a backing store, counting calls and failing reads when told to.
+pub struct FaultyBacking {
+    inner: Arc<dyn Backing>,
+    faults: Arc<Faults>,
+}
+
+impl fmt::Debug for FaultyBacking {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FaultyBacking")
+            .field("inner", &self.inner)
+            .finish()
+    }
+}
+
+impl FaultyBacking {
+    /// Wraps `inner`; the returned [`Faults`] observe and steer it.
+    pub fn new(inner: Arc<dyn Backing>) -> (Self, Arc<Faults>) {
+        let faults = Arc::new(Faults::default());
+        (
+            Self {
+                inner,
+                faults: faults.clone(),
+            },
+            faults,
+        )
+    }
+}
+
+impl Backing for FaultyBacking {
+    fn stat(&self, path: &str) -> Result<Stat, BackingError> {
+        self.faults.stats.fetch_add(1, Ordering::Relaxed);
+        self.inner.stat(path)
+    }
+
+    fn open(&self, stat: &Stat) -> Result<Box<dyn BackingFile>, BackingError> {
+        Ok(Box::new(FaultyFile {
+            inner: self.inner.open(stat)?,
+            faults: self.faults.clone(),
+        }))
+    }
+
+    fn list(&self, dir: &str) -> Result<Vec<DirEntry>, BackingError> {
+        self.inner.list(dir)
+    }
+}
+
+#[derive(Debug)]
+struct FaultyFile {
+    inner: Box<dyn BackingFile>,
+    faults: Arc<Faults>,
+}
+
+impl BackingFile for FaultyFile {
+    fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        self.faults.reads.fetch_add(1, Ordering::Relaxed);
+        if self.faults.fail_reads.load(Ordering::Relaxed) {
+            return Err(io::Error::other("injected read failure"));
+        }
+        self.inner.read_at(buf, offset)
+    }
+
+    fn version(&self) -> io::Result<Version> {
+        self.inner.version()
+    }
+}
