@@ -3,6 +3,7 @@
 
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
@@ -24,7 +25,11 @@ pub struct Daemon {
     filler: Arc<Filler>,
     store: Arc<Store>,
     socket: PathBuf,
+    scrub: Option<Scrub>,
 }
+
+/// The background verification after an unclean start: its stop flag and thread.
+type Scrub = (Arc<AtomicBool>, std::thread::JoinHandle<()>);
 
 impl Daemon {
     /// Validates `cfg`, opens the store, binds the socket and starts serving.
@@ -89,12 +94,37 @@ impl Daemon {
         let server = Server::start(listener, cfg.socket.clone(), ctx, cfg.max_connections)
             .context("starting the server")?;
         tracing::info!(socket = %cfg.socket.display(), "shardcached ready");
+        let scrub = Self::start_scrub(&store)?;
         Ok(Self {
             server,
             filler,
             store,
             socket: cfg.socket.clone(),
+            scrub,
         })
+    }
+
+    /// After an unclean start, checks every block in the background (blocks are also
+    /// checked on first use; this makes sure the rest are too, so that the next orderly
+    /// shutdown can mark the cache clean).
+    fn start_scrub(store: &Arc<Store>) -> anyhow::Result<Option<Scrub>> {
+        if store.status().unverified == 0 {
+            return Ok(None);
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let (st, s) = (store.clone(), stop.clone());
+        let h = std::thread::Builder::new()
+            .name("sc-scrub".into())
+            .spawn(move || {
+                let r = st.verify_unverified(&|| s.load(Ordering::Relaxed));
+                tracing::info!(
+                    checked = r.checked,
+                    corrupt = r.corrupt,
+                    "background verification finished"
+                );
+            })
+            .context("starting the scrub thread")?;
+        Ok(Some((stop, h)))
     }
 
     /// The socket clients connect to.
@@ -107,6 +137,10 @@ impl Daemon {
     pub fn close(mut self) -> anyhow::Result<()> {
         self.server.close();
         self.filler.close();
+        if let Some((stop, h)) = self.scrub.take() {
+            stop.store(true, Ordering::Relaxed);
+            let _ = h.join();
+        }
         let left = self.server.drain(Duration::from_secs(5));
         if left > 0 {
             tracing::warn!(left, "client threads still running at shutdown");

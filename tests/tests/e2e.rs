@@ -147,15 +147,15 @@ fn kill_9_during_a_fill_keeps_complete_blocks_and_serves_nothing_partial() {
     let kept = s.blocks;
     assert!(kept >= 8, "complete blocks survive the crash ({kept})");
     assert!(kept < 48, "the crash happened mid-fill ({kept})");
-    assert_eq!(
-        s.unverified_blocks, kept,
-        "after an unclean stop every block is checked before use"
-    );
+    assert!(s.unverified_blocks <= kept);
     let (got, _) = read_all(&bed.client(), &p).unwrap();
     assert_eq!(got, content(7, size));
     let c = d.counters();
     assert_eq!(c.corrupt_blocks, 0);
-    assert_eq!(c.blocks_verified, kept);
+    assert!(
+        c.blocks_verified >= kept,
+        "after an unclean stop every block is checked (on first use or by the scrub)"
+    );
     assert_eq!(
         c.backing_reads,
         48 - kept,

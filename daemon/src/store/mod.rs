@@ -771,6 +771,16 @@ impl Store {
 
     /// Re-checks the checksum of every present block.
     pub fn verify_all(&self) -> VerifyReport {
+        self.verify_where(false, &|| false)
+    }
+
+    /// Checks the blocks not yet verified since an unclean start (the background scrub),
+    /// stopping early when `stop` says so.
+    pub fn verify_unverified(&self, stop: &dyn Fn() -> bool) -> VerifyReport {
+        self.verify_where(true, stop)
+    }
+
+    fn verify_where(&self, only_unverified: bool, stop: &dyn Fn() -> bool) -> VerifyReport {
         type Snapshot = (Key, u64, bool, Vec<(usize, BlockMeta)>);
         let entries: Vec<Snapshot> = self
             .lock()
@@ -781,13 +791,19 @@ impl Store {
                     .blocks
                     .iter()
                     .enumerate()
-                    .filter_map(|(i, b)| b.map(|b| (i, b)))
+                    .filter_map(|(i, b)| {
+                        b.filter(|b| !only_unverified || !b.verified)
+                            .map(|b| (i, b))
+                    })
                     .collect();
                 (*k, e.generation, e.durable, blocks)
             })
             .collect();
         let mut total = VerifyReport::default();
         for (key, generation, durable, blocks) in entries {
+            if stop() {
+                break;
+            }
             if blocks.is_empty() {
                 continue;
             }
@@ -833,10 +849,20 @@ impl Store {
         self.block_size
     }
 
-    /// Flushes the journal and marks the shutdown clean. Call once, after every fill
-    /// has finished.
+    /// Flushes the journal and, when every block is verified, marks the shutdown clean
+    /// (the next start then trusts the journal). Blocks still unverified since an unclean
+    /// start withhold the mark, so the next start checks everything again rather than
+    /// trust a block nobody checked. Call once, after every fill has finished.
     pub fn close(&self) -> io::Result<()> {
         self.journal.close();
+        let unverified = self.lock().unverified;
+        if unverified > 0 {
+            tracing::info!(
+                unverified,
+                "blocks not yet verified: the next start verifies the cache again"
+            );
+            return Ok(());
+        }
         let marker = self.dir.join("CLEAN");
         File::create(&marker)?.sync_all()?;
         journal::sync_dir(&self.dir)

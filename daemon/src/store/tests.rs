@@ -299,3 +299,61 @@ mod model {
         }
     }
 }
+
+#[test]
+fn a_clean_stop_does_not_vouch_for_blocks_nobody_verified() {
+    let dir = tempfile::tempdir().unwrap();
+    let st = stat("a", BS as u64, 1);
+    let key = {
+        let s = Store::open(&cfg(dir.path(), 1 << 30), Arc::default()).unwrap();
+        fill(&s, &st, 0).unwrap();
+        s.view("/r", &st).unwrap().key
+    }; // crash
+    let hex = key.hex();
+    let sub = dir.path().join("shardcache-v1/data").join(&hex[..2]);
+    let file = std::fs::read_dir(&sub)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .write_all_at(b"rot", 10)
+        .unwrap();
+    {
+        // Started after the crash, stopped cleanly without ever looking at the block.
+        let s = Store::open(&cfg(dir.path(), 1 << 30), Arc::default()).unwrap();
+        assert_eq!(s.status().unverified, 1);
+        s.close().unwrap();
+    }
+    let stats = Arc::new(Stats::default());
+    let s = Store::open(&cfg(dir.path(), 1 << 30), stats.clone()).unwrap();
+    assert_eq!(s.status().unverified, 1, "still distrusted");
+    assert_eq!(check(&s, &st), 0, "the corrupt block is caught, not served");
+    assert_eq!(stats.corrupt_blocks.load(Ordering::Relaxed), 1);
+}
+
+#[test]
+fn the_scrub_verifies_what_an_unclean_start_left_unverified() {
+    let dir = tempfile::tempdir().unwrap();
+    let st = stat("a", 3 * BS as u64, 1);
+    {
+        let s = Store::open(&cfg(dir.path(), 1 << 30), Arc::default()).unwrap();
+        for i in 0..3 {
+            fill(&s, &st, i).unwrap();
+        }
+    } // crash
+    let s = Store::open(&cfg(dir.path(), 1 << 30), Arc::default()).unwrap();
+    assert_eq!(s.status().unverified, 3);
+    let r = s.verify_unverified(&|| false);
+    assert_eq!((r.checked, r.corrupt), (3, 0));
+    assert_eq!(s.status().unverified, 0);
+    assert_eq!(
+        s.verify_unverified(&|| false).checked,
+        0,
+        "nothing left to scrub"
+    );
+}
