@@ -11,6 +11,7 @@ use shardcache_tests::{Bed, cache_data_file, content, write_file};
 
 const BS: u64 = 64 << 10;
 const SIZES: [u64; 3] = [BS * 5 / 2, BS, 3 * BS + 17];
+const NEW_SIZES: [u64; 4] = [0, 1, BS + 1, 2 * BS];
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -18,6 +19,7 @@ enum Op {
     ReadAll(usize),
     RewriteInPlace(usize),
     Replace(usize),
+    Resize(usize, usize),
     Restart,
     Crash,
     CorruptThenCrash(usize),
@@ -30,6 +32,7 @@ fn op() -> impl Strategy<Value = Op> {
         3 => (0..3usize).prop_map(Op::ReadAll),
         1 => (0..3usize).prop_map(Op::RewriteInPlace),
         1 => (0..3usize).prop_map(Op::Replace),
+        1 => (0..3usize, 0..4usize).prop_map(|(f, s)| Op::Resize(f, s)),
         1 => Just(Op::Restart),
         1 => Just(Op::Crash),
         1 => (0..3usize).prop_map(Op::CorruptThenCrash),
@@ -40,44 +43,63 @@ fn op() -> impl Strategy<Value = Op> {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 16, max_shrink_iters: 20, ..ProptestConfig::default() })]
     #[test]
-    fn reads_through_the_daemon_always_match_the_backing_files(ops in proptest::collection::vec(op(), 10..35)) {
+    fn reads_through_the_daemon_always_match_the_backing_files(
+        ops in proptest::collection::vec(op(), 10..35),
+        small_cache in any::<bool>(),
+    ) {
         let bed = Bed::new();
         let mut seeds = [1u64, 2, 3];
+        let mut sizes = SIZES;
         let name = |f: usize| format!("f{f}");
         for f in 0..3 {
             write_file(&bed.path(&name(f)), seeds[f], SIZES[f]);
         }
-        let mut d = bed.start(&["--block-size", "64KiB", "--metadata-ttl", "0"]);
+        // A cache of three blocks forces evictions on nearly every read.
+        let capacity = if small_cache { "192KiB" } else { "1GiB" };
+        let mut d = bed.start(&["--block-size", "64KiB", "--metadata-ttl", "0", "--capacity", capacity, "--min-free", "0"]);
         let client = bed.client();
         let mut next_seed = 10;
         for op in ops {
             match op {
                 Op::Read { file, at, len } => {
-                    let want = content(seeds[file], SIZES[file]);
-                    let off = (at * SIZES[file] as f64) as u64;
+                    let want = content(seeds[file], sizes[file]);
+                    let off = (at * sizes[file] as f64) as u64;
+                    if sizes[file] == 0 {
+                        let r = client.open(bed.path(&name(file))).unwrap();
+                        prop_assert_eq!(r.read_at(&mut [0u8; 16], 0).unwrap(), 0);
+                        continue;
+                    }
                     let r = client.open(bed.path(&name(file))).unwrap();
                     let mut buf = vec![0u8; len as usize];
                     let n = r.read_at(&mut buf, off).unwrap();
-                    let end = (off + len).min(SIZES[file]);
+                    let end = (off + len).min(sizes[file]);
                     prop_assert!(n as u64 <= end - off);
                     prop_assert!(buf[..n] == want[off as usize..off as usize + n], "read of {} at {off}", name(file));
                 }
                 Op::ReadAll(file) => {
                     let (got, _) = shardcache_tests::read_all(&client, &bed.path(&name(file))).unwrap();
-                    prop_assert!(got == content(seeds[file], SIZES[file]), "whole read of {}", name(file));
+                    prop_assert!(got == content(seeds[file], sizes[file]), "whole read of {}", name(file));
                 }
                 Op::RewriteInPlace(file) => {
                     next_seed += 1;
                     seeds[file] = next_seed;
                     let f = std::fs::OpenOptions::new().write(true).open(bed.path(&name(file))).unwrap();
-                    f.write_all_at(&content(next_seed, SIZES[file]), 0).unwrap();
+                    f.write_all_at(&content(next_seed, sizes[file]), 0).unwrap();
                     f.sync_all().unwrap();
                 }
                 Op::Replace(file) => {
                     next_seed += 1;
                     seeds[file] = next_seed;
                     let tmp = bed.path(&format!("{}.tmp", name(file)));
-                    write_file(&tmp, next_seed, SIZES[file]);
+                    write_file(&tmp, next_seed, sizes[file]);
+                    std::fs::rename(&tmp, bed.path(&name(file))).unwrap();
+                }
+                Op::Resize(file, s) => {
+                    next_seed += 1;
+                    seeds[file] = next_seed;
+                    sizes[file] = NEW_SIZES[s];
+                    let tmp = bed.path(&format!("{}.tmp", name(file)));
+                    write_file(&tmp, next_seed, sizes[file]);
                     std::fs::rename(&tmp, bed.path(&name(file))).unwrap();
                 }
                 Op::Restart => {
