@@ -12,7 +12,7 @@ use shardcache_proto::local::v1 as pb;
 use shardcache_proto::local::v1::{request, response};
 use shardcache_proto::wire::{self, FrameReader, WireError};
 
-use crate::reader::Reader;
+use crate::reader::{OpenAhead, Reader};
 
 /// Where the daemon listens unless `SHARDCACHE_SOCKET` or the configuration says
 /// otherwise.
@@ -94,6 +94,15 @@ impl From<CallError> for io::Error {
 struct Conn {
     sock: UnixStream,
     reader: FrameReader,
+}
+
+/// A request sent and not yet answered; it owns its connection until
+/// [`Inner::finish`].
+pub(crate) struct Pending {
+    conn: Conn,
+    was_pooled: bool,
+    id: u64,
+    report: Option<pb::ReadReport>,
 }
 
 #[derive(Default)]
@@ -225,6 +234,19 @@ impl Client {
         Reader::open_many(self, &paths)
     }
 
+    /// Opens `paths` in order, one batch of `batch` files (at most 64) ahead of the
+    /// caller: the daemon opens the next batch while the caller reads the current one.
+    /// For loaders that know their order (a sampler's epoch, a manifest). Each item is
+    /// what [`Client::open`] would give for that path.
+    pub fn open_ahead<P: AsRef<Path>>(
+        &self,
+        paths: impl IntoIterator<Item = P>,
+        batch: usize,
+    ) -> OpenAhead {
+        let paths = paths.into_iter().map(|p| p.as_ref().to_owned()).collect();
+        OpenAhead::new(self.clone(), paths, batch)
+    }
+
     /// The daemon's status.
     pub fn status(&self) -> io::Result<pb::StatusReply> {
         match self.inner.call(
@@ -326,7 +348,14 @@ impl Inner {
         timeout: Duration,
         pooled: bool,
     ) -> Result<(response::Kind, Vec<OwnedFd>), CallError> {
-        let (mut conn, was_pooled) = self.take_conn(pooled)?;
+        let pending = self.send(kind, pooled)?;
+        self.finish(pending, timeout)
+    }
+
+    /// Sends a request without waiting for its reply (see [`Inner::finish`]): the
+    /// connection stays with the returned [`Pending`] until then.
+    pub(crate) fn send(&self, kind: request::Kind, pooled: bool) -> Result<Pending, CallError> {
+        let (conn, was_pooled) = self.take_conn(pooled)?;
         let report = self.report.take();
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let req = pb::Request {
@@ -334,19 +363,44 @@ impl Inner {
             report,
             kind: Some(kind),
         };
-        let result = (|| {
-            conn.sock.set_write_timeout(Some(self.cfg.timeout))?;
-            conn.sock
-                .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))?;
-            wire::send(&conn.sock, &req, &[])?;
-            conn.reader
-                .recv_spin::<pb::Response>(&conn.sock, self.cfg.spin)
-        })();
+        let sent = conn
+            .sock
+            .set_write_timeout(Some(self.cfg.timeout))
+            .map_err(WireError::from)
+            .and_then(|()| wire::send(&conn.sock, &req, &[]));
+        let pending = Pending {
+            conn,
+            was_pooled,
+            id,
+            report,
+        };
+        match sent {
+            Ok(()) => Ok(pending),
+            Err(e) => Err(self.failed(&pending, e)),
+        }
+    }
+
+    /// Waits up to `timeout` for the reply to `pending`. A connection whose exchange did
+    /// not complete is dropped, never reused.
+    pub(crate) fn finish(
+        &self,
+        mut pending: Pending,
+        timeout: Duration,
+    ) -> Result<(response::Kind, Vec<OwnedFd>), CallError> {
+        let conn = &mut pending.conn;
+        let result = conn
+            .sock
+            .set_read_timeout(Some(timeout.max(Duration::from_millis(1))))
+            .map_err(WireError::from)
+            .and_then(|()| {
+                conn.reader
+                    .recv_spin::<pb::Response>(&conn.sock, self.cfg.spin)
+            });
         match result {
-            Ok((resp, fds)) if resp.id == id => {
+            Ok((resp, fds)) if resp.id == pending.id => {
                 let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
                 if pool.len() < self.cfg.pool {
-                    pool.push(conn);
+                    pool.push(pending.conn);
                 }
                 drop(pool);
                 resp.kind
@@ -354,21 +408,23 @@ impl Inner {
                     .ok_or_else(|| CallError::Protocol("empty reply".into()))
             }
             Ok(_) => Err(CallError::Protocol("reply to another request".into())),
-            Err(e) => {
-                if let Some(r) = &report {
-                    self.report.give_back(r);
-                }
-                if e.is_timeout() {
-                    self.mark_down();
-                    Err(CallError::Timeout)
-                } else {
-                    // A stale pooled connection is not evidence that the daemon is down.
-                    if !was_pooled && matches!(e, WireError::Closed | WireError::Io(_)) {
-                        self.mark_down();
-                    }
-                    Err(CallError::Unavailable(e.to_string()))
-                }
+            Err(e) => Err(self.failed(&pending, e)),
+        }
+    }
+
+    fn failed(&self, pending: &Pending, e: WireError) -> CallError {
+        if let Some(r) = &pending.report {
+            self.report.give_back(r);
+        }
+        if e.is_timeout() {
+            self.mark_down();
+            CallError::Timeout
+        } else {
+            // A stale pooled connection is not evidence that the daemon is down.
+            if !pending.was_pooled && matches!(e, WireError::Closed | WireError::Io(_)) {
+                self.mark_down();
             }
+            CallError::Unavailable(e.to_string())
         }
     }
 }

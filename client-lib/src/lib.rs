@@ -28,5 +28,5 @@ mod client;
 mod reader;
 
 pub use client::{Client, ClientConfig, DEFAULT_SOCKET};
-pub use reader::{Reader, ReaderStats, Source};
+pub use reader::{OpenAhead, Reader, ReaderStats, Source};
 pub use shardcache_proto::local::v1 as proto;

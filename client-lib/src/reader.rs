@@ -1,6 +1,7 @@
 //! A file opened through the cache: reads present blocks from the local copy, asks the
 //! daemon for missing ones, and reads the backing file whenever that fails.
 
+use std::collections::VecDeque;
 use std::fs::File;
 use std::io::{self, Read, Seek, SeekFrom};
 use std::os::fd::OwnedFd;
@@ -12,7 +13,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use shardcache_proto::local::v1 as pb;
 use shardcache_proto::local::v1::{open_reply, request, response, wait_reply};
 
-use crate::client::Client;
+use crate::client::{CallError, Client, Pending};
 
 /// Most blocks one wait asks for.
 const MAX_WAIT_BLOCKS: u64 = 64;
@@ -154,35 +155,13 @@ impl Reader {
     /// what [`Client::open`] would have returned for that path.
     pub(crate) fn open_many(client: &Client, paths: &[&Path]) -> Vec<io::Result<Self>> {
         let mut out = Vec::with_capacity(paths.len());
-        for chunk in paths.chunks(shardcache_proto::wire::MAX_FDS) {
-            let abs: Vec<io::Result<std::path::PathBuf>> =
-                chunk.iter().map(std::path::absolute).collect();
-            let names: Option<Vec<String>> = abs
-                .iter()
-                .map(|p| p.as_ref().ok().and_then(|p| p.to_str()).map(str::to_owned))
-                .collect();
-            let outcomes: Vec<Outcome> = match names {
-                None => failed(chunk.len(), "a path is not UTF-8 or not absolute"),
-                Some(paths) => {
-                    let req = request::Kind::OpenMany(pb::OpenManyRequest { paths });
-                    match client.inner.call(req, client.inner.cfg.timeout) {
-                        Ok((response::Kind::OpenMany(m), fds))
-                            if m.results.len() == chunk.len() =>
-                        {
-                            let mut fds = fds.into_iter();
-                            m.results
-                                .into_iter()
-                                .map(|r| outcome(r, &mut fds))
-                                .collect()
-                        }
-                        Ok(_) => failed(chunk.len(), "unexpected reply"),
-                        Err(e) => failed(chunk.len(), &e.to_string()),
-                    }
-                }
+        for chunk in paths.chunks(MAX_BATCH) {
+            let (abs, req) = batch_request(chunk);
+            let reply = match req {
+                Some(req) => client.inner.call(req, client.inner.cfg.timeout),
+                None => Err(CallError::Protocol("a path is not UTF-8".into())),
             };
-            for (p, o) in abs.into_iter().zip(outcomes) {
-                out.push(p.and_then(|p| Self::build(client.clone(), p, o)));
-            }
+            out.extend(build_all(client, abs, batch_outcomes(chunk.len(), reply)));
         }
         out
     }
@@ -512,6 +491,133 @@ struct Opened {
 
 /// What the daemon said about one open: something to read through, or why not.
 type Outcome = Result<Opened, String>;
+
+/// Most files per OpenMany request (the most descriptors one reply carries).
+const MAX_BATCH: usize = shardcache_proto::wire::MAX_FDS;
+
+/// Absolute paths of a batch, and the OpenMany request for them (none when a path is
+/// not UTF-8: the whole batch is then read directly).
+fn batch_request(chunk: &[&Path]) -> (Vec<io::Result<PathBuf>>, Option<request::Kind>) {
+    let abs: Vec<io::Result<PathBuf>> = chunk.iter().map(std::path::absolute).collect();
+    let names: Option<Vec<String>> = abs
+        .iter()
+        .map(|p| p.as_ref().ok().and_then(|p| p.to_str()).map(str::to_owned))
+        .collect();
+    (
+        abs,
+        names.map(|paths| request::Kind::OpenMany(pb::OpenManyRequest { paths })),
+    )
+}
+
+/// One outcome per path of a batch, from the daemon's reply (or its absence).
+fn batch_outcomes(
+    n: usize,
+    reply: Result<(response::Kind, Vec<OwnedFd>), CallError>,
+) -> Vec<Outcome> {
+    match reply {
+        Ok((response::Kind::OpenMany(m), fds)) if m.results.len() == n => {
+            let mut fds = fds.into_iter();
+            m.results
+                .into_iter()
+                .map(|r| outcome(r, &mut fds))
+                .collect()
+        }
+        Ok(_) => failed(n, "unexpected reply"),
+        Err(e) => failed(n, &e.to_string()),
+    }
+}
+
+fn build_all(
+    client: &Client,
+    abs: Vec<io::Result<PathBuf>>,
+    outcomes: Vec<Outcome>,
+) -> Vec<io::Result<Reader>> {
+    abs.into_iter()
+        .zip(outcomes)
+        .map(|(p, o)| p.and_then(|p| Reader::build(client.clone(), p, o)))
+        .collect()
+}
+
+/// Opens files in a known order, one batch ahead: while the caller reads the files of
+/// one batch, the daemon is already opening the next. See [`Client::open_ahead`].
+pub struct OpenAhead {
+    client: Client,
+    paths: std::vec::IntoIter<PathBuf>,
+    batch: usize,
+    /// The batch sent and not yet answered, with its absolute paths.
+    pending: Option<(Pending, Vec<io::Result<PathBuf>>)>,
+    ready: VecDeque<io::Result<Reader>>,
+}
+
+impl std::fmt::Debug for OpenAhead {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpenAhead")
+            .field("ready", &self.ready.len())
+            .field("batch", &self.batch)
+            .finish()
+    }
+}
+
+impl OpenAhead {
+    pub(crate) fn new(client: Client, paths: Vec<PathBuf>, batch: usize) -> Self {
+        let batch = batch.clamp(1, MAX_BATCH);
+        Self {
+            client,
+            paths: paths.into_iter(),
+            batch,
+            pending: None,
+            ready: VecDeque::new(),
+        }
+    }
+
+    /// Sends the next batch; false when there is none.
+    fn send_next(&mut self) -> bool {
+        let chunk: Vec<PathBuf> = self.paths.by_ref().take(self.batch).collect();
+        if chunk.is_empty() {
+            return false;
+        }
+        let refs: Vec<&Path> = chunk.iter().map(PathBuf::as_path).collect();
+        let (abs, req) = batch_request(&refs);
+        let sent = match req {
+            Some(req) => self.client.inner.send(req, true),
+            None => Err(CallError::Protocol("a path is not UTF-8".into())),
+        };
+        match sent {
+            Ok(p) => self.pending = Some((p, abs)),
+            Err(e) => {
+                let outcomes = batch_outcomes(abs.len(), Err(e));
+                self.ready.extend(build_all(&self.client, abs, outcomes));
+            }
+        }
+        true
+    }
+}
+
+impl Iterator for OpenAhead {
+    type Item = io::Result<Reader>;
+
+    fn next(&mut self) -> Option<io::Result<Reader>> {
+        loop {
+            if let Some(r) = self.ready.pop_front() {
+                return Some(r);
+            }
+            match self.pending.take() {
+                Some((p, abs)) => {
+                    let reply = self.client.inner.finish(p, self.client.inner.cfg.timeout);
+                    let outcomes = batch_outcomes(abs.len(), reply);
+                    self.ready.extend(build_all(&self.client, abs, outcomes));
+                    // Keep the daemon busy while these are read.
+                    self.send_next();
+                }
+                None => {
+                    if !self.send_next() {
+                        return None;
+                    }
+                }
+            }
+        }
+    }
+}
 
 fn failed(n: usize, why: &str) -> Vec<Outcome> {
     (0..n).map(|_| Err(why.to_owned())).collect()

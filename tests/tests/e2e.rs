@@ -626,3 +626,45 @@ fn a_full_cache_degrades_to_backing_reads() {
     assert!(c.fills_no_space > 0, "the daemon reported the full cache");
     assert_eq!(d.status().used_bytes, 0);
 }
+
+#[test]
+fn open_ahead_yields_every_file_in_order_even_if_the_daemon_stops() {
+    let bed = Bed::new();
+    let n = 100;
+    for i in 0..n {
+        write_file(&bed.path(&format!("s/{i:03}")), i, 500 + i * 11);
+    }
+    let mut d = bed.start(&[]);
+    let client = bed.client();
+    let paths: Vec<_> = (0..n).map(|i| bed.path(&format!("s/{i:03}"))).collect();
+    for round in 0..2 {
+        let mut seen = 0;
+        for (i, r) in client.open_ahead(&paths, 16).enumerate() {
+            let mut r = r.unwrap();
+            let mut v = Vec::new();
+            r.read_to_end(&mut v).unwrap();
+            assert_eq!(
+                v,
+                content(i as u64, 500 + i as u64 * 11),
+                "round {round} file {i}"
+            );
+            seen += 1;
+        }
+        assert_eq!(seen, n);
+    }
+    assert!(
+        d.counters().opens_full >= n,
+        "the second round was served from the cache"
+    );
+    // The daemon stops between batches: the rest is read directly, in order.
+    let mut it = client.open_ahead(&paths, 16);
+    for i in 0..n {
+        if i == 20 {
+            assert!(d.stop());
+        }
+        let mut v = Vec::new();
+        it.next().unwrap().unwrap().read_to_end(&mut v).unwrap();
+        assert_eq!(v, content(i, 500 + i * 11), "file {i}");
+    }
+    assert!(it.next().is_none());
+}
