@@ -38,17 +38,21 @@ impl fmt::Display for SizeSpec {
     }
 }
 
-/// Parses `123`, `4KiB`, `4MiB`, `10GiB`, `1TiB`, `4MB`, `1G` (binary units either way).
-pub fn parse_bytes(s: &str) -> Result<u64, String> {
+/// Splits `"4.5 MiB"` into `(4.5, "MiB")`; `what` names the expected form in errors.
+fn number_and_unit<'a>(s: &'a str, what: &str) -> Result<(f64, &'a str), String> {
     let t = s.trim();
     let split = t
         .find(|c: char| !c.is_ascii_digit() && c != '.')
         .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("`{s}` is not a size (expected e.g. 4MiB)"))?;
-    let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
+    let n = num.parse().map_err(|_| format!("`{s}` is not {what}"))?;
+    Ok((n, unit.trim()))
+}
+
+/// Parses `123`, `4KiB`, `4MiB`, `10GiB`, `1TiB`, `4MB`, `1G` (binary units either way).
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let (n, unit) = number_and_unit(s, "a size (expected e.g. 4MiB)")?;
+    let mult: u64 = match unit.to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kb" | "kib" => 1 << 10,
         "m" | "mb" | "mib" => 1 << 20,
@@ -65,15 +69,8 @@ pub fn parse_bytes(s: &str) -> Result<u64, String> {
 
 /// Parses `0`, `250ms`, `1s`, `2m`, `1h`.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: f64 = num
-        .parse()
-        .map_err(|_| format!("`{s}` is not a duration (expected e.g. 1s)"))?;
-    let secs = match unit.trim() {
+    let (n, unit) = number_and_unit(s, "a duration (expected e.g. 1s)")?;
+    let secs = match unit {
         "us" | "µs" => n / 1e6,
         "ms" => n / 1000.0,
         "" | "s" => n,

@@ -125,6 +125,22 @@ struct Queue {
     closed: bool,
 }
 
+impl Queue {
+    /// Queues block `index` of `target` at `prio` (a block queued again at a higher
+    /// priority leaves a stale heap entry that workers skip).
+    fn enqueue(&mut self, target: &Arc<Target>, index: usize, prio: Priority) {
+        self.queued.insert((target.key, index), prio);
+        self.seq += 1;
+        let seq = self.seq;
+        self.heap.push(Job {
+            prio,
+            seq,
+            target: target.clone(),
+            index,
+        });
+    }
+}
+
 struct Inner {
     queue: Mutex<Queue>,
     cv: Condvar,
@@ -206,15 +222,7 @@ impl Filler {
         if let Some(f) = flights.get(&id) {
             // Raise a queued read-ahead to demand.
             if prio == Priority::Demand && q.queued.get(&id) == Some(&Priority::Readahead) {
-                q.queued.insert(id, prio);
-                q.seq += 1;
-                let seq = q.seq;
-                q.heap.push(Job {
-                    prio,
-                    seq,
-                    target: target.clone(),
-                    index,
-                });
+                q.enqueue(target, index, prio);
                 inner.cv.notify_one();
             }
             return Scheduled::InFlight(f.clone());
@@ -229,15 +237,7 @@ impl Filler {
         }
         let f = Arc::new(Flight::default());
         flights.insert(id, f.clone());
-        q.queued.insert(id, prio);
-        q.seq += 1;
-        let seq = q.seq;
-        q.heap.push(Job {
-            prio,
-            seq,
-            target: target.clone(),
-            index,
-        });
+        q.enqueue(target, index, prio);
         inner.cv.notify_one();
         Scheduled::InFlight(f)
     }

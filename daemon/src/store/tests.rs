@@ -45,6 +45,24 @@ fn fill(store: &Store, st: &Stat, i: usize) -> Result<(), StoreError> {
     Ok(())
 }
 
+/// Overwrites bytes of `key`'s data file, as disk corruption would.
+fn corrupt(dir: &Path, key: &Key, bytes: &[u8], offset: u64) {
+    let hex = key.hex();
+    let sub = dir.join("shardcache-v1/data").join(&hex[..2]);
+    let file = std::fs::read_dir(&sub)
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    OpenOptions::new()
+        .write(true)
+        .open(&file)
+        .unwrap()
+        .write_all_at(bytes, offset)
+        .unwrap();
+}
+
 /// Every block the view says is present reads back as the oracle's bytes.
 fn check(store: &Store, st: &Stat) -> usize {
     let v = store.view("/r", st).unwrap();
@@ -115,16 +133,7 @@ fn a_corrupt_block_is_dropped_after_an_unclean_restart() {
         fill(&s, &st, 1).unwrap();
         s.view("/r", &st).unwrap().key
     };
-    let hex = key.hex();
-    let sub = dir.path().join("shardcache-v1/data").join(&hex[..2]);
-    let file = std::fs::read_dir(&sub)
-        .unwrap()
-        .next()
-        .unwrap()
-        .unwrap()
-        .path();
-    let f = OpenOptions::new().write(true).open(&file).unwrap();
-    f.write_all_at(b"XXXX", BS as u64 + 10).unwrap();
+    corrupt(dir.path(), &key, b"XXXX", BS as u64 + 10);
 
     let stats = Arc::new(Stats::default());
     let s = Store::open(&cfg(dir.path(), 1 << 30), stats.clone()).unwrap();
@@ -146,20 +155,7 @@ fn verify_all_finds_corruption_while_running() {
     fill(&s, &st, 0).unwrap();
     fill(&s, &st, 1).unwrap();
     let key = s.view("/r", &st).unwrap().key;
-    let hex = key.hex();
-    let sub = dir.path().join("shardcache-v1/data").join(&hex[..2]);
-    let file = std::fs::read_dir(&sub)
-        .unwrap()
-        .next()
-        .unwrap()
-        .unwrap()
-        .path();
-    OpenOptions::new()
-        .write(true)
-        .open(&file)
-        .unwrap()
-        .write_all_at(b"!", 5)
-        .unwrap();
+    corrupt(dir.path(), &key, b"!", 5);
     let r = s.verify_all();
     assert_eq!((r.checked, r.corrupt), (2, 1));
     assert_eq!(check(&s, &st), 1);
@@ -309,20 +305,7 @@ fn a_clean_stop_does_not_vouch_for_blocks_nobody_verified() {
         fill(&s, &st, 0).unwrap();
         s.view("/r", &st).unwrap().key
     }; // crash
-    let hex = key.hex();
-    let sub = dir.path().join("shardcache-v1/data").join(&hex[..2]);
-    let file = std::fs::read_dir(&sub)
-        .unwrap()
-        .next()
-        .unwrap()
-        .unwrap()
-        .path();
-    OpenOptions::new()
-        .write(true)
-        .open(&file)
-        .unwrap()
-        .write_all_at(b"rot", 10)
-        .unwrap();
+    corrupt(dir.path(), &key, b"rot", 10);
     {
         // Started after the crash, stopped cleanly without ever looking at the block.
         let s = Store::open(&cfg(dir.path(), 1 << 30), Arc::default()).unwrap();

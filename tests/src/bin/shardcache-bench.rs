@@ -85,6 +85,26 @@ fn drop_all(paths: &[PathBuf]) {
     }
 }
 
+/// Runs both sides, the baseline first in even rounds and second in odd ones.
+fn alternate<T>(round: usize, raw: &mut dyn FnMut() -> T, ours: &mut dyn FnMut() -> T) -> (T, T) {
+    if round.is_multiple_of(2) {
+        let x = raw();
+        (x, ours())
+    } else {
+        let y = ours();
+        (raw(), y)
+    }
+}
+
+/// `rounds` alternating measurements of a baseline and shardcache.
+fn paired<T>(
+    rounds: usize,
+    raw: &mut dyn FnMut() -> T,
+    ours: &mut dyn FnMut() -> T,
+) -> Vec<(T, T)> {
+    (0..rounds).map(|r| alternate(r, raw, ours)).collect()
+}
+
 fn main() {
     match Cli::parse().cmd {
         Cmd::Foundation(a) => foundation(&a),
@@ -184,13 +204,7 @@ fn foundation(a: &Foundation) {
             );
             large_bytes as f64 / t
         };
-        let (raw, ours) = if r % 2 == 0 {
-            let x = raw_copy();
-            (x, cached())
-        } else {
-            let y = cached();
-            (raw_copy(), y)
-        };
+        let (raw, ours) = alternate(r, &mut raw_copy, &mut cached);
         eprintln!(
             "  cold round {r}: raw copy {:.0} MiB/s, through cache {:.0} MiB/s",
             raw / MIB,
@@ -279,7 +293,6 @@ fn foundation(a: &Foundation) {
             cache_data_file(&bed.cache, &bed.backing, rel).expect("small file cached")
         })
         .collect();
-    let mut small_rounds = Vec::new();
     let time_each = |paths: &[PathBuf], f: &mut dyn FnMut(&Path)| -> (Vec<Duration>, f64) {
         let t0 = Instant::now();
         let lat = paths
@@ -292,87 +305,47 @@ fn foundation(a: &Foundation) {
             .collect();
         (lat, paths.len() as f64 / t0.elapsed().as_secs_f64())
     };
-    for r in 0..a.rounds {
-        let mut b = vec![0u8; 256 << 10];
-        let mut raw = || {
+    let mut b = vec![0u8; 256 << 10];
+    let mut b2 = vec![0u8; 256 << 10];
+    let raw_pass = |b: &mut [u8]| {
+        let t = Instant::now();
+        for p in &small_data {
+            read_through(&mut File::open(p).expect("open"), b);
+        }
+        small_data.len() as f64 / t.elapsed().as_secs_f64()
+    };
+    // One open per exchange with the daemon, timed file by file.
+    let small_rounds = paired(
+        a.rounds,
+        &mut || {
             time_each(&small_data, &mut |p| {
                 read_through(&mut File::open(p).expect("open"), &mut b);
             })
-        };
-        let mut b2 = vec![0u8; 256 << 10];
-        let mut through = || {
+        },
+        &mut || {
             time_each(&small, &mut |p| {
-                let mut rd = c.open(p).expect("open");
-                read_through(&mut rd, &mut b2);
+                read_through(&mut c.open(p).expect("open"), &mut b2);
             })
-        };
-        let (x, y) = if r % 2 == 0 {
-            let x = raw();
-            (x, through())
-        } else {
-            let y = through();
-            (raw(), y)
-        };
-        small_rounds.push((x, y));
-    }
-    // The same through `open_many`, 64 files per exchange with the daemon.
-    let mut batched = Vec::new();
-    for r in 0..a.rounds {
-        let mut b = vec![0u8; 256 << 10];
-        let mut raw = || {
-            let t = Instant::now();
-            for p in &small_data {
-                read_through(&mut File::open(p).expect("open"), &mut b);
-            }
-            small_data.len() as f64 / t.elapsed().as_secs_f64()
-        };
-        let mut b2 = vec![0u8; 256 << 10];
-        let mut through = || {
-            let t = Instant::now();
-            for chunk in small.chunks(64) {
-                for rd in c.open_many(chunk) {
-                    read_through(&mut rd.expect("open"), &mut b2);
-                }
-            }
-            small.len() as f64 / t.elapsed().as_secs_f64()
-        };
-        let (x, y) = if r % 2 == 0 {
-            let x = raw();
-            (x, through())
-        } else {
-            let y = through();
-            (raw(), y)
-        };
-        batched.push((x, y));
-    }
-    // The same through `open_ahead`: the daemon opens the next 32 while the client reads.
-    let mut ahead = Vec::new();
-    for r in 0..a.rounds {
-        let mut b = vec![0u8; 256 << 10];
-        let mut raw = || {
-            let t = Instant::now();
-            for p in &small_data {
-                read_through(&mut File::open(p).expect("open"), &mut b);
-            }
-            small_data.len() as f64 / t.elapsed().as_secs_f64()
-        };
-        let mut b2 = vec![0u8; 256 << 10];
-        let mut through = || {
-            let t = Instant::now();
-            for rd in c.open_ahead(&small, 32) {
+        },
+    );
+    // `open_many`: 64 files per exchange.
+    let batched = paired(a.rounds, &mut || raw_pass(&mut b), &mut || {
+        let t = Instant::now();
+        for chunk in small.chunks(64) {
+            for rd in c.open_many(chunk) {
                 read_through(&mut rd.expect("open"), &mut b2);
             }
-            small.len() as f64 / t.elapsed().as_secs_f64()
-        };
-        let (x, y) = if r % 2 == 0 {
-            let x = raw();
-            (x, through())
-        } else {
-            let y = through();
-            (raw(), y)
-        };
-        ahead.push((x, y));
-    }
+        }
+        small.len() as f64 / t.elapsed().as_secs_f64()
+    });
+    // `open_ahead`: the daemon opens the next 32 while the client reads.
+    let ahead = paired(a.rounds, &mut || raw_pass(&mut b), &mut || {
+        let t = Instant::now();
+        for rd in c.open_ahead(&small, 32) {
+            read_through(&mut rd.expect("open"), &mut b2);
+        }
+        small.len() as f64 / t.elapsed().as_secs_f64()
+    });
     let st = c.status().expect("status").counters.unwrap_or_default();
     daemon.stop();
 
