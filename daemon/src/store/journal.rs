@@ -15,6 +15,7 @@
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -29,14 +30,31 @@ const MAX_RECORD: usize = 1 << 20;
 const MAX_BATCH: usize = 1024;
 
 type Done = SyncSender<Result<(), Arc<io::Error>>>;
-/// A framed record and where to report its durability.
-type Pending = (Vec<u8>, Done);
+
+/// What the writer thread is asked to do.
+enum Msg {
+    /// Write this frame; report durability on `Done`.
+    Append(Vec<u8>, Done),
+    /// Stop after everything before this message is durable, say so on the first
+    /// channel, then wait for a new file (or none: keep the old) on the second.
+    Pause(SyncSender<()>, Receiver<Option<File>>),
+}
+
+/// Compact when this many bytes were appended since the last rewrite (and at least
+/// twice the rewritten size): a long-running daemon's journal stays proportional to
+/// what the cache holds, not to its history.
+pub const COMPACT_AFTER: u64 = 64 << 20;
 
 /// An open journal accepting appends.
 #[derive(Debug)]
 pub struct Journal {
-    tx: Mutex<Option<SyncSender<Pending>>>,
+    path: PathBuf,
+    tx: Mutex<Option<SyncSender<Msg>>>,
     writer: Mutex<Option<JoinHandle<()>>>,
+    /// Bytes appended since the last rewrite, and the size of that rewrite.
+    appended: AtomicU64,
+    base: AtomicU64,
+    compacting: AtomicBool,
 }
 
 /// Reads every intact record of the journal at `path` (none if it does not exist).
@@ -94,38 +112,71 @@ impl Journal {
     /// Writes `records` as a new journal at `path` (atomically: temp file, fsync,
     /// rename, fsync of the directory) and opens it for appends.
     pub fn create(path: &Path, records: impl IntoIterator<Item = Record>) -> io::Result<Self> {
-        let tmp: PathBuf = path.with_extension("tmp");
-        {
-            let mut f = OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .open(&tmp)?;
-            let mut buf = Vec::with_capacity(1 << 20);
-            buf.extend_from_slice(MAGIC);
-            for r in records {
-                buf.extend_from_slice(&frame(&r));
-                if buf.len() >= 1 << 20 {
-                    f.write_all(&buf)?;
-                    buf.clear();
-                }
-            }
-            f.write_all(&buf)?;
-            f.sync_all()?;
-        }
-        std::fs::rename(&tmp, path)?;
-        if let Some(parent) = path.parent() {
-            sync_dir(parent)?;
-        }
-        let file = OpenOptions::new().append(true).open(path)?;
+        let (file, size) = write_new(path, records)?;
         let (tx, rx) = sync_channel(4096);
         let writer = std::thread::Builder::new()
             .name("sc-journal".into())
             .spawn(move || writer_loop(file, rx))?;
         Ok(Self {
+            path: path.to_owned(),
             tx: Mutex::new(Some(tx)),
             writer: Mutex::new(Some(writer)),
+            appended: AtomicU64::new(0),
+            base: AtomicU64::new(size),
+            compacting: AtomicBool::new(false),
         })
+    }
+
+    /// True when enough was appended since the last rewrite that [`Journal::compact`]
+    /// is worth it.
+    pub fn wants_compaction(&self) -> bool {
+        let appended = self.appended.load(Ordering::Relaxed);
+        appended > COMPACT_AFTER && appended > 2 * self.base.load(Ordering::Relaxed)
+    }
+
+    /// Rewrites the journal as `snapshot()` while appends wait.
+    ///
+    /// The writer first makes every earlier append durable and pauses; `snapshot` is
+    /// then taken, so it reflects at least every change whose record was appended
+    /// before (a change is applied to the index before its removal records are appended,
+    /// and additions become visible only after their records are durable). Records
+    /// queued meanwhile go to the new file. At worst a block whose addition raced the
+    /// snapshot is forgotten: absent, never wrongly present. One compaction at a time;
+    /// a concurrent call returns at once.
+    pub fn compact(&self, snapshot: impl FnOnce() -> Vec<Record>) -> io::Result<()> {
+        if self.compacting.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        let result = self.compact_inner(snapshot);
+        self.compacting.store(false, Ordering::Release);
+        result
+    }
+
+    fn compact_inner(&self, snapshot: impl FnOnce() -> Vec<Record>) -> io::Result<()> {
+        let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let Some(tx) = tx else {
+            return Err(io::Error::other("journal closed"));
+        };
+        let (paused_tx, paused_rx) = sync_channel(1);
+        let (resume_tx, resume_rx) = sync_channel(1);
+        tx.send(Msg::Pause(paused_tx, resume_rx))
+            .map_err(|_| io::Error::other("journal writer stopped"))?;
+        paused_rx
+            .recv()
+            .map_err(|_| io::Error::other("journal writer stopped"))?;
+        match write_new(&self.path, snapshot()) {
+            Ok((file, size)) => {
+                let _ = resume_tx.send(Some(file));
+                self.appended.store(0, Ordering::Relaxed);
+                self.base.store(size, Ordering::Relaxed);
+                tracing::info!(bytes = size, "index journal compacted");
+                Ok(())
+            }
+            Err(e) => {
+                let _ = resume_tx.send(None);
+                Err(e)
+            }
+        }
     }
 
     /// Appends `rec` and returns once it is durable. Fails if the journal is closed or a
@@ -137,7 +188,10 @@ impl Journal {
         let Some(tx) = tx else {
             return Err(io::Error::other("journal closed"));
         };
-        tx.send((frame(rec), done_tx))
+        let frame = frame(rec);
+        self.appended
+            .fetch_add(frame.len() as u64, Ordering::Relaxed);
+        tx.send(Msg::Append(frame, done_tx))
             .map_err(|_| io::Error::other("journal writer stopped"))?;
         match done_rx.recv() {
             Ok(Ok(())) => Ok(()),
@@ -161,13 +215,67 @@ impl Drop for Journal {
     }
 }
 
-fn writer_loop(mut file: File, rx: Receiver<Pending>) {
+/// Writes `records` as a complete journal at `path` atomically (temp file, fsync,
+/// rename, fsync of the directory); returns it opened for appends, and its size.
+fn write_new(path: &Path, records: impl IntoIterator<Item = Record>) -> io::Result<(File, u64)> {
+    let tmp: PathBuf = path.with_extension("tmp");
+    let mut size = 0;
+    {
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)?;
+        let mut buf = Vec::with_capacity(1 << 20);
+        buf.extend_from_slice(MAGIC);
+        for r in records {
+            buf.extend_from_slice(&frame(&r));
+            if buf.len() >= 1 << 20 {
+                f.write_all(&buf)?;
+                size += buf.len() as u64;
+                buf.clear();
+            }
+        }
+        f.write_all(&buf)?;
+        size += buf.len() as u64;
+        f.sync_all()?;
+    }
+    std::fs::rename(&tmp, path)?;
+    if let Some(parent) = path.parent() {
+        sync_dir(parent)?;
+    }
+    Ok((OpenOptions::new().append(true).open(path)?, size))
+}
+
+fn writer_loop(mut file: File, rx: Receiver<Msg>) {
     let mut failed: Option<Arc<io::Error>> = None;
-    while let Ok(first) = rx.recv() {
-        let mut batch = vec![first];
+    let mut next = None;
+    loop {
+        let first = match next.take() {
+            Some(m) => m,
+            None => match rx.recv() {
+                Ok(m) => m,
+                Err(_) => return,
+            },
+        };
+        let mut batch = match first {
+            Msg::Append(f, done) => vec![(f, done)],
+            Msg::Pause(paused, resume) => {
+                let _ = paused.send(());
+                if let Ok(Some(f)) = resume.recv() {
+                    file = f;
+                }
+                continue;
+            }
+        };
         while batch.len() < MAX_BATCH {
             match rx.try_recv() {
-                Ok(p) => batch.push(p),
+                Ok(Msg::Append(f, done)) => batch.push((f, done)),
+                Ok(pause) => {
+                    // Handled after this batch is durable.
+                    next = Some(pause);
+                    break;
+                }
                 Err(_) => break,
             }
         }
@@ -233,6 +341,49 @@ mod tests {
         bytes[mid] ^= 0xff;
         std::fs::write(&p, &bytes).unwrap();
         assert_eq!(replay(&p).unwrap().len(), 10);
+    }
+
+    #[test]
+    fn compaction_keeps_the_snapshot_and_later_appends() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("journal");
+        let j = Arc::new(Journal::create(&p, Vec::new()).unwrap());
+        for i in 0..100 {
+            j.append(&block(i)).unwrap();
+        }
+        // Appenders keep going while the journal is rewritten.
+        let bg = {
+            let j = j.clone();
+            std::thread::spawn(move || {
+                for i in 1000..1200 {
+                    j.append(&block(i)).unwrap();
+                }
+            })
+        };
+        j.compact(|| (0..10).map(block).collect()).unwrap();
+        bg.join().unwrap();
+        j.append(&block(5000)).unwrap();
+        j.close();
+        let got: Vec<u64> = replay(&p)
+            .unwrap()
+            .into_iter()
+            .map(|r| match r.kind {
+                Some(Kind::BlockAdded(b)) => b.index,
+                _ => panic!("unexpected record"),
+            })
+            .collect();
+        assert_eq!(
+            &got[..10],
+            &(0..10).collect::<Vec<_>>()[..],
+            "the snapshot comes first"
+        );
+        assert_eq!(*got.last().unwrap(), 5000);
+        // Appends racing the rewrite land in the old file or the new one; those in the
+        // new one are all intact and in order.
+        let racing: Vec<u64> = got[10..got.len() - 1].to_vec();
+        assert!(racing.windows(2).all(|w| w[0] < w[1]));
+        assert!(racing.iter().all(|i| (1000..1200).contains(i)));
+        assert!(!j.wants_compaction());
     }
 
     #[test]

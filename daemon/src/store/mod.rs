@@ -365,25 +365,20 @@ impl Store {
             unverified: 0,
             policy: Box::new(Lru::default()),
         };
-        let mut records = Vec::new();
         for (key, mut e) in files {
-            records.push(Record::file_added(&key, &e));
-            for (i, b) in e.blocks.iter_mut().enumerate() {
-                if let Some(b) = b {
-                    b.verified = clean;
-                    if !clean {
-                        index.unverified += 1;
-                    }
-                    index.used += b.len as u64;
-                    e.bytes += b.len as u64;
-                    records.push(Record::block_added(&key, e.generation, i, b));
+            for b in e.blocks.iter_mut().flatten() {
+                b.verified = clean;
+                if !clean {
+                    index.unverified += 1;
                 }
+                index.used += b.len as u64;
+                e.bytes += b.len as u64;
             }
             index.policy.insert(key);
             index.by_path.insert(path_key(&e.root, &e.path), key);
             index.files.insert(key, e);
         }
-        let journal = Journal::create(&journal_path, records)?;
+        let journal = Journal::create(&journal_path, records_of(&index.files))?;
         tracing::info!(
             dir = %dir.display(),
             files = index.files.len(),
@@ -640,6 +635,7 @@ impl Store {
         }
         drop(idx);
         self.finish_evictions(evicted);
+        self.maybe_compact();
         r.map(|_| ())
     }
 
@@ -662,6 +658,16 @@ impl Store {
             &meta,
         ))?;
         Ok(meta)
+    }
+
+    /// Rewrites the journal from the index when it has grown well past what the cache
+    /// holds. Called after appends, never under the index lock.
+    fn maybe_compact(&self) {
+        if self.journal.wants_compaction()
+            && let Err(e) = self.journal.compact(|| records_of(&self.lock().files))
+        {
+            tracing::warn!(error = %e, "journal compaction failed; will retry");
+        }
     }
 
     /// Gives back a permit whose fill failed.
@@ -895,6 +901,20 @@ fn data_name(key: &Key, generation: u64) -> String {
 
 fn data_path(data_dir: &Path, key: &Key, generation: u64) -> PathBuf {
     data_dir.join(data_name(key, generation))
+}
+
+/// The journal records that rebuild `files` (durable entries and their present blocks).
+fn records_of(files: &HashMap<Key, Entry>) -> Vec<jpb::Record> {
+    let mut records = Vec::with_capacity(files.len() * 2);
+    for (key, e) in files.iter().filter(|(_, e)| e.durable) {
+        records.push(Record::file_added(key, e));
+        for (i, b) in e.blocks.iter().enumerate() {
+            if let Some(b) = b {
+                records.push(Record::block_added(key, e.generation, i, b));
+            }
+        }
+    }
+    records
 }
 
 fn evict_locked(idx: &mut Index, key: &Key) -> Option<Evicted> {

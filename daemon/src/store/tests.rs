@@ -340,3 +340,23 @@ fn the_scrub_verifies_what_an_unclean_start_left_unverified() {
         "nothing left to scrub"
     );
 }
+
+#[test]
+fn a_compacted_journal_still_rebuilds_the_index() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = stat("a", 3 * BS as u64, 1);
+    let b = stat("b", 2 * BS as u64, 1);
+    {
+        let s = Store::open(&cfg(dir.path(), 1 << 30), Arc::default()).unwrap();
+        for i in 0..3 {
+            fill(&s, &a, i).unwrap();
+        }
+        s.journal.compact(|| records_of(&s.lock().files)).unwrap();
+        for i in 0..2 {
+            fill(&s, &b, i).unwrap();
+        }
+    } // crash
+    let s = Store::open(&cfg(dir.path(), 1 << 30), Arc::default()).unwrap();
+    assert_eq!(check(&s, &a), 3);
+    assert_eq!(check(&s, &b), 2);
+}
