@@ -1,7 +1,6 @@
 //! Wiring: builds every part from a [`Config`], runs them, and shuts them down in
 //! order (stop clients, stop fills, then mark the store clean).
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
@@ -24,7 +23,6 @@ pub struct Daemon {
     server: Server,
     filler: Arc<Filler>,
     store: Arc<Store>,
-    socket: PathBuf,
     scrub: Option<Scrub>,
 }
 
@@ -99,7 +97,6 @@ impl Daemon {
             server,
             filler,
             store,
-            socket: cfg.socket.clone(),
             scrub,
         })
     }
@@ -125,11 +122,6 @@ impl Daemon {
             })
             .context("starting the scrub thread")?;
         Ok(Some((stop, h)))
-    }
-
-    /// The socket clients connect to.
-    pub fn socket(&self) -> &std::path::Path {
-        &self.socket
     }
 
     /// Orderly shutdown: clients are disconnected (they fall back to the backing store),

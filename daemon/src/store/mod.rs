@@ -845,11 +845,6 @@ impl Store {
         s
     }
 
-    /// The store's directory (`<cache_dir>/shardcache-v1`).
-    pub fn dir(&self) -> &Path {
-        &self.dir
-    }
-
     /// Default block size of new entries.
     pub fn block_size(&self) -> u32 {
         self.block_size
