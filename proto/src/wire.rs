@@ -31,8 +31,8 @@ pub enum WireError {
     /// The peer closed the connection.
     #[error("connection closed by peer")]
     Closed,
-    /// The peer announced a frame larger than [`MAX_FRAME`].
-    #[error("frame of {0} bytes exceeds the {MAX_FRAME}-byte limit")]
+    /// The peer announced a frame larger than the reader's limit.
+    #[error("frame of {0} bytes exceeds the limit")]
     TooLarge(usize),
     /// The frame did not decode as the expected message.
     #[error("malformed message: {0}")]
@@ -81,18 +81,37 @@ pub fn send<M: Message>(sock: impl AsFd, msg: &M, fds: &[BorrowedFd<'_>]) -> Res
 }
 
 /// Reads frames from one socket, keeping bytes that arrived beyond the current frame.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct FrameReader {
     /// Allocated (and zeroed) once; `start..end` holds received, unparsed bytes.
     buf: Vec<u8>,
     start: usize,
     end: usize,
+    limit: usize,
+}
+
+impl Default for FrameReader {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 impl FrameReader {
-    /// A reader with an empty buffer.
+    /// A reader accepting frames up to [`MAX_FRAME`].
     pub fn new() -> Self {
-        Self::default()
+        Self::with_limit(MAX_FRAME)
+    }
+
+    /// A reader refusing frames larger than `limit` bytes (at most [`MAX_FRAME`]) before
+    /// allocating anything for them: a server reading requests from untrusted peers
+    /// keeps this small.
+    pub fn with_limit(limit: usize) -> Self {
+        Self {
+            buf: Vec::new(),
+            start: 0,
+            end: 0,
+            limit: limit.min(MAX_FRAME),
+        }
     }
 
     /// Receives one frame and decodes it as `M`, returning it with the descriptors that
@@ -142,7 +161,7 @@ impl FrameReader {
         let mut b = [0u8; 4];
         b.copy_from_slice(&self.buf[self.start..self.start + 4]);
         let len = u32::from_le_bytes(b) as usize;
-        if len > MAX_FRAME {
+        if len > self.limit {
             return Err(WireError::TooLarge(len));
         }
         Ok(Some(len))

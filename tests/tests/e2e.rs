@@ -668,3 +668,61 @@ fn open_ahead_yields_every_file_in_order_even_if_the_daemon_stops() {
     }
     assert!(it.next().is_none());
 }
+
+#[test]
+fn bad_requests_get_errors_and_change_nothing() {
+    use std::io::Write;
+    let bed = Bed::new();
+    write_file(&bed.path("f"), 1, 1000);
+    let d = bed.start(&[]);
+    // A frame announcing 100 MiB: the connection is closed, nothing is allocated for it.
+    let mut sock = std::os::unix::net::UnixStream::connect(&bed.socket).unwrap();
+    sock.write_all(&(100u32 << 20).to_le_bytes()).unwrap();
+    let mut reader = shardcache_proto::wire::FrameReader::new();
+    assert!(
+        reader.recv::<pb::Response>(&sock).is_err(),
+        "the daemon hangs up"
+    );
+    // Garbage that is not a request.
+    let mut sock = std::os::unix::net::UnixStream::connect(&bed.socket).unwrap();
+    sock.write_all(&[5, 0, 0, 0, 0xff, 0xff, 0xff, 0xff, 0xff])
+        .unwrap();
+    assert!(
+        shardcache_proto::wire::FrameReader::new()
+            .recv::<pb::Response>(&sock)
+            .is_err()
+    );
+    // An overlong path is refused with a reason.
+    let long = format!("{}/{}", bed.backing.display(), "x/".repeat(3000));
+    match raw_open(&bed, &long).0 {
+        pb::open_reply::Result::Refused(r) => assert_eq!(r.reason(), pb::Reason::Invalid),
+        other => panic!("not refused: {other:?}"),
+    }
+    // An OpenMany of more than 64 paths is an error, not a partial answer.
+    let sock = std::os::unix::net::UnixStream::connect(&bed.socket).unwrap();
+    let paths = vec![bed.path("f").to_str().unwrap().to_owned(); 65];
+    let req = pb::Request {
+        id: 9,
+        report: None,
+        kind: Some(pb::request::Kind::OpenMany(pb::OpenManyRequest { paths })),
+    };
+    shardcache_proto::wire::send(&sock, &req, &[]).unwrap();
+    let (resp, fds): (pb::Response, _) = shardcache_proto::wire::FrameReader::new()
+        .recv(&sock)
+        .unwrap();
+    assert!(
+        matches!(resp.kind, Some(pb::response::Kind::Error(_))),
+        "{resp:?}"
+    );
+    assert!(fds.is_empty());
+    // The daemon is still serving, and nothing was cached by any of this.
+    assert_eq!(
+        read_all(&bed.client(), &bed.path("f")).unwrap().0,
+        content(1, 1000)
+    );
+    assert_eq!(
+        d.counters().opens,
+        2,
+        "the refused long path and the good read"
+    );
+}

@@ -37,6 +37,11 @@ use crate::store::{Store, StoreError, View};
 
 /// Most blocks one Wait request may name.
 const MAX_WAIT_BLOCKS: u64 = 1024;
+/// Largest request accepted (64 paths of 4 KiB fit easily); larger ones end the
+/// connection before anything is allocated for them.
+const MAX_REQUEST: usize = 1 << 20;
+/// Longest path accepted (Linux PATH_MAX).
+const MAX_PATH: usize = 4096;
 
 /// What request handlers share.
 #[derive(Debug)]
@@ -205,7 +210,7 @@ impl Server {
 }
 
 fn serve(conn: &UnixStream, creds: &Creds, ctx: &Ctx) {
-    let mut reader = FrameReader::new();
+    let mut reader = FrameReader::with_limit(MAX_REQUEST);
     loop {
         let req: pb::Request = match reader.recv_spin(conn, ctx.spin) {
             Ok((req, _fds)) => req,
@@ -328,6 +333,13 @@ fn authorize(
     creds: &Creds,
     path: &str,
 ) -> Result<(usize, String, Arc<Stat>), pb::Refused> {
+    if path.len() > MAX_PATH {
+        inc(&ctx.stats.refused_path);
+        return Err(refused(
+            Reason::Invalid,
+            format!("path longer than {MAX_PATH} bytes"),
+        ));
+    }
     let (root, rel) = ctx
         .meta
         .roots()
