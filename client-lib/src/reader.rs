@@ -110,14 +110,10 @@ fn version_of(f: &File) -> io::Result<pb::Version> {
     })
 }
 
-fn stale(path: &Path) -> io::Error {
-    io::Error::new(
-        io::Error::from(rustix::io::Errno::STALE).kind(),
-        format!(
-            "{}: changed on the backing store while being read through the cache (ESTALE); reopen it",
-            path.display()
-        ),
-    )
+/// The file changed on the backing store after bytes of it were served from the cache:
+/// `ESTALE`, as NFS reports it. The caller reopens the file to read the new version.
+fn stale() -> io::Error {
+    io::Error::from(rustix::io::Errno::STALE)
 }
 
 /// Reads until `buf` is full or end of file.
@@ -419,7 +415,7 @@ impl Reader {
                             self.count(Kind::Fallback, n);
                             return Ok(n);
                         } else {
-                            return Err(stale(&self.path));
+                            return Err(stale());
                         }
                     }
                 },
@@ -470,7 +466,7 @@ impl Reader {
         if let State::Cached(c) = &*lock(&self.state)
             && v != c.version
         {
-            return Err(stale(&self.path));
+            return Err(stale());
         }
         // SAFETY: see the function's contract.
         unsafe { memmap2::Mmap::map(&f) }

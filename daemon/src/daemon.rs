@@ -88,6 +88,7 @@ impl Daemon {
             started: Instant::now(),
             cache_dir: cfg.cache_dir.clone(),
             spin: cfg.spin,
+            spinners: Default::default(),
         });
         let server = Server::start(listener, cfg.socket.clone(), ctx, cfg.max_connections)
             .context("starting the server")?;

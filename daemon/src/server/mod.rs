@@ -64,6 +64,9 @@ pub struct Ctx {
     pub cache_dir: PathBuf,
     /// How long a connection thread polls for the next request before sleeping.
     pub spin: Duration,
+    /// Connection threads polling right now; at most [`MAX_SPINNERS`] do, so that busy
+    /// clients never cost the node more than that many cores of polling.
+    pub spinners: AtomicUsize,
 }
 
 /// A running server.
@@ -209,10 +212,31 @@ impl Server {
     }
 }
 
+/// Most connection threads polling at once.
+pub const MAX_SPINNERS: usize = 2;
+
+/// Waits for the next request, polling first if fewer than [`MAX_SPINNERS`] threads are.
+fn recv_request(
+    reader: &mut FrameReader,
+    conn: &UnixStream,
+    ctx: &Ctx,
+) -> Result<(pb::Request, Vec<std::os::fd::OwnedFd>), WireError> {
+    if ctx.spin.is_zero() {
+        return reader.recv(conn);
+    }
+    if ctx.spinners.fetch_add(1, Ordering::AcqRel) >= MAX_SPINNERS {
+        ctx.spinners.fetch_sub(1, Ordering::AcqRel);
+        return reader.recv(conn);
+    }
+    let r = reader.recv_spin(conn, ctx.spin);
+    ctx.spinners.fetch_sub(1, Ordering::AcqRel);
+    r
+}
+
 fn serve(conn: &UnixStream, creds: &Creds, ctx: &Ctx) {
     let mut reader = FrameReader::with_limit(MAX_REQUEST);
     loop {
-        let req: pb::Request = match reader.recv_spin(conn, ctx.spin) {
+        let req: pb::Request = match recv_request(&mut reader, conn, ctx) {
             Ok((req, _fds)) => req,
             Err(WireError::Closed) => return,
             Err(e) => {
