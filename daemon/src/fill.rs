@@ -314,7 +314,8 @@ enum FillError {
 }
 
 fn fill(inner: &Inner, t: &Target, index: usize) -> Result<(), FillError> {
-    let Some(permit) = inner.store.begin_fill(&t.key, index)? else {
+    let root = &inner.meta.roots().get(t.root).name;
+    let Some(permit) = inner.store.begin_fill(root, &t.stat, index)? else {
         return Ok(());
     };
     match read_block(inner, t, permit.offset(), permit.len()) {

@@ -439,36 +439,24 @@ impl Store {
         let mut evicted = Vec::new();
         let to_verify = {
             let mut idx = self.lock();
-            let pkey = path_key(root, &stat.path);
-            if let Some(old) = idx.by_path.get(&pkey).copied()
-                && old != key
-            {
-                idx.by_path.remove(&pkey);
-                if let Some(e) = idx.files.get_mut(&old) {
-                    e.doomed = true;
-                    if e.filling == 0 {
-                        evicted.extend(evict_locked(&mut idx, &old));
-                    }
-                }
-            }
-            if let std::collections::hash_map::Entry::Vacant(slot) = idx.files.entry(key) {
-                slot.insert(Entry {
-                    root: root.to_owned(),
-                    path: stat.path.clone(),
-                    version: stat.version,
+            retire_other_versions(&mut idx, root, &stat.path, &key, &mut evicted);
+            if !idx.files.contains_key(&key) {
+                // Nothing cached: no entry is made until a fill starts, so opening files
+                // that are never filled costs no memory.
+                drop(idx);
+                self.finish_evictions(evicted);
+                let n = nblocks(stat.version.size, self.block_size);
+                return Ok(View {
+                    key,
                     block_size: self.block_size,
-                    generation: self.next_generation.fetch_add(1, Ordering::Relaxed),
-                    blocks: vec![None; nblocks(stat.version.size, self.block_size)],
-                    durable: false,
-                    bytes: 0,
-                    filling: 0,
-                    doomed: false,
+                    present: vec![0; n.div_ceil(8)],
+                    nblocks: n,
+                    npresent: 0,
+                    data: None,
+                    data_gen: 0,
                 });
-                idx.policy.insert(key);
-            } else {
-                idx.policy.touch(key);
             }
-            idx.by_path.insert(pkey, key);
+            idx.policy.touch(key);
             let e = &idx.files[&key];
             let list: Vec<(usize, BlockMeta)> = e
                 .blocks
@@ -535,10 +523,34 @@ impl Store {
 
     /// Reserves space for block `i` of `key` (evicting if needed). `Ok(None)` when the
     /// block is already present.
-    pub fn begin_fill(&self, key: &Key, i: usize) -> Result<Option<Permit>, StoreError> {
+    pub fn begin_fill(
+        &self,
+        root: &str,
+        stat: &Stat,
+        i: usize,
+    ) -> Result<Option<Permit>, StoreError> {
+        let key = &Key::of(root, &stat.path, &stat.version);
         let mut evicted = Vec::new();
         let result = (|| {
             let mut idx = self.lock();
+            if !idx.files.contains_key(key) {
+                retire_other_versions(&mut idx, root, &stat.path, key, &mut evicted);
+                let e = Entry {
+                    root: root.to_owned(),
+                    path: stat.path.clone(),
+                    version: stat.version,
+                    block_size: self.block_size,
+                    generation: self.next_generation.fetch_add(1, Ordering::Relaxed),
+                    blocks: vec![None; nblocks(stat.version.size, self.block_size)],
+                    durable: false,
+                    bytes: 0,
+                    filling: 0,
+                    doomed: false,
+                };
+                idx.files.insert(*key, e);
+                idx.policy.insert(*key);
+                idx.by_path.insert(path_key(root, &stat.path), *key);
+            }
             let e = idx.files.get(key).ok_or(StoreError::Gone)?;
             if e.doomed {
                 return Err(StoreError::Gone);
@@ -580,6 +592,17 @@ impl Store {
                 offset,
             }))
         })();
+        if result.is_err() {
+            // Do not keep an entry that a refused fill created and nothing fills.
+            let mut idx = self.lock();
+            if idx
+                .files
+                .get(key)
+                .is_some_and(|e| e.filling == 0 && !e.durable)
+            {
+                evict_locked(&mut idx, key);
+            }
+        }
         self.finish_evictions(evicted);
         result
     }
@@ -677,7 +700,10 @@ impl Store {
         let mut evicted = Vec::new();
         if let Some(e) = idx.files.get_mut(&permit.key) {
             e.filling -= 1;
-            if e.doomed && e.filling == 0 {
+            if e.filling == 0 && !e.durable {
+                // Nothing of it ever reached the disk: forget it outright.
+                evict_locked(&mut idx, &permit.key);
+            } else if e.doomed && e.filling == 0 {
                 evicted.extend(evict_locked(&mut idx, &permit.key));
             }
         }
@@ -910,6 +936,29 @@ fn records_of(files: &HashMap<Key, Entry>) -> Vec<jpb::Record> {
         }
     }
     records
+}
+
+/// Retires any other version of (`root`, `path`) than `key`: it is evicted now, or
+/// once its running fills end.
+fn retire_other_versions(
+    idx: &mut Index,
+    root: &str,
+    path: &str,
+    key: &Key,
+    evicted: &mut Vec<Evicted>,
+) {
+    let pkey = path_key(root, path);
+    if let Some(old) = idx.by_path.get(&pkey).copied()
+        && old != *key
+    {
+        idx.by_path.remove(&pkey);
+        if let Some(e) = idx.files.get_mut(&old) {
+            e.doomed = true;
+            if e.filling == 0 {
+                evicted.extend(evict_locked(idx, &old));
+            }
+        }
+    }
 }
 
 fn evict_locked(idx: &mut Index, key: &Key) -> Option<Evicted> {

@@ -38,7 +38,8 @@ fn content(st: &Stat) -> Vec<u8> {
 fn fill(store: &Store, st: &Stat, i: usize) -> Result<(), StoreError> {
     let v = store.view("/r", st)?;
     let data = content(st);
-    if let Some(p) = store.begin_fill(&v.key, i)? {
+    debug_assert_eq!(v.key, Key::of("/r", &st.path, &st.version));
+    if let Some(p) = store.begin_fill("/r", st, i)? {
         let range = p.offset() as usize..p.offset() as usize + p.len();
         store.commit_fill(p, &data[range])?;
     }
@@ -182,7 +183,11 @@ fn capacity_evicts_least_recently_used_files() {
     let dir2 = tempfile::tempdir().unwrap();
     let s2 = Store::open(&cfg(dir2.path(), BS as u64 / 2), Arc::default()).unwrap();
     let v = s2.view("/r", &big).unwrap();
-    assert!(matches!(s2.begin_fill(&v.key, 0), Err(StoreError::NoSpace)));
+    assert!(v.npresent == 0);
+    assert!(matches!(
+        s2.begin_fill("/r", &big, 0),
+        Err(StoreError::NoSpace)
+    ));
 }
 
 #[test]
@@ -359,4 +364,23 @@ fn a_compacted_journal_still_rebuilds_the_index() {
     let s = Store::open(&cfg(dir.path(), 1 << 30), Arc::default()).unwrap();
     assert_eq!(check(&s, &a), 3);
     assert_eq!(check(&s, &b), 2);
+}
+
+#[test]
+fn files_opened_but_never_filled_take_no_memory() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Store::open(&cfg(dir.path(), BS as u64 / 2), Arc::default()).unwrap();
+    for i in 0..100 {
+        let st = stat(&format!("f{i}"), BS as u64, 1);
+        assert_eq!(s.view("/r", &st).unwrap().npresent, 0);
+        assert!(matches!(
+            s.begin_fill("/r", &st, 0),
+            Err(StoreError::NoSpace)
+        ));
+    }
+    assert_eq!(
+        s.lock().files.len(),
+        0,
+        "no entry kept for files that were never cached"
+    );
 }
