@@ -85,6 +85,21 @@ fn drop_all(paths: &[PathBuf]) {
     }
 }
 
+/// Per-file latencies of one pass and its files per second.
+type Timed = (Vec<Duration>, f64);
+
+/// Prints one result line: the medians of each side and the median of the per-round
+/// ratios (shardcache ÷ baseline).
+fn row(label: &str, unit: &str, v: &[(f64, f64)], goal: &str) {
+    let side = |f: fn(&(f64, f64)) -> f64| median(&v.iter().map(f).collect::<Vec<_>>());
+    let ratio = median(&v.iter().map(|(x, y)| y / x).collect::<Vec<_>>());
+    println!(
+        "{label:<48}{:>10.0} {unit:<5}{:>10.0} {unit:<5}{ratio:>8.3}  {goal}",
+        side(|p| p.0),
+        side(|p| p.1)
+    );
+}
+
 /// Runs both sides, the baseline first in even rounds and second in odd ones.
 fn alternate<T>(round: usize, raw: &mut dyn FnMut() -> T, ours: &mut dyn FnMut() -> T) -> (T, T) {
     if round.is_multiple_of(2) {
@@ -349,14 +364,15 @@ fn foundation(a: &Foundation) {
     let st = c.status().expect("status").counters.unwrap_or_default();
     daemon.stop();
 
-    let ratios =
-        |v: &[(f64, f64)]| median(&v.iter().map(|(raw, ours)| ours / raw).collect::<Vec<_>>());
-    let med = |v: &[(f64, f64)], side: usize| {
-        median(
-            &v.iter()
-                .map(|p| if side == 0 { p.0 } else { p.1 })
-                .collect::<Vec<_>>(),
-        ) / MIB
+    let mib = |v: &[(f64, f64)]| {
+        v.iter()
+            .map(|(x, y)| (x / MIB, y / MIB))
+            .collect::<Vec<_>>()
+    };
+    let files_per_sec = |v: &[(Timed, Timed)]| {
+        v.iter()
+            .map(|((_, x), (_, y))| (*x, *y))
+            .collect::<Vec<_>>()
     };
     println!();
     println!(
@@ -370,81 +386,54 @@ fn foundation(a: &Foundation) {
         a.rounds
     );
     println!(
-        "{:<44}{:>12}{:>12}{:>9}{:>8}",
-        "measure (medians)", "baseline", "shardcache", "ratio", "goal"
+        "{:<48}{:>16}{:>16}{:>8}  goal",
+        "measure (medians)", "baseline", "shardcache", "ratio"
     );
-    println!(
-        "{:<44}{:>8.0} MiB/s{:>8.0} MiB/s{:>9.3}{:>8}",
+    row(
         "cold fill ÷ raw durable copy",
-        med(&cold, 0),
-        med(&cold, 1),
-        ratios(&cold),
-        "≥ 0.95"
+        "MiB/s",
+        &mib(&cold),
+        "≥ 0.95",
     );
-    println!(
-        "{:<44}{:>8.0} MiB/s{:>8.0} MiB/s{:>9.3}{:>8}",
+    row(
         "warm sequential ÷ raw read of cache files (disk)",
-        med(&warm_disk, 0),
-        med(&warm_disk, 1),
-        ratios(&warm_disk),
-        "≥ 0.97"
+        "MiB/s",
+        &mib(&warm_disk),
+        "≥ 0.97",
     );
-    println!(
-        "{:<44}{:>8.0} MiB/s{:>8.0} MiB/s{:>9.3}{:>8}",
-        "  same, from page cache",
-        med(&warm_hot, 0),
-        med(&warm_hot, 1),
-        ratios(&warm_hot),
-        ""
+    row("  same, from page cache", "MiB/s", &mib(&warm_hot), "");
+    row(
+        "small files: warm open+read, one open each",
+        "f/s",
+        &files_per_sec(&small_rounds),
+        "≥ 0.8",
     );
-    let mut raw_lat: Vec<Duration> = small_rounds
-        .iter()
-        .flat_map(|((l, _), _)| l.clone())
-        .collect();
-    let mut our_lat: Vec<Duration> = small_rounds
-        .iter()
-        .flat_map(|(_, (l, _))| l.clone())
-        .collect();
-    let fps: Vec<(f64, f64)> = small_rounds
-        .iter()
-        .map(|((_, x), (_, y))| (*x, *y))
-        .collect();
+    let lat = |side: usize, q: f64| {
+        let mut all: Vec<Duration> = small_rounds
+            .iter()
+            .flat_map(|(r, o)| if side == 0 { r.0.clone() } else { o.0.clone() })
+            .collect();
+        quantile_us(&mut all, q)
+    };
     println!(
-        "{:<44}{:>7.0} f/s{:>8.0} f/s{:>9.3}{:>8}",
-        "small files: warm open+read files/s",
-        median(&fps.iter().map(|p| p.0).collect::<Vec<_>>()),
-        median(&fps.iter().map(|p| p.1).collect::<Vec<_>>()),
-        ratios(&fps),
-        "≥ 0.8"
-    );
-    println!(
-        "{:<44}{:>10.1} µs{:>10.1} µs",
+        "{:<48}{:>13.1} µs{:>13.1} µs",
         "  p50 latency",
-        quantile_us(&mut raw_lat, 0.5),
-        quantile_us(&mut our_lat, 0.5)
+        lat(0, 0.5),
+        lat(1, 0.5)
     );
     println!(
-        "{:<44}{:>10.1} µs{:>10.1} µs",
+        "{:<48}{:>13.1} µs{:>13.1} µs",
         "  p99 latency",
-        quantile_us(&mut raw_lat, 0.99),
-        quantile_us(&mut our_lat, 0.99)
+        lat(0, 0.99),
+        lat(1, 0.99)
     );
-    println!(
-        "{:<44}{:>7.0} f/s{:>8.0} f/s{:>9.3}{:>8}",
+    row(
         "small files, open_many (64 per exchange)",
-        median(&batched.iter().map(|p| p.0).collect::<Vec<_>>()),
-        median(&batched.iter().map(|p| p.1).collect::<Vec<_>>()),
-        ratios(&batched),
-        "≥ 0.8"
+        "f/s",
+        &batched,
+        "≥ 0.8",
     );
-    println!(
-        "{:<44}{:>7.0} f/s{:>8.0} f/s{:>9.3}{:>8}",
-        "small files, open_ahead (32 ahead)",
-        median(&ahead.iter().map(|p| p.0).collect::<Vec<_>>()),
-        median(&ahead.iter().map(|p| p.1).collect::<Vec<_>>()),
-        ratios(&ahead),
-        "≥ 0.8"
-    );
+    row("small files, open_ahead (32 ahead)", "f/s", &ahead, "≥ 0.8");
     println!(
         "daemon: {} backing reads, {:.0} MiB from backing, {} client fallback bytes",
         st.backing_reads,
