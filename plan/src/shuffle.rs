@@ -168,3 +168,39 @@ mod tests {
         }
     }
 }
+
+/// The order in which one node reads the dataset in `epoch`, when it runs `ranks` of a
+/// `world`: the ranks' orders interleaved step by step (rank `ranks[0]`'s first sample,
+/// then `ranks[1]`'s first, …), as ranks that consume at the same rate do.
+pub fn node_order(n: u64, seed: u64, epoch: u64, world: u64, ranks: &[u64], drop_last: bool) -> Vec<u64> {
+    let orders: Vec<Vec<u64>> = ranks.iter().map(|&r| rank_order(n, seed, epoch, world, r, drop_last)).collect();
+    let per = samples_per_rank(n, world, drop_last) as usize;
+    let mut out = Vec::with_capacity(per * ranks.len());
+    for k in 0..per {
+        out.extend(orders.iter().map(|o| o[k]));
+    }
+    out
+}
+
+#[cfg(test)]
+mod node_tests {
+    use super::*;
+
+    #[test]
+    fn a_node_interleaves_its_ranks() {
+        let a = rank_order(50, 3, 1, 8, 2, false);
+        let b = rank_order(50, 3, 1, 8, 5, false);
+        let n = node_order(50, 3, 1, 8, &[2, 5], false);
+        assert_eq!(n.len(), a.len() + b.len());
+        for k in 0..a.len() {
+            assert_eq!((n[2 * k], n[2 * k + 1]), (a[k], b[k]));
+        }
+        // All ranks of the world on one node read every sample (padding included).
+        let all: Vec<u64> = (0..8).collect();
+        let mut every = node_order(50, 3, 1, 8, &all, false);
+        assert_eq!(every.len(), 56);
+        every.sort_unstable();
+        every.dedup();
+        assert_eq!(every, (0..50).collect::<Vec<_>>());
+    }
+}
