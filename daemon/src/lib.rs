@@ -20,6 +20,7 @@ pub mod config;
 pub mod daemon;
 pub mod fill;
 pub mod meta;
+pub mod planner;
 pub mod server;
 pub mod stats;
 pub mod store;

@@ -172,8 +172,18 @@ mod tests {
 /// The order in which one node reads the dataset in `epoch`, when it runs `ranks` of a
 /// `world`: the ranks' orders interleaved step by step (rank `ranks[0]`'s first sample,
 /// then `ranks[1]`'s first, …), as ranks that consume at the same rate do.
-pub fn node_order(n: u64, seed: u64, epoch: u64, world: u64, ranks: &[u64], drop_last: bool) -> Vec<u64> {
-    let orders: Vec<Vec<u64>> = ranks.iter().map(|&r| rank_order(n, seed, epoch, world, r, drop_last)).collect();
+pub fn node_order(
+    n: u64,
+    seed: u64,
+    epoch: u64,
+    world: u64,
+    ranks: &[u64],
+    drop_last: bool,
+) -> Vec<u64> {
+    let orders: Vec<Vec<u64>> = ranks
+        .iter()
+        .map(|&r| rank_order(n, seed, epoch, world, r, drop_last))
+        .collect();
     let per = samples_per_rank(n, world, drop_last) as usize;
     let mut out = Vec::with_capacity(per * ranks.len());
     for k in 0..per {

@@ -1,0 +1,413 @@
+//! The planner: what each registered job will read and in which order, hence when
+//! every file is needed next; and from that, eviction (the file needed farthest in the
+//! future goes first — Belady's MIN), admission (a file needed later than everything
+//! cached is not admitted), and prefetch (the missing files, in order of need).
+//!
+//! Pure logic: no I/O, no clock. Positions are plan steps; each job's consumption rate
+//! (steps per second, measured by the daemon) turns step distances into comparable
+//! times across jobs. Not yet wired into the daemon: registration, the prefetch thread
+//! and the store's eviction policy build on this module.
+//!
+//! What the tests establish so far (`tests.rs`): with Belady retention and a prefetch
+//! window counted in files fetched ahead and not yet read (a few files), a shuffled
+//! job reaches the C/N hit ceiling after its first epoch, and the cache never evicts a
+//! file needed sooner than one it keeps. An unbounded window does not: prefetching
+//! far ahead evicts files kept for the next epoch, which are then fetched twice.
+//!
+//! Open question for the prefetcher: Belady keeps the files read first in the next
+//! epoch, so hits bunch at its start, and a bounded window leaves the backing store
+//! idle during the bunch (stall above the floor when bandwidth-bound). Spreading the
+//! retained files through the epoch fixes the stall but keeps some files needed later
+//! than ones it evicts; the two must be reconciled before the policy is wired in.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use shardcache_plan::shuffle;
+
+/// A file the planner knows: (root index, path relative to the root).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct FileRef {
+    /// Index of the backing root.
+    pub root: usize,
+    /// Path relative to the root.
+    pub path: String,
+}
+
+/// Where a job's per-epoch order comes from.
+#[derive(Debug, Clone)]
+pub enum Source {
+    /// Explicit orders (file indices), `epochs[i]` being epoch `first + i`.
+    Sequence {
+        /// First epoch number.
+        first: u64,
+        /// Orders.
+        epochs: Vec<Arc<Vec<u32>>>,
+    },
+    /// A named shuffle of all files, sliced for this node's ranks.
+    Shuffle {
+        /// Seed.
+        seed: u64,
+        /// First epoch number and number of epochs.
+        first: u64,
+        /// Number of epochs.
+        count: u64,
+        /// World size.
+        world: u64,
+        /// This node's ranks.
+        ranks: Vec<u64>,
+        /// `DistributedSampler(drop_last)`.
+        drop_last: bool,
+    },
+}
+
+/// One epoch's order with, per file, its sorted positions.
+#[derive(Debug)]
+struct EpochIndex {
+    order: Arc<Vec<u32>>,
+    offsets: Vec<u32>,
+    positions: Vec<u32>,
+}
+
+impl EpochIndex {
+    fn new(order: Arc<Vec<u32>>, nfiles: usize) -> Self {
+        let mut counts = vec![0u32; nfiles + 1];
+        for &f in order.iter() {
+            counts[f as usize + 1] += 1;
+        }
+        for i in 1..counts.len() {
+            counts[i] += counts[i - 1];
+        }
+        let offsets = counts.clone();
+        let mut fill = counts;
+        let mut positions = vec![0u32; order.len()];
+        for (p, &f) in order.iter().enumerate() {
+            positions[fill[f as usize] as usize] = p as u32;
+            fill[f as usize] += 1;
+        }
+        Self {
+            order,
+            offsets,
+            positions,
+        }
+    }
+
+    /// First position of `f` at or after `from`.
+    fn next(&self, f: u32, from: u64) -> Option<u64> {
+        let ps = &self.positions
+            [self.offsets[f as usize] as usize..self.offsets[f as usize + 1] as usize];
+        let i = ps.partition_point(|&p| (p as u64) < from);
+        ps.get(i).map(|&p| p as u64)
+    }
+}
+
+/// A registered job.
+#[derive(Debug)]
+struct Job {
+    id: String,
+    files: Vec<FileRef>,
+    source: Source,
+    epoch: u64,
+    step: u64,
+    /// Steps per second (1.0 until measured).
+    rate: f64,
+    epochs: Vec<(u64, Arc<EpochIndex>)>,
+}
+
+impl Job {
+    fn range(&self) -> (u64, u64) {
+        match &self.source {
+            Source::Sequence { first, epochs } => (*first, epochs.len() as u64),
+            Source::Shuffle { first, count, .. } => (*first, *count),
+        }
+    }
+
+    fn has_epoch(&self, e: u64) -> bool {
+        let (first, count) = self.range();
+        e >= first && e < first + count
+    }
+
+    fn index(&mut self, e: u64) -> Option<Arc<EpochIndex>> {
+        if !self.has_epoch(e) {
+            return None;
+        }
+        if let Some((_, ix)) = self.epochs.iter().find(|(x, _)| *x == e) {
+            return Some(ix.clone());
+        }
+        let order: Arc<Vec<u32>> = match &self.source {
+            Source::Sequence { first, epochs } => epochs[(e - first) as usize].clone(),
+            Source::Shuffle {
+                seed,
+                world,
+                ranks,
+                drop_last,
+                ..
+            } => Arc::new(
+                shuffle::node_order(self.files.len() as u64, *seed, e, *world, ranks, *drop_last)
+                    .into_iter()
+                    .map(|f| f as u32)
+                    .collect(),
+            ),
+        };
+        let ix = Arc::new(EpochIndex::new(order, self.files.len()));
+        // Keep the few epochs around the position.
+        if self.epochs.len() >= 3 {
+            self.epochs.remove(0);
+        }
+        self.epochs.push((e, ix.clone()));
+        Some(ix)
+    }
+
+    /// Steps from the position until file `f` is read next (this epoch or the next).
+    fn distance(&mut self, f: u32) -> Option<u64> {
+        let (e, s) = (self.epoch, self.step);
+        let cur = self.index(e)?;
+        if let Some(p) = cur.next(f, s) {
+            return Some(p - s);
+        }
+        let next = self.index(e + 1)?;
+        next.next(f, 0).map(|p| cur.order.len() as u64 - s + p)
+    }
+}
+
+/// When a file is needed next, comparable across jobs.
+#[derive(Debug, Clone, Copy, PartialEq, PartialOrd)]
+pub enum Need {
+    /// In about this many seconds (steps ÷ rate).
+    In(f64),
+    /// Not by any registered plan within its next epoch.
+    Never,
+}
+
+impl Need {
+    fn key(self) -> f64 {
+        match self {
+            Need::In(t) => t,
+            Need::Never => f64::INFINITY,
+        }
+    }
+
+    /// True when `self` is needed strictly later than `other`.
+    pub fn later_than(self, other: Need) -> bool {
+        self.key() > other.key()
+    }
+}
+
+/// Errors of registration.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlanError {
+    /// A sequence names a file index that is not listed.
+    #[error("epoch {epoch}: file index {index} is not listed")]
+    UnknownFile {
+        /// Epoch number.
+        epoch: u64,
+        /// Offending index.
+        index: u32,
+    },
+    /// A shuffle over no files, or ranks outside the world.
+    #[error("{0}")]
+    Invalid(&'static str),
+}
+
+/// Every registered job and the file → (job, index) map.
+#[derive(Debug, Default)]
+pub struct Planner {
+    jobs: Vec<Job>,
+    files: HashMap<FileRef, Vec<(usize, u32)>>,
+}
+
+impl Planner {
+    /// An empty planner.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Registers (or replaces) job `id`, positioned at the start of its first epoch.
+    pub fn register(
+        &mut self,
+        id: &str,
+        files: Vec<FileRef>,
+        source: Source,
+    ) -> Result<(), PlanError> {
+        match &source {
+            Source::Sequence { first, epochs } => {
+                for (i, e) in epochs.iter().enumerate() {
+                    if let Some(&bad) = e.iter().find(|&&f| f as usize >= files.len()) {
+                        return Err(PlanError::UnknownFile {
+                            epoch: first + i as u64,
+                            index: bad,
+                        });
+                    }
+                }
+            }
+            Source::Shuffle { world, ranks, .. } => {
+                if files.is_empty()
+                    || *world == 0
+                    || ranks.is_empty()
+                    || ranks.iter().any(|r| r >= world)
+                {
+                    return Err(PlanError::Invalid(
+                        "shuffle needs files, a world and ranks inside it",
+                    ));
+                }
+            }
+        }
+        self.unregister(id);
+        let first = match &source {
+            Source::Sequence { first, .. } | Source::Shuffle { first, .. } => *first,
+        };
+        self.jobs.push(Job {
+            id: id.to_owned(),
+            files,
+            source,
+            epoch: first,
+            step: 0,
+            rate: 1.0,
+            epochs: Vec::new(),
+        });
+        self.reindex();
+        Ok(())
+    }
+
+    /// Forgets job `id`; true if it was registered.
+    pub fn unregister(&mut self, id: &str) -> bool {
+        let before = self.jobs.len();
+        self.jobs.retain(|j| j.id != id);
+        let removed = self.jobs.len() != before;
+        if removed {
+            self.reindex();
+        }
+        removed
+    }
+
+    fn reindex(&mut self) {
+        self.files.clear();
+        for (j, job) in self.jobs.iter().enumerate() {
+            for (i, f) in job.files.iter().enumerate() {
+                self.files.entry(f.clone()).or_default().push((j, i as u32));
+            }
+        }
+    }
+
+    fn job_mut(&mut self, id: &str) -> Option<&mut Job> {
+        self.jobs.iter_mut().find(|j| j.id == id)
+    }
+
+    /// Sets a job's position (the next step it will read) explicitly.
+    pub fn set_position(&mut self, id: &str, epoch: u64, step: u64) -> bool {
+        match self.job_mut(id) {
+            Some(j) => {
+                j.epoch = epoch;
+                j.step = step;
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Sets a job's measured consumption rate (steps per second, > 0).
+    pub fn set_rate(&mut self, id: &str, steps_per_sec: f64) {
+        if let Some(j) = self.job_mut(id)
+            && steps_per_sec > 0.0
+        {
+            j.rate = steps_per_sec;
+        }
+    }
+
+    /// A job's position.
+    pub fn position(&self, id: &str) -> Option<(u64, u64)> {
+        self.jobs
+            .iter()
+            .find(|j| j.id == id)
+            .map(|j| (j.epoch, j.step))
+    }
+
+    /// Records that `file` was read: every job reading it next within `window` steps
+    /// advances past that read (rolling into the next epoch at the end of one).
+    pub fn on_access(&mut self, file: &FileRef, window: u64) {
+        let Some(refs) = self.files.get(file).cloned() else {
+            return;
+        };
+        for (j, f) in refs {
+            let job = &mut self.jobs[j];
+            let Some(cur) = job.index(job.epoch) else {
+                continue;
+            };
+            if let Some(p) = cur.next(f, job.step)
+                && p - job.step <= window
+            {
+                job.step = p + 1;
+                if job.step as usize >= cur.order.len() && job.has_epoch(job.epoch + 1) {
+                    job.epoch += 1;
+                    job.step = 0;
+                }
+            }
+        }
+    }
+
+    /// When `file` is needed next by any job.
+    pub fn need(&mut self, file: &FileRef) -> Need {
+        let Some(refs) = self.files.get(file).cloned() else {
+            return Need::Never;
+        };
+        let mut best = Need::Never;
+        for (j, f) in refs {
+            let job = &mut self.jobs[j];
+            if let Some(d) = job.distance(f) {
+                let t = Need::In(d as f64 / job.rate);
+                if best.later_than(t) {
+                    best = t;
+                }
+            }
+        }
+        best
+    }
+
+    /// Among `resident`, the one to evict: needed farthest in the future (files no plan
+    /// needs first). Ties go to the earliest in `resident`, so a caller listing files
+    /// least recently used first gets LRU among equals.
+    pub fn victim(&mut self, resident: &[FileRef]) -> Option<usize> {
+        let mut best: Option<(usize, Need)> = None;
+        for (i, f) in resident.iter().enumerate() {
+            let n = self.need(f);
+            if best.is_none_or(|(_, b)| n.later_than(b)) {
+                best = Some((i, n));
+            }
+        }
+        best.map(|(i, _)| i)
+    }
+
+    /// The files every job reads next, merged in order of need, at most `max`.
+    pub fn upcoming(&mut self, max: usize) -> Vec<(FileRef, Need)> {
+        let mut all: Vec<(FileRef, Need)> = Vec::new();
+        for job in &mut self.jobs {
+            let (e, s) = (job.epoch, job.step);
+            let mut taken = 0;
+            let mut base = 0u64;
+            for ep in [e, e + 1] {
+                let Some(ix) = job.index(ep) else { break };
+                let start = if ep == e { s as usize } else { 0 };
+                for (k, &f) in ix.order.iter().enumerate().skip(start) {
+                    let d = base + k as u64 - if ep == e { s } else { 0 };
+                    all.push((job.files[f as usize].clone(), Need::In(d as f64 / job.rate)));
+                    taken += 1;
+                    if taken >= max {
+                        break;
+                    }
+                }
+                if taken >= max {
+                    break;
+                }
+                base += (ix.order.len() - start) as u64;
+            }
+        }
+        all.sort_by(|a, b| a.1.key().total_cmp(&b.1.key()));
+        let mut seen = std::collections::HashSet::new();
+        all.retain(|(f, _)| seen.insert(f.clone()));
+        all.truncate(max);
+        all
+    }
+}
+
+#[cfg(test)]
+mod tests;
