@@ -8,17 +8,15 @@
 //! times across jobs. Not yet wired into the daemon: registration, the prefetch thread
 //! and the store's eviction policy build on this module.
 //!
-//! What the tests establish so far (`tests.rs`): with Belady retention and a prefetch
-//! window counted in files fetched ahead and not yet read (a few files), a shuffled
-//! job reaches the C/N hit ceiling after its first epoch, and the cache never evicts a
-//! file needed sooner than one it keeps. An unbounded window does not: prefetching
-//! far ahead evicts files kept for the next epoch, which are then fetched twice.
-//!
-//! Open question for the prefetcher: Belady keeps the files read first in the next
-//! epoch, so hits bunch at its start, and a bounded window leaves the backing store
-//! idle during the bunch (stall above the floor when bandwidth-bound). Spreading the
-//! retained files through the epoch fixes the stall but keeps some files needed later
-//! than ones it evicts; the two must be reconciled before the policy is wired in.
+//! Prefetch may run as far ahead as it likes, under one rule
+//! ([`Planner::may_evict_for_prefetch`]): the file it evicts must be next read in a
+//! later epoch than the file it fetches. Belady keeps the files read first in the next
+//! epoch, so an epoch opens with a run of hits; every hit read there is next needed an
+//! epoch later, so it makes room for the next miss and the backing store works through
+//! the run instead of idling (bunched hits cost no stall). Evicting a file still due in
+//! the same epoch would fetch it twice; the rule forbids exactly that. The simulation in
+//! `tests.rs` reaches the C/N hit ceiling for every window from 1 to C files, and the
+//! property test shows the victim is always the file needed farthest in the future.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -361,6 +359,35 @@ impl Planner {
             }
         }
         best
+    }
+
+    /// The epoch in which `file` is read next (the earliest over jobs), if any.
+    pub fn use_epoch(&mut self, file: &FileRef) -> Option<u64> {
+        let refs = self.files.get(file).cloned()?;
+        let mut best: Option<u64> = None;
+        for (j, f) in refs {
+            let job = &mut self.jobs[j];
+            let (e, s) = (job.epoch, job.step);
+            let here = job.index(e).and_then(|ix| ix.next(f, s)).map(|_| e);
+            let found =
+                here.or_else(|| job.index(e + 1).and_then(|ix| ix.next(f, 0)).map(|_| e + 1));
+            if let Some(x) = found {
+                best = Some(best.map_or(x, |b| b.min(x)));
+            }
+        }
+        best
+    }
+
+    /// Whether a prefetch of a file read in epoch `incoming` may evict `victim`: only
+    /// when the victim is next read in a later epoch (or never). Evicting a file still
+    /// due in the same epoch to prefetch another would fetch the victim twice; evicting
+    /// one already read this epoch is what a demand miss would do anyway, only earlier.
+    pub fn may_evict_for_prefetch(&mut self, victim: &FileRef, incoming: Option<u64>) -> bool {
+        match (self.use_epoch(victim), incoming) {
+            (None, _) => true,
+            (Some(_), None) => false,
+            (Some(v), Some(i)) => v > i,
+        }
     }
 
     /// Among `resident`, the one to evict: needed farthest in the future (files no plan
