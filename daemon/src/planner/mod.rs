@@ -23,6 +23,8 @@ use std::sync::Arc;
 
 use shardcache_plan::shuffle;
 
+pub mod prefetch;
+
 /// A file the planner knows: (root index, path relative to the root).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct FileRef {

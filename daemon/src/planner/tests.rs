@@ -81,8 +81,46 @@ fn registration_checks_the_plan() {
     assert!(!p.unregister("j"));
 }
 
-/// A cache of `capacity` files driven by the planner, reading the job's plan step by
-/// step. Returns the files fetched from the backing store in each epoch.
+/// A cache of whole files, for the planner's decisions to act on.
+struct SimCache {
+    resident: Vec<FileRef>,
+    capacity: usize,
+}
+
+impl prefetch::CacheView for SimCache {
+    fn resident(&self) -> Vec<FileRef> {
+        self.resident.clone()
+    }
+    fn is_resident(&self, f: &FileRef) -> bool {
+        self.resident.contains(f)
+    }
+    fn in_flight(&self, _: &FileRef) -> bool {
+        false // fetches complete at once in this step model
+    }
+    fn has_room(&self, _: &FileRef) -> bool {
+        self.resident.len() < self.capacity
+    }
+}
+
+impl SimCache {
+    /// Evicts `v`, checking first that nothing kept is needed later than it.
+    fn evict(&mut self, p: &mut Planner, v: &FileRef, check: bool) {
+        if check {
+            let nv = p.need(v);
+            for f in &self.resident {
+                assert!(
+                    !p.need(f).later_than(nv),
+                    "evicted a file needed sooner than one kept"
+                );
+            }
+        }
+        self.resident.retain(|x| x != v);
+    }
+}
+
+/// A cache of `capacity` files driven by the planner and the real prefetch and
+/// admission decisions, reading the job's plan step by step, with at most `window`
+/// files fetched ahead of the reader. Returns the files fetched in each epoch.
 fn simulate(
     p: &mut Planner,
     job: &str,
@@ -91,67 +129,35 @@ fn simulate(
     epochs: u64,
     check: bool,
 ) -> Vec<usize> {
-    let mut resident: Vec<FileRef> = Vec::new();
-    // Prefetched and not yet read: at most `window` of them.
+    let mut cache = SimCache {
+        resident: Vec::new(),
+        capacity,
+    };
     let mut ahead: Vec<FileRef> = Vec::new();
     let mut fetched = vec![0usize; epochs as usize];
-    let evict_for = |p: &mut Planner, resident: &mut Vec<FileRef>, incoming: Need| -> bool {
-        if resident.len() < capacity {
-            return true;
-        }
-        let Some(v) = p.victim(resident) else {
-            return false;
-        };
-        let nv = p.need(&resident[v]);
-        if !nv.later_than(incoming) {
-            return false; // bypass: everything cached is needed sooner
-        }
-        if check {
-            for (k, f) in resident.iter().enumerate() {
-                assert!(
-                    k == v || !p.need(f).later_than(nv),
-                    "evicted a file needed sooner than one kept"
-                );
-            }
-        }
-        resident.remove(v);
-        true
-    };
     while let Some((e, s)) = p.position(job) {
-        let idx = p
+        let ix = p
             .jobs
             .iter_mut()
             .find(|j| j.id == job)
             .and_then(|j| j.index(e));
-        let Some(ix) = idx else { break };
+        let Some(ix) = ix else { break };
         if s as usize >= ix.order.len() {
             break;
         }
         let slot = e as usize;
-        // Prefetch the next missing files in order of need, keeping at most `window`
-        // fetched ahead of the reader, as far as admission allows.
-        for (f, need) in p.upcoming(capacity + window + 1) {
-            if ahead.len() >= window {
+        while ahead.len() < window {
+            let Some(fx) = prefetch::next_prefetch(p, &cache, capacity + window + 1) else {
                 break;
+            };
+            if let Some(v) = &fx.evict {
+                cache.evict(p, v, check);
+                ahead.retain(|x| x != v);
             }
-            if resident.contains(&f) {
-                continue;
-            }
-            if resident.len() >= capacity {
-                let Some(v) = p.victim(&resident) else { break };
-                let incoming = p.use_epoch(&f);
-                if !p.may_evict_for_prefetch(&resident[v].clone(), incoming) {
-                    break;
-                }
-            }
-            if !evict_for(p, &mut resident, need) {
-                break;
-            }
-            resident.push(f.clone());
-            ahead.push(f);
+            cache.resident.push(fx.file.clone());
+            ahead.push(fx.file);
             fetched[slot] += 1;
         }
-        // Read the next file.
         let f = p
             .jobs
             .iter()
@@ -159,17 +165,26 @@ fn simulate(
             .map(|j| j.files[ix.order[s as usize] as usize].clone())
             .unwrap();
         ahead.retain(|x| *x != f);
-        if let Some(i) = resident.iter().position(|x| *x == f) {
-            let x = resident.remove(i);
-            resident.push(x);
+        let hit = cache.resident.contains(&f);
+        p.on_access(&f, 8);
+        if hit {
+            cache.resident.retain(|x| *x != f);
+            cache.resident.push(f);
         } else {
             fetched[slot] += 1;
-            if evict_for(p, &mut resident, Need::In(0.0)) {
-                resident.push(f.clone());
+            let next = p.need(&f);
+            match prefetch::admit_demand(p, &cache, &f, next) {
+                prefetch::Admission::Keep(evict) => {
+                    if let Some(v) = evict {
+                        cache.evict(p, &v, check);
+                        ahead.retain(|x| *x != v);
+                    }
+                    cache.resident.push(f);
+                }
+                prefetch::Admission::Bypass => {}
             }
         }
-        assert!(resident.len() <= capacity, "over capacity");
-        p.on_access(&f, 8);
+        assert!(cache.resident.len() <= capacity, "over capacity");
         if p.position(job) == Some((e, s)) {
             break; // the last step of the last epoch
         }
