@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 
 use shardcache_client::{Client, ClientConfig, proto as pb};
 
+pub mod policy;
+
 /// Path of a workspace binary next to the running executable.
 pub fn bin(name: &str) -> PathBuf {
     let exe = std::env::current_exe().expect("current_exe");
