@@ -80,13 +80,23 @@ pub struct Server {
     accept: Option<JoinHandle<()>>,
 }
 
-/// Binds the socket at `path` with `mode`, replacing a stale socket file but refusing
-/// to take over one that a live daemon still answers on.
+/// Binds the socket at `path` with `mode`, replacing a stale socket but refusing to take
+/// over one that a live daemon still answers on, or to replace anything not a socket.
 pub fn bind(path: &Path, mode: u32) -> io::Result<UnixListener> {
     if let Some(dir) = path.parent() {
         std::fs::create_dir_all(dir)?;
     }
-    if path.exists() {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        // Only ever replace a socket: a typo in --socket must not delete a file.
+        if !std::os::unix::fs::FileTypeExt::is_socket(&meta.file_type()) {
+            return Err(io::Error::new(
+                io::ErrorKind::AlreadyExists,
+                format!(
+                    "{}: exists and is not a socket; refusing to replace it",
+                    path.display()
+                ),
+            ));
+        }
         match UnixStream::connect(path) {
             Ok(_) => {
                 return Err(io::Error::new(
@@ -562,5 +572,32 @@ fn status(ctx: &Ctx) -> pb::StatusReply {
         block_size: ctx.store.block_size(),
         unverified_blocks: s.unverified,
         counters: Some(ctx.stats.snapshot()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bind_replaces_only_stale_sockets() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("not-a-socket");
+        std::fs::write(&file, b"precious").unwrap();
+        let e = bind(&file, 0o666).unwrap_err();
+        assert!(e.to_string().contains("not a socket"), "{e}");
+        assert_eq!(std::fs::read(&file).unwrap(), b"precious", "left alone");
+
+        let sock = dir.path().join("s.sock");
+        let live = bind(&sock, 0o666).unwrap();
+        assert!(
+            bind(&sock, 0o666)
+                .unwrap_err()
+                .to_string()
+                .contains("another shardcached")
+        );
+        drop(live); // the socket file stays behind, stale
+        assert!(sock.exists());
+        bind(&sock, 0o666).unwrap();
     }
 }
