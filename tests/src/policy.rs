@@ -70,6 +70,7 @@ pub fn planned(
     };
     p.register("job", (0..n as u32).map(file).collect(), src)
         .expect("valid plan");
+    p.set_rate("job", r);
     let orders: Vec<Vec<u32>> = (0..epochs)
         .map(|e| {
             shardcache_plan::shuffle::node_order(n as u64, seed, e, 1, &[0], false)
@@ -199,7 +200,13 @@ fn start_prefetch(
     if ahead.len() >= window {
         return None;
     }
-    let fx = prefetch::next_prefetch(p, cache, cache.capacity + window + 1)?;
+    // Prefetch only when some upcoming deadline needs the backing store now.
+    let pace = prefetch::Pace {
+        max_ahead: cache.capacity + window + 1,
+        secs_per_file: 1.0 / b,
+        margin: 2.0 / b,
+    };
+    let fx = prefetch::next_prefetch(p, cache, pace)?;
     if let Some(v) = &fx.evict {
         cache.resident.retain(|x| x != v);
         ahead.retain(|x| x != v);

@@ -17,6 +17,13 @@
 //! the same epoch would fetch it twice; the rule forbids exactly that. The simulation in
 //! `tests.rs` reaches the C/N hit ceiling for every window from 1 to C files, and the
 //! property test shows the victim is always the file needed farthest in the future.
+//!
+//! How far ahead to run is paced by deadlines ([`prefetch::Pace`]): the next missing
+//! file is fetched only when the backing store must start now for some upcoming missing
+//! file to arrive in time. When the store is the bottleneck it never idles; when it is
+//! fast, prefetch stays close to the reader and files kept for the next epoch stay
+//! cached longer. The policy benchmark (`shardcache-bench policy`) shows both the hit
+//! ceiling and the stall floor across cache sizes and rates.
 
 use std::collections::HashMap;
 use std::sync::Arc;

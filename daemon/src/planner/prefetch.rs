@@ -28,36 +28,70 @@ pub struct Fetch {
     pub evict: Option<FileRef>,
 }
 
-/// The next prefetch to start, looking at most `max_ahead` upcoming files: the first
-/// that is neither resident nor being fetched, if there is room, or if the file needed
-/// farthest in the future is needed later than it and is next read in a later epoch
-/// (see [`Planner::may_evict_for_prefetch`]). `None`: nothing worth fetching now.
-pub fn next_prefetch(p: &mut Planner, cache: &dyn CacheView, max_ahead: usize) -> Option<Fetch> {
-    for (file, need) in p.upcoming(max_ahead) {
+/// How eagerly to prefetch.
+#[derive(Debug, Clone, Copy)]
+pub struct Pace {
+    /// Upcoming files examined at most.
+    pub max_ahead: usize,
+    /// Seconds the backing store takes per file (measured); `f64::INFINITY` prefetches
+    /// every missing file as soon as the rules allow.
+    pub secs_per_file: f64,
+    /// Slack added to every deadline, in seconds.
+    pub margin: f64,
+}
+
+/// The next prefetch to start: the first upcoming file that is neither resident nor
+/// being fetched, when starting now is needed to have some upcoming missing file in time
+/// (the `k`-th missing file is due within `k × secs_per_file + margin`), and when there
+/// is room, or the file needed farthest in the future is needed later than it and is next
+/// read in a later epoch (see [`Planner::may_evict_for_prefetch`]). `None`: nothing to
+/// fetch now.
+///
+/// Fetching only when some deadline requires it keeps the backing store busy exactly
+/// when it is the bottleneck, and otherwise leaves files cached for the next epoch alone
+/// for as long as possible.
+pub fn next_prefetch(p: &mut Planner, cache: &dyn CacheView, pace: Pace) -> Option<Fetch> {
+    let mut first: Option<(FileRef, Need)> = None;
+    let mut missing = 0usize;
+    let mut urgent = false;
+    for (file, need) in p.upcoming(pace.max_ahead) {
         if cache.is_resident(&file) || cache.in_flight(&file) {
             continue;
         }
-        if cache.has_room(&file) {
-            return Some(Fetch {
-                file,
-                need,
-                evict: None,
-            });
+        missing += 1;
+        if let Need::In(t) = need
+            && t <= missing as f64 * pace.secs_per_file + pace.margin
+        {
+            urgent = true;
         }
-        let resident = cache.resident();
-        let v = p.victim(&resident)?;
-        let victim = resident[v].clone();
-        let incoming = p.use_epoch(&file);
-        if p.need(&victim).later_than(need) && p.may_evict_for_prefetch(&victim, incoming) {
-            return Some(Fetch {
-                file,
-                need,
-                evict: Some(victim),
-            });
+        if first.is_none() {
+            first = Some((file, need));
         }
-        // The next file in need order cannot be fetched without harm: nothing after it
-        // can either (it is needed no sooner).
+        if urgent {
+            break;
+        }
+    }
+    let (file, need) = first?;
+    if !urgent {
         return None;
+    }
+    if cache.has_room(&file) {
+        return Some(Fetch {
+            file,
+            need,
+            evict: None,
+        });
+    }
+    let resident = cache.resident();
+    let v = p.victim(&resident)?;
+    let victim = resident[v].clone();
+    let incoming = p.use_epoch(&file);
+    if p.need(&victim).later_than(need) && p.may_evict_for_prefetch(&victim, incoming) {
+        return Some(Fetch {
+            file,
+            need,
+            evict: Some(victim),
+        });
     }
     None
 }

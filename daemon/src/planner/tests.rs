@@ -147,7 +147,12 @@ fn simulate(
         }
         let slot = e as usize;
         while ahead.len() < window {
-            let Some(fx) = prefetch::next_prefetch(p, &cache, capacity + window + 1) else {
+            let pace = prefetch::Pace {
+                max_ahead: capacity + window + 1,
+                secs_per_file: f64::INFINITY,
+                margin: 0.0,
+            };
+            let Some(fx) = prefetch::next_prefetch(p, &cache, pace) else {
                 break;
             };
             if let Some(v) = &fx.evict {
