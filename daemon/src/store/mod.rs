@@ -641,25 +641,37 @@ impl Store {
     pub fn commit_fill(&self, permit: Permit, data: &[u8]) -> Result<(), StoreError> {
         debug_assert_eq!(data.len(), permit.len as usize);
         let r = self.write_block(&permit, data);
-        let mut idx = self.lock();
-        idx.reserved -= permit.len as u64;
+        self.release(&permit, r.as_ref().ok().copied());
+        self.maybe_compact();
+        r.map(|_| ())
+    }
+
+    /// Ends a fill: returns its reservation, records the block if it was `written`, and
+    /// drops an entry that is superseded, or that nothing of ever reached the disk.
+    fn release(&self, permit: &Permit, written: Option<BlockMeta>) {
         let mut evicted = Vec::new();
-        if let Some(e) = idx.files.get_mut(&permit.key) {
+        {
+            let mut guard = self.lock();
+            let idx = &mut *guard;
+            idx.reserved -= permit.len as u64;
+            let Some(e) = idx.files.get_mut(&permit.key) else {
+                return;
+            };
             e.filling -= 1;
-            if let Ok(meta) = r {
+            if let Some(meta) = written {
                 e.blocks[permit.index] = Some(meta);
                 e.bytes += permit.len as u64;
                 idx.used += permit.len as u64;
             }
-            let e = &idx.files[&permit.key];
-            if e.doomed && e.filling == 0 {
-                evicted.extend(evict_locked(&mut idx, &permit.key));
+            let (idle, durable, doomed) = (e.filling == 0, e.durable, e.doomed);
+            if idle && !durable {
+                evict_locked(idx, &permit.key);
+            } else if idle && doomed {
+                evicted.extend(evict_locked(idx, &permit.key));
             }
         }
-        drop(idx);
+        // Journal appends and unlinks happen outside the index lock.
         self.finish_evictions(evicted);
-        self.maybe_compact();
-        r.map(|_| ())
     }
 
     fn write_block(&self, permit: &Permit, data: &[u8]) -> Result<BlockMeta, StoreError> {
@@ -695,20 +707,7 @@ impl Store {
 
     /// Gives back a permit whose fill failed.
     pub fn abort_fill(&self, permit: Permit) {
-        let mut idx = self.lock();
-        idx.reserved -= permit.len as u64;
-        let mut evicted = Vec::new();
-        if let Some(e) = idx.files.get_mut(&permit.key) {
-            e.filling -= 1;
-            if e.filling == 0 && !e.durable {
-                // Nothing of it ever reached the disk: forget it outright.
-                evict_locked(&mut idx, &permit.key);
-            } else if e.doomed && e.filling == 0 {
-                evicted.extend(evict_locked(&mut idx, &permit.key));
-            }
-        }
-        drop(idx);
-        self.finish_evictions(evicted);
+        self.release(&permit, None);
     }
 
     fn finish_evictions(&self, evicted: Vec<Evicted>) {
