@@ -247,6 +247,48 @@ impl Client {
         OpenAhead::new(self.clone(), paths, batch)
     }
 
+    /// Registers a prefetch manifest (docs/MANIFEST.md) with the daemon; returns the job
+    /// id and the number of files. A malformed manifest is refused with the field named.
+    pub fn register(&self, manifest_json: &str) -> io::Result<pb::RegisterReply> {
+        let req = request::Kind::Register(pb::RegisterRequest {
+            manifest_json: manifest_json.to_owned(),
+        });
+        match self
+            .inner
+            .call(req, self.inner.cfg.timeout.max(Duration::from_secs(10)))?
+        {
+            (response::Kind::Register(r), _) => Ok(r),
+            (response::Kind::Error(e), _) => {
+                Err(io::Error::new(io::ErrorKind::InvalidInput, e.message))
+            }
+            (other, _) => Err(unexpected(&other)),
+        }
+    }
+
+    /// Forgets a registered job; true if it was registered.
+    pub fn unregister(&self, job: &str) -> io::Result<bool> {
+        let req = request::Kind::Unregister(pb::UnregisterRequest {
+            job: job.to_owned(),
+        });
+        match self.inner.call(req, self.inner.cfg.timeout)? {
+            (response::Kind::Unregister(r), _) => Ok(r.found),
+            (other, _) => Err(unexpected(&other)),
+        }
+    }
+
+    /// Tells the daemon that `job` is about to read step `step` of epoch `epoch`.
+    pub fn progress(&self, job: &str, epoch: u64, step: u64) -> io::Result<bool> {
+        let req = request::Kind::Progress(pb::ProgressRequest {
+            job: job.to_owned(),
+            epoch,
+            step,
+        });
+        match self.inner.call(req, self.inner.cfg.timeout)? {
+            (response::Kind::Progress(r), _) => Ok(r.found),
+            (other, _) => Err(unexpected(&other)),
+        }
+    }
+
     /// The daemon's status.
     pub fn status(&self) -> io::Result<pb::StatusReply> {
         match self.inner.call(

@@ -194,6 +194,10 @@ pub struct Config {
     /// more than a whole cached open; `0` never polls. Default 50 µs.
     #[serde(deserialize_with = "de_duration")]
     pub spin: Duration,
+    /// Files of registered jobs fetched ahead of their readers by the planner's
+    /// prefetcher. `0` (the default) turns planned prefetch off: eviction and admission
+    /// still follow the registered plans. Experimental (docs/MANIFEST.md).
+    pub prefetch_ahead: usize,
 }
 
 impl Default for Config {
@@ -214,6 +218,7 @@ impl Default for Config {
             backing_bandwidth: None,
             max_connections: 1024,
             spin: Duration::from_micros(50),
+            prefetch_ahead: 0,
         }
     }
 }
@@ -342,5 +347,6 @@ mod packaged {
         assert_eq!(c.backing_bandwidth, d.backing_bandwidth);
         assert_eq!(c.max_connections, d.max_connections);
         assert_eq!(c.spin, d.spin);
+        assert_eq!(c.prefetch_ahead, d.prefetch_ahead);
     }
 }

@@ -12,6 +12,7 @@ use crate::backing::posix::PosixBacking;
 use crate::backing::throttle::ThrottledBacking;
 use crate::config::Config;
 use crate::fill::Filler;
+use crate::jobs::{Jobs, PlannedPolicy};
 use crate::meta::{Meta, Root, Roots};
 use crate::server::{self, Ctx, Server};
 use crate::stats::Stats;
@@ -24,6 +25,8 @@ pub struct Daemon {
     filler: Arc<Filler>,
     store: Arc<Store>,
     scrub: Option<Scrub>,
+    jobs: Arc<Jobs>,
+    prefetch: Option<Scrub>,
 }
 
 /// The background verification after an unclean start: its stop flag and thread.
@@ -62,8 +65,10 @@ impl Daemon {
             min_free: cfg.min_free,
             block_size: u32::try_from(cfg.block_size).context("block_size")?,
         };
+        let jobs = Arc::new(Jobs::new(meta.roots().clone()));
+        let policy = Box::new(PlannedPolicy::new(jobs.clone()));
         let store = Arc::new(
-            Store::open(&store_cfg, stats.clone())
+            Store::open_with_policy(&store_cfg, stats.clone(), policy)
                 .with_context(|| format!("opening the cache in {}", cfg.cache_dir.display()))?,
         );
         let filler = Arc::new(
@@ -78,10 +83,12 @@ impl Daemon {
         );
         let listener = server::bind(&cfg.socket, cfg.socket_mode)
             .with_context(|| format!("binding the socket {}", cfg.socket.display()))?;
+        let meta_for_prefetch = meta.clone();
         let ctx = Arc::new(Ctx {
             meta,
             store: store.clone(),
             filler: filler.clone(),
+            jobs: jobs.clone(),
             stats,
             readahead: cfg.readahead_blocks,
             max_wait: cfg.max_wait,
@@ -94,11 +101,20 @@ impl Daemon {
             .context("starting the server")?;
         tracing::info!(socket = %cfg.socket.display(), "shardcached ready");
         let scrub = Self::start_scrub(&store)?;
+        let prefetch = match cfg.prefetch_ahead {
+            0 => None,
+            ahead => Some(
+                jobs.start_prefetcher(store.clone(), filler.clone(), meta_for_prefetch, ahead)
+                    .context("starting the prefetcher")?,
+            ),
+        };
         Ok(Self {
             server,
             filler,
             store,
             scrub,
+            jobs,
+            prefetch,
         })
     }
 
@@ -129,6 +145,11 @@ impl Daemon {
     /// fills stop, the journal is flushed and the store marked clean.
     pub fn close(mut self) -> anyhow::Result<()> {
         self.server.close();
+        if let Some((stop, h)) = self.prefetch.take() {
+            stop.store(true, Ordering::Relaxed);
+            self.jobs.stop_prefetcher();
+            let _ = h.join();
+        }
         self.filler.close();
         if let Some((stop, h)) = self.scrub.take() {
             stop.store(true, Ordering::Relaxed);

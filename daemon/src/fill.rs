@@ -28,10 +28,13 @@ use crate::store::{Key, Store, StoreError};
 /// How urgently a block is wanted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Priority {
-    /// Nobody waits yet.
-    Readahead = 0,
+    /// Planned ahead of any reader (the prefetcher): admitted only without harm to
+    /// files kept for a later epoch.
+    Prefetch = 0,
+    /// Ahead of a reader within the file it opened.
+    Readahead = 1,
     /// A client is blocked on it.
-    Demand = 1,
+    Demand = 2,
 }
 
 /// The file a fill is for.
@@ -221,14 +224,14 @@ impl Filler {
         }
         if let Some(f) = flights.get(&id) {
             // Raise a queued read-ahead to demand.
-            if prio == Priority::Demand && q.queued.get(&id) == Some(&Priority::Readahead) {
+            if q.queued.get(&id).is_some_and(|queued| *queued < prio) {
                 q.enqueue(target, index, prio);
                 inner.cv.notify_one();
             }
             return Scheduled::InFlight(f.clone());
         }
         let cap = match prio {
-            Priority::Readahead => inner.limit,
+            Priority::Prefetch | Priority::Readahead => inner.limit,
             Priority::Demand => inner.limit * 2,
         };
         if q.queued.len() >= cap {
@@ -283,7 +286,12 @@ fn worker(inner: &Inner) {
                 }
             }
         };
-        let ok = match fill(inner, &job.target, job.index) {
+        let ok = match fill(
+            inner,
+            &job.target,
+            job.index,
+            job.prio == Priority::Prefetch,
+        ) {
             Ok(()) => true,
             Err(e) => {
                 if !matches!(
@@ -313,9 +321,9 @@ enum FillError {
     Read(#[from] std::io::Error),
 }
 
-fn fill(inner: &Inner, t: &Target, index: usize) -> Result<(), FillError> {
+fn fill(inner: &Inner, t: &Target, index: usize, prefetch: bool) -> Result<(), FillError> {
     let root = &inner.meta.roots().get(t.root).name;
-    let Some(permit) = inner.store.begin_fill(root, &t.stat, index)? else {
+    let Some(permit) = inner.store.begin_fill(root, &t.stat, index, prefetch)? else {
         return Ok(());
     };
     match read_block(inner, t, permit.offset(), permit.len()) {

@@ -60,6 +60,9 @@ struct Args {
     /// 50us, 0 [default: 50us].
     #[arg(long, env = "SHARDCACHED_SPIN", value_parser = config::parse_duration)]
     spin: Option<std::time::Duration>,
+    /// Files of registered jobs prefetched ahead of their readers; 0 = off [default: 0].
+    #[arg(long, env = "SHARDCACHED_PREFETCH_AHEAD")]
+    prefetch_ahead: Option<usize>,
     /// Log filter (tracing EnvFilter syntax) [default: info].
     #[arg(long, env = "SHARDCACHED_LOG", default_value = "info")]
     log: String,
@@ -90,7 +93,8 @@ fn load(args: &Args) -> anyhow::Result<Config> {
         readahead_blocks,
         fill_workers,
         max_wait,
-        spin
+        spin,
+        prefetch_ahead
     );
     if let Some(bw) = args.backing_bandwidth {
         cfg.backing_bandwidth = (bw > 0).then_some(bw);

@@ -221,6 +221,8 @@ pub enum PlanError {
 pub struct Planner {
     jobs: Vec<Job>,
     files: HashMap<FileRef, Vec<(usize, u32)>>,
+    /// Planned reads so far, over all jobs (grows by one per read that advanced a job).
+    reads: u64,
 }
 
 impl Planner {
@@ -321,6 +323,39 @@ impl Planner {
         }
     }
 
+    /// Steps in a job's current epoch.
+    pub fn epoch_len(&mut self, id: &str) -> Option<usize> {
+        let job = self.job_mut(id)?;
+        let e = job.epoch;
+        job.index(e).map(|ix| ix.order.len())
+    }
+
+    /// The next `max` files one job reads, in order.
+    pub fn upcoming_of(&mut self, id: &str, max: usize) -> Vec<FileRef> {
+        let Some(job) = self.job_mut(id) else {
+            return Vec::new();
+        };
+        let (e, s) = (job.epoch, job.step);
+        let mut out = Vec::with_capacity(max);
+        for ep in [e, e + 1] {
+            let Some(ix) = job.index(ep) else { break };
+            let start = if ep == e { s as usize } else { 0 };
+            for &f in ix.order.iter().skip(start) {
+                if out.len() >= max {
+                    return out;
+                }
+                out.push(job.files[f as usize].clone());
+            }
+        }
+        out
+    }
+
+    /// Planned steps read so far, over all jobs: a file that is `d` steps away (by
+    /// [`Planner::need`] at rate 1) has been read once this passes its value plus `d`.
+    pub fn reads(&self) -> u64 {
+        self.reads
+    }
+
     /// A job's position.
     pub fn position(&self, id: &str) -> Option<(u64, u64)> {
         self.jobs
@@ -343,6 +378,7 @@ impl Planner {
             if let Some(p) = cur.next(f, job.step)
                 && p - job.step <= window
             {
+                self.reads += p + 1 - job.step;
                 job.step = p + 1;
                 if job.step as usize >= cur.order.len() && job.has_epoch(job.epoch + 1) {
                     job.epoch += 1;

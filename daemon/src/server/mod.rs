@@ -52,6 +52,8 @@ pub struct Ctx {
     pub store: Arc<Store>,
     /// The fill engine.
     pub filler: Arc<Filler>,
+    /// Registered jobs and their planner.
+    pub jobs: Arc<crate::jobs::Jobs>,
     /// Counters.
     pub stats: Arc<Stats>,
     /// Blocks to read ahead.
@@ -304,6 +306,33 @@ fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::K
             )
         }
         Some(request::Kind::Status(_)) => (response::Kind::Status(status(ctx)), Vec::new()),
+        Some(request::Kind::Register(r)) => match ctx.jobs.register(&r.manifest_json) {
+            Ok((job, files)) => (
+                response::Kind::Register(pb::RegisterReply {
+                    job,
+                    files: files as u64,
+                }),
+                Vec::new(),
+            ),
+            Err(message) => (
+                response::Kind::Error(pb::ErrorReply { message }),
+                Vec::new(),
+            ),
+        },
+        Some(request::Kind::Unregister(u)) => {
+            let found = ctx.jobs.unregister(&u.job);
+            (
+                response::Kind::Unregister(pb::UnregisterReply { found }),
+                Vec::new(),
+            )
+        }
+        Some(request::Kind::Progress(p)) => {
+            let found = ctx.jobs.progress(&p.job, p.epoch, p.step);
+            (
+                response::Kind::Progress(pb::ProgressReply { found }),
+                Vec::new(),
+            )
+        }
         Some(request::Kind::Verify(_)) => {
             let r = ctx.store.verify_all();
             let reply = pb::VerifyReply {
@@ -451,6 +480,7 @@ fn open(ctx: &Ctx, creds: &Creds, path: &str) -> (pb::open_reply::Result, Option
         Ok(x) => x,
         Err(r) => return (pb::open_reply::Result::Refused(r), None),
     };
+    ctx.jobs.on_open(root, &rel);
     let root_name = &ctx.meta.roots().get(root).name;
     let mut view = match ctx.store.view(root_name, &stat) {
         Ok(v) => v,
@@ -551,6 +581,16 @@ fn wait(ctx: &Ctx, creds: &Creds, w: &pb::WaitRequest) -> (pb::wait_reply::Resul
 }
 
 fn status(ctx: &Ctx) -> pb::StatusReply {
+    let names: Vec<String> = ctx
+        .meta
+        .roots()
+        .all()
+        .iter()
+        .map(|r| r.name.clone())
+        .collect();
+    let jobs = ctx
+        .jobs
+        .status(&|root, path| ctx.store.is_cached(&names[root], path));
     let s = ctx.store.status();
     pb::StatusReply {
         daemon_version: env!("CARGO_PKG_VERSION").to_owned(),
@@ -572,6 +612,7 @@ fn status(ctx: &Ctx) -> pb::StatusReply {
         block_size: ctx.store.block_size(),
         unverified_blocks: s.unverified,
         counters: Some(ctx.stats.snapshot()),
+        jobs,
     }
 }
 

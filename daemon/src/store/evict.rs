@@ -14,14 +14,23 @@ use super::Key;
 
 /// Orders cached files for eviction.
 pub trait EvictionPolicy: Send + fmt::Debug {
-    /// A file entered the cache.
-    fn insert(&mut self, key: Key);
+    /// A file entered the cache: `path` under the backing root named `root`.
+    fn insert(&mut self, key: Key, root: &str, path: &str);
     /// A file was used (opened or read).
     fn touch(&mut self, key: Key);
     /// A file left the cache.
     fn remove(&mut self, key: &Key);
     /// The file to evict next among those `evictable` accepts, if any.
     fn victim(&mut self, evictable: &dyn Fn(&Key) -> bool) -> Option<Key>;
+
+    /// Whether a fill of `path` under `root` may evict `victim` (false: bypass the
+    /// cache); `prefetch` when no reader asked for it yet. The default admits everything.
+    fn admits(&mut self, _root: &str, _path: &str, _victim: &Key, _prefetch: bool) -> bool {
+        true
+    }
+
+    /// Every file, least recently used first.
+    fn order(&self) -> Vec<Key>;
 }
 
 /// Least recently used first.
@@ -33,7 +42,7 @@ pub struct Lru {
 }
 
 impl EvictionPolicy for Lru {
-    fn insert(&mut self, key: Key) {
+    fn insert(&mut self, key: Key, _root: &str, _path: &str) {
         self.touch(key);
     }
 
@@ -54,6 +63,10 @@ impl EvictionPolicy for Lru {
     fn victim(&mut self, evictable: &dyn Fn(&Key) -> bool) -> Option<Key> {
         self.by_tick.values().find(|k| evictable(k)).copied()
     }
+
+    fn order(&self) -> Vec<Key> {
+        self.by_tick.values().copied().collect()
+    }
 }
 
 #[cfg(test)]
@@ -64,9 +77,9 @@ mod tests {
     fn least_recently_used_goes_first_skipping_pinned() {
         let k = |i: u8| Key([i; 16]);
         let mut lru = Lru::default();
-        lru.insert(k(1));
-        lru.insert(k(2));
-        lru.insert(k(3));
+        lru.insert(k(1), "/r", "a");
+        lru.insert(k(2), "/r", "b");
+        lru.insert(k(3), "/r", "c");
         lru.touch(k(1));
         assert_eq!(lru.victim(&|_| true), Some(k(2)));
         assert_eq!(lru.victim(&|x| *x != k(2)), Some(k(3)));

@@ -301,6 +301,15 @@ fn now_nanos() -> u64 {
 impl Store {
     /// Opens (or creates) the store, replays its journal and checks what it finds.
     pub fn open(cfg: &StoreConfig, stats: Arc<Stats>) -> io::Result<Self> {
+        Self::open_with_policy(cfg, stats, Box::new(Lru::default()))
+    }
+
+    /// Like [`Store::open`], ordering evictions by `policy`.
+    pub fn open_with_policy(
+        cfg: &StoreConfig,
+        stats: Arc<Stats>,
+        policy: Box<dyn EvictionPolicy>,
+    ) -> io::Result<Self> {
         let dir = cfg.dir.join("shardcache-v1");
         let data_dir = dir.join("data");
         std::fs::create_dir_all(&data_dir)?;
@@ -363,7 +372,7 @@ impl Store {
             used: 0,
             reserved: 0,
             unverified: 0,
-            policy: Box::new(Lru::default()),
+            policy,
         };
         for (key, mut e) in files {
             for b in e.blocks.iter_mut().flatten() {
@@ -374,7 +383,7 @@ impl Store {
                 index.used += b.len as u64;
                 e.bytes += b.len as u64;
             }
-            index.policy.insert(key);
+            index.policy.insert(key, &e.root, &e.path);
             index.by_path.insert(path_key(&e.root, &e.path), key);
             index.files.insert(key, e);
         }
@@ -512,6 +521,37 @@ impl Store {
         Err(StoreError::Gone)
     }
 
+    /// Files cached whole (every block present), least recently used first, as
+    /// (root name, path, size).
+    pub fn cached_files(&self) -> Vec<(String, String, u64)> {
+        let idx = self.lock();
+        idx.policy
+            .order()
+            .iter()
+            .filter_map(|k| idx.files.get(k))
+            .filter(|e| e.blocks.iter().all(Option::is_some))
+            .map(|e| (e.root.clone(), e.path.clone(), e.version.size))
+            .collect()
+    }
+
+    /// True when the current entry of `path` under `root` is cached whole.
+    pub fn is_cached(&self, root: &str, path: &str) -> bool {
+        let idx = self.lock();
+        idx.by_path
+            .get(&path_key(root, path))
+            .and_then(|k| idx.files.get(k))
+            .is_some_and(|e| e.blocks.iter().all(Option::is_some))
+    }
+
+    /// Bytes that can be admitted without evicting anything.
+    pub fn room(&self) -> u64 {
+        let fs_free = fs_stats(&self.dir).map(|(_, f)| f).unwrap_or(0);
+        let idx = self.lock();
+        let by_capacity = self.capacity.saturating_sub(idx.used + idx.reserved);
+        let by_floor = fs_free.saturating_sub(self.min_free + idx.reserved);
+        by_capacity.min(by_floor)
+    }
+
     /// True when block `i` of `key` is present and verified.
     pub fn is_present(&self, key: &Key, i: usize) -> bool {
         self.lock()
@@ -528,6 +568,7 @@ impl Store {
         root: &str,
         stat: &Stat,
         i: usize,
+        prefetch: bool,
     ) -> Result<Option<Permit>, StoreError> {
         let key = &Key::of(root, &stat.path, &stat.version);
         let mut evicted = Vec::new();
@@ -548,7 +589,7 @@ impl Store {
                     doomed: false,
                 };
                 idx.files.insert(*key, e);
-                idx.policy.insert(*key);
+                idx.policy.insert(*key, root, &stat.path);
                 idx.by_path.insert(path_key(root, &stat.path), *key);
             }
             let e = idx.files.get(key).ok_or(StoreError::Gone)?;
@@ -578,6 +619,11 @@ impl Store {
                     inc(&self.stats.fills_no_space);
                     return Err(StoreError::NoSpace);
                 };
+                if !policy.admits(root, &stat.path, &victim, prefetch) {
+                    // Everything cached is needed sooner than this file: bypass.
+                    inc(&self.stats.fills_no_space);
+                    return Err(StoreError::NoSpace);
+                }
                 if let Some(ev) = evict_locked(&mut idx, &victim) {
                     freed += ev.bytes;
                     evicted.push(ev);

@@ -39,7 +39,7 @@ fn fill(store: &Store, st: &Stat, i: usize) -> Result<(), StoreError> {
     let v = store.view("/r", st)?;
     let data = content(st);
     debug_assert_eq!(v.key, Key::of("/r", &st.path, &st.version));
-    if let Some(p) = store.begin_fill("/r", st, i)? {
+    if let Some(p) = store.begin_fill("/r", st, i, false)? {
         let range = p.offset() as usize..p.offset() as usize + p.len();
         store.commit_fill(p, &data[range])?;
     }
@@ -185,7 +185,7 @@ fn capacity_evicts_least_recently_used_files() {
     let v = s2.view("/r", &big).unwrap();
     assert!(v.npresent == 0);
     assert!(matches!(
-        s2.begin_fill("/r", &big, 0),
+        s2.begin_fill("/r", &big, 0, false),
         Err(StoreError::NoSpace)
     ));
 }
@@ -374,7 +374,7 @@ fn files_opened_but_never_filled_take_no_memory() {
         let st = stat(&format!("f{i}"), BS as u64, 1);
         assert_eq!(s.view("/r", &st).unwrap().npresent, 0);
         assert!(matches!(
-            s.begin_fill("/r", &st, 0),
+            s.begin_fill("/r", &st, 0, false),
             Err(StoreError::NoSpace)
         ));
     }

@@ -1,0 +1,90 @@
+//! The epoch-aware planner in the real daemon: a shuffled 4-epoch job over a dataset
+//! twice the cache size.
+#![allow(clippy::unwrap_used)]
+
+use shardcache_tests::{Bed, content, read_all, write_file};
+
+const FILE: u64 = 16 << 10;
+
+#[test]
+fn a_shuffled_job_reaches_the_hit_ceiling_after_its_first_epoch() {
+    let bed = Bed::new();
+    let n = 200u64;
+    for i in 0..n {
+        write_file(&bed.path(&format!("ds/s{i:03}")), i, FILE);
+    }
+    // Room for exactly half the dataset.
+    let cap = format!("{}", n / 2 * FILE);
+    let d = bed.start(&[
+        "--block-size",
+        "16KiB",
+        "--capacity",
+        &cap,
+        "--min-free",
+        "0",
+    ]);
+    let client = bed.client();
+    let files: Vec<String> = (0..n).map(|i| format!("s{i:03}")).collect();
+    let manifest = serde_json::json!({
+        "version": 1, "job": "train", "root": bed.path("ds"), "files": files, "immutable": true,
+        "plan": {"kind": "shuffle", "algorithm": "pcg64-fisher-yates/v1", "seed": 5, "epochs": 4,
+                 "world_size": 1, "ranks": [0]}
+    });
+    let reply = client.register(&manifest.to_string()).unwrap();
+    assert_eq!((reply.job.as_str(), reply.files), ("train", n));
+
+    for epoch in 0..4u64 {
+        let order = shardcache_plan::shuffle::node_order(n, 5, epoch, 1, &[0], false);
+        let before = d.counters();
+        for &i in &order {
+            let (got, _) = read_all(&client, &bed.path(&format!("ds/s{i:03}"))).unwrap();
+            assert!(got == content(i, FILE), "epoch {epoch}: file {i}");
+        }
+        // Deliver the client's read report before looking at the counters.
+        client.status().unwrap();
+        let after = d.counters();
+        let fetched = (after.backing_bytes - before.backing_bytes)
+            + (after.fallback_bytes - before.fallback_bytes);
+        let hit = 1.0 - fetched as f64 / (n * FILE) as f64;
+        eprintln!(
+            "epoch {epoch}: hit ratio {hit:.3}; backing reads {}, client fallback bytes {}, no-space {}, evicted {}, opens full {}",
+            after.backing_reads - before.backing_reads,
+            after.fallback_bytes - before.fallback_bytes,
+            after.fills_no_space - before.fills_no_space,
+            after.evicted_files - before.evicted_files,
+            after.opens_full - before.opens_full
+        );
+        if epoch > 0 {
+            assert!(hit >= 0.49, "epoch {epoch}: hit ratio {hit} (ceiling 0.5)");
+        }
+        // The daemon followed the reads: its position is where the plan says.
+        let job = &d.status().jobs[0];
+        assert_eq!(
+            (job.job.as_str(), job.epoch, job.step),
+            ("train", (epoch + 1).min(3), if epoch == 3 { n } else { 0 })
+        );
+    }
+}
+
+#[test]
+fn a_malformed_manifest_is_refused_with_the_field_and_changes_nothing() {
+    let bed = Bed::new();
+    write_file(&bed.path("ds/a"), 1, 100);
+    let d = bed.start(&[]);
+    let client = bed.client();
+    let bad = serde_json::json!({
+        "version": 1, "job": "j", "root": bed.path("ds"), "files": ["a"],
+        "plan": {"kind": "shuffle", "algorithm": "pcg64-fisher-yates/v1", "seed": 1, "epochs": 1,
+                 "world_size": 2, "ranks": [2]}
+    });
+    let e = client.register(&bad.to_string()).unwrap_err();
+    assert!(e.to_string().contains("plan.ranks[0]"), "{e}");
+    let outside = serde_json::json!({
+        "version": 1, "job": "j", "root": "/etc", "files": ["passwd"],
+        "plan": {"kind": "sequence", "epochs": [[0]]}
+    });
+    let e = client.register(&outside.to_string()).unwrap_err();
+    assert!(e.to_string().starts_with("root:"), "{e}");
+    assert!(d.status().jobs.is_empty());
+    assert!(!client.unregister("j").unwrap());
+}
