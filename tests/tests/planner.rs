@@ -88,3 +88,49 @@ fn a_malformed_manifest_is_refused_with_the_field_and_changes_nothing() {
     assert!(d.status().jobs.is_empty());
     assert!(!client.unregister("j").unwrap());
 }
+
+#[test]
+fn the_cli_registers_a_manifest_and_waits_for_readiness() {
+    let bed = Bed::new();
+    let n = 40u64;
+    for i in 0..n {
+        write_file(&bed.path(&format!("ds/s{i:02}")), i, FILE);
+    }
+    let d = bed.start(&["--block-size", "16KiB", "--prefetch-ahead", "8"]);
+    let files: Vec<String> = (0..n).map(|i| format!("s{i:02}")).collect();
+    let manifest = serde_json::json!({
+        "version": 1, "job": "prolog", "root": bed.path("ds"), "files": files,
+        "plan": {"kind": "shuffle", "algorithm": "pcg64-fisher-yates/v1", "seed": 9, "epochs": 2,
+                 "world_size": 1, "ranks": [0]}
+    });
+    let mf = bed.tmp.path().join("manifest.json");
+    std::fs::write(&mf, manifest.to_string()).unwrap();
+    let out = std::process::Command::new(shardcache_tests::bin("shardcache"))
+        .args(["--socket", bed.socket.to_str().unwrap(), "prefetch"])
+        .arg(&mf)
+        .args(["--wait", "0.1", "--timeout", "30"])
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stdout).contains("registered job prolog (40 files)"));
+    let job = &d.status().jobs[0];
+    assert!(job.window_resident * 10 >= job.window, "ready: {job:?}");
+    // The prefetched files are the ones the plan reads first, and they read back right.
+    let first = shardcache_plan::shuffle::node_order(n, 9, 0, 1, &[0], false)[0];
+    let (got, st) = read_all(&bed.client(), &bed.path(&format!("ds/s{first:02}"))).unwrap();
+    assert_eq!(got, content(first, FILE));
+    assert_eq!(st.hit_bytes, FILE, "prefetched before the job read it");
+
+    // A malformed manifest: a clear error naming the field, exit status non-zero.
+    std::fs::write(&mf, r#"{"version": 1, "job": "x", "root": "/", "files": [], "plan": {"kind": "sequence", "epochs": [[]]}}"#).unwrap();
+    let out = std::process::Command::new(shardcache_tests::bin("shardcache"))
+        .args(["--socket", bed.socket.to_str().unwrap(), "prefetch"])
+        .arg(&mf)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("files: lists no file"),
+        "{out:?}"
+    );
+}

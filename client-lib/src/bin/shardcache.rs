@@ -37,6 +37,22 @@ enum Cmd {
         #[arg(long)]
         stats: bool,
     },
+    /// Register a prefetch manifest (docs/MANIFEST.md) for a job on this node.
+    Prefetch {
+        /// The manifest (JSON file).
+        manifest: PathBuf,
+        /// Then wait until this fraction (0–1) of the job's next 64 files is cached.
+        #[arg(long)]
+        wait: Option<f64>,
+        /// Give up waiting after this many seconds.
+        #[arg(long, default_value_t = 600)]
+        timeout: u64,
+    },
+    /// Forget a registered job.
+    Unregister {
+        /// The job id.
+        job: String,
+    },
     /// Re-check every cached block's checksum; corrupt blocks are dropped and refetched
     /// when next needed.
     Verify {
@@ -208,6 +224,31 @@ fn run(cli: Cli) -> Result<(), String> {
             }
             out.flush().map_err(|e| format!("writing output: {e}"))?;
         }
+        Cmd::Prefetch {
+            manifest,
+            wait,
+            timeout,
+        } => {
+            let text = std::fs::read_to_string(&manifest)
+                .map_err(|e| format!("{}: {e}", manifest.display()))?;
+            let r = client.register(&text).map_err(|e| match e.kind() {
+                io::ErrorKind::InvalidInput => format!("{}: {e}", manifest.display()),
+                _ => unreachable_hint(&cli.socket, &e),
+            })?;
+            println!("registered job {} ({} files)", r.job, r.files);
+            if let Some(fraction) = wait {
+                wait_ready(&client, &r.job, fraction, Duration::from_secs(timeout))?;
+            }
+        }
+        Cmd::Unregister { job } => {
+            let found = client
+                .unregister(&job)
+                .map_err(|e| unreachable_hint(&cli.socket, &e))?;
+            if !found {
+                return Err(format!("no job `{job}` is registered"));
+            }
+            println!("job {job} unregistered");
+        }
         Cmd::Verify { timeout } => {
             let v = client
                 .verify(Duration::from_secs(timeout))
@@ -219,6 +260,45 @@ fn run(cli: Cli) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// Waits until `fraction` of the job's next window is cached, drawing a progress bar.
+/// For Slurm prologs and Kubernetes init containers: exits non-zero on timeout.
+fn wait_ready(client: &Client, job: &str, fraction: f64, timeout: Duration) -> Result<(), String> {
+    if !(0.0..=1.0).contains(&fraction) {
+        return Err(format!("--wait {fraction}: must be between 0 and 1"));
+    }
+    let bar = indicatif::ProgressBar::new(64);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{msg} [{bar:40}] {pos}/{len} files of the next window cached",
+        )
+        .map_err(|e| e.to_string())?,
+    );
+    bar.set_message(job.to_owned());
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let s = client.status().map_err(|e| e.to_string())?;
+        let Some(j) = s.jobs.iter().find(|j| j.job == job) else {
+            return Err(format!("job `{job}` is no longer registered"));
+        };
+        bar.set_length(j.window.max(1));
+        bar.set_position(j.window_resident);
+        if j.window == 0 || j.window_resident as f64 >= fraction * j.window as f64 {
+            bar.finish();
+            return Ok(());
+        }
+        if std::time::Instant::now() >= deadline {
+            bar.abandon();
+            return Err(format!(
+                "job `{job}`: {} of {} files ready after {}s (is prefetch enabled? see prefetch_ahead)",
+                j.window_resident,
+                j.window,
+                timeout.as_secs()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
 }
 
 fn main() -> ExitCode {
