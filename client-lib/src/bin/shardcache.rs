@@ -154,6 +154,12 @@ fn print_status(s: &pb::StatusReply) {
         c.waits,
         c.wait_timeouts
     );
+    for j in &s.jobs {
+        println!(
+            "{:<12}{}: epoch {} step {}/{}, {} files, next window {}/{} cached",
+            "job", j.job, j.epoch, j.step, j.epoch_len, j.files, j.window_resident, j.window
+        );
+    }
     println!(
         "{:<12}{} verified, {} corrupt; evicted {} files ({})",
         "integrity",
