@@ -39,6 +39,8 @@ struct JobInfo {
 #[derive(Debug)]
 pub struct Jobs {
     roots: Arc<Roots>,
+    /// Root index by root name (store entries name their root).
+    root_index: HashMap<String, usize>,
     planner: Mutex<Planner>,
     info: Mutex<BTreeMap<String, JobInfo>>,
     wake: (Mutex<bool>, Condvar),
@@ -51,8 +53,15 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl Jobs {
     /// No jobs yet.
     pub fn new(roots: Arc<Roots>) -> Self {
+        let root_index = roots
+            .all()
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (r.name.clone(), i))
+            .collect();
         Self {
             roots,
+            root_index,
             planner: Mutex::new(Planner::new()),
             info: Mutex::new(BTreeMap::new()),
             wake: (Mutex::new(false), Condvar::new()),
@@ -273,17 +282,14 @@ impl Jobs {
                 continue;
             }
             // A snapshot of the store, taken without the planner lock.
-            let names: HashMap<String, usize> = self
-                .roots
-                .all()
-                .iter()
-                .enumerate()
-                .map(|(i, r)| (r.name.clone(), i))
-                .collect();
             let resident: Vec<FileRef> = store
                 .cached_files()
                 .into_iter()
-                .filter_map(|(root, path, _)| names.get(&root).map(|&r| FileRef { root: r, path }))
+                .filter_map(|(root, path, _)| {
+                    self.root_index
+                        .get(&root)
+                        .map(|&r| FileRef { root: r, path })
+                })
                 .collect();
             in_flight
                 .retain(|f, at| at.elapsed() < Duration::from_secs(30) && !resident.contains(f));
@@ -385,24 +391,15 @@ impl CacheView for Snapshot<'_> {
 pub struct PlannedPolicy {
     lru: Lru,
     files: HashMap<Key, FileRef>,
-    roots: HashMap<String, usize>,
     jobs: Arc<Jobs>,
 }
 
 impl PlannedPolicy {
     /// A policy consulting `jobs`.
     pub fn new(jobs: Arc<Jobs>) -> Self {
-        let roots = jobs
-            .roots
-            .all()
-            .iter()
-            .enumerate()
-            .map(|(i, r)| (r.name.clone(), i))
-            .collect();
         Self {
             lru: Lru::default(),
             files: HashMap::new(),
-            roots,
             jobs,
         }
     }
@@ -415,7 +412,7 @@ impl PlannedPolicy {
 impl EvictionPolicy for PlannedPolicy {
     fn insert(&mut self, key: Key, root: &str, path: &str) {
         self.lru.insert(key, root, path);
-        if let Some(&r) = self.roots.get(root) {
+        if let Some(&r) = self.jobs.root_index.get(root) {
             self.files.insert(
                 key,
                 FileRef {
@@ -462,7 +459,7 @@ impl EvictionPolicy for PlannedPolicy {
         if !self.planned() {
             return true;
         }
-        let (Some(&r), Some(v)) = (self.roots.get(root), self.files.get(victim)) else {
+        let (Some(&r), Some(v)) = (self.jobs.root_index.get(root), self.files.get(victim)) else {
             return true;
         };
         let mut p = lock(&self.jobs.planner);

@@ -145,6 +145,21 @@ fn drop_all(paths: &[PathBuf]) {
     }
 }
 
+/// The local cache files holding `paths` (each must be cached).
+fn cached_copies(bed: &Bed, paths: &[PathBuf]) -> Vec<PathBuf> {
+    paths
+        .iter()
+        .map(|p| {
+            let rel = p
+                .strip_prefix(&bed.backing)
+                .expect("under root")
+                .to_str()
+                .expect("utf8");
+            cache_data_file(&bed.cache, &bed.backing, rel).expect("file cached")
+        })
+        .collect()
+}
+
 /// Per-file latencies of one pass and its files per second.
 type Timed = (Vec<Duration>, f64);
 
@@ -290,17 +305,7 @@ fn foundation(a: &Foundation) {
     }
 
     // Warm sequential: the cache now holds every large file.
-    let data: Vec<PathBuf> = large
-        .iter()
-        .map(|p| {
-            let rel = p
-                .strip_prefix(&bed.backing)
-                .expect("under root")
-                .to_str()
-                .expect("utf8");
-            cache_data_file(&bed.cache, &bed.backing, rel).expect("large file cached")
-        })
-        .collect();
+    let data = cached_copies(&bed, &large);
     let mut warm_disk = Vec::new();
     let mut warm_hot = Vec::new();
     let c = client();
@@ -358,17 +363,7 @@ fn foundation(a: &Foundation) {
     for p in &small {
         read_through(&mut c.open(p).expect("open"), &mut buf);
     }
-    let small_data: Vec<PathBuf> = small
-        .iter()
-        .map(|p| {
-            let rel = p
-                .strip_prefix(&bed.backing)
-                .expect("under root")
-                .to_str()
-                .expect("utf8");
-            cache_data_file(&bed.cache, &bed.backing, rel).expect("small file cached")
-        })
-        .collect();
+    let small_data = cached_copies(&bed, &small);
     let time_each = |paths: &[PathBuf], f: &mut dyn FnMut(&Path)| -> (Vec<Duration>, f64) {
         let t0 = Instant::now();
         let lat = paths
