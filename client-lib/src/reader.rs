@@ -55,6 +55,9 @@ struct Cached {
     /// Bytes were already served from the cache: the backing file may no longer be
     /// swapped for a newer version under this reader.
     served: bool,
+    /// The daemon refused to fill this file (no room for it, it changed, ...): missing
+    /// blocks are read from the backing store without asking again.
+    refused: bool,
 }
 
 impl Cached {
@@ -309,7 +312,7 @@ impl Reader {
                     }
                 }
             }
-            if waited {
+            if waited || c.refused {
                 break;
             }
             // Ask for the missing run this read covers (at least one block).
@@ -359,6 +362,7 @@ impl Reader {
                             }
                         }
                         c.present = w.present;
+                        c.refused = w.declined;
                     }
                     waited = true;
                 }
@@ -368,6 +372,9 @@ impl Reader {
                     }),
                     _,
                 )) => {
+                    if let State::Cached(c) = &mut *lock(&self.state) {
+                        c.refused = true;
+                    }
                     self.note(format!("wait refused: {}", r.message));
                     break;
                 }
@@ -654,6 +661,7 @@ impl Opened {
             present: self.reply.present,
             backing: None,
             served: false,
+            refused: false,
         }
     }
 }

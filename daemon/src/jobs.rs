@@ -342,6 +342,7 @@ impl Jobs {
                     stat,
                     key,
                 });
+                tracing::debug!(path = %f.path, "prefetching");
                 for i in 0..nblocks.max(1) {
                     filler.request(&target, i, Priority::Prefetch);
                 }

@@ -8,6 +8,17 @@ const FILE: u64 = 16 << 10;
 
 #[test]
 fn a_shuffled_job_reaches_the_hit_ceiling_after_its_first_epoch() {
+    four_shuffled_epochs("0");
+}
+
+#[test]
+fn with_prefetch_a_shuffled_job_still_reaches_the_hit_ceiling() {
+    four_shuffled_epochs("16");
+}
+
+/// A 4-epoch shuffled job over twice the cache size, read in plan order, with
+/// `--prefetch-ahead ahead`.
+fn four_shuffled_epochs(ahead: &str) {
     let bed = Bed::new();
     let n = 200u64;
     for i in 0..n {
@@ -22,6 +33,10 @@ fn a_shuffled_job_reaches_the_hit_ceiling_after_its_first_epoch() {
         &cap,
         "--min-free",
         "0",
+        "--prefetch-ahead",
+        ahead,
+        "--log",
+        "info,shardcache_daemon=trace",
     ]);
     let client = bed.client();
     let files: Vec<String> = (0..n).map(|i| format!("s{i:03}")).collect();
@@ -47,12 +62,25 @@ fn a_shuffled_job_reaches_the_hit_ceiling_after_its_first_epoch() {
             + (after.fallback_bytes - before.fallback_bytes);
         let hit = 1.0 - fetched as f64 / (n * FILE) as f64;
         eprintln!(
-            "epoch {epoch}: hit ratio {hit:.3}; backing reads {}, client fallback bytes {}, no-space {}, evicted {}, opens full {}",
+            "prefetch {ahead}, epoch {epoch}: hit ratio {hit:.3}; backing reads {}, client fallback bytes {}, no-space {}, evicted {}, opens full {}",
             after.backing_reads - before.backing_reads,
             after.fallback_bytes - before.fallback_bytes,
             after.fills_no_space - before.fills_no_space,
             after.evicted_files - before.evicted_files,
             after.opens_full - before.opens_full
+        );
+        eprintln!(
+            "  waits {} timeouts {} fallback opens {} fallback reads {} shed {} refused other {}",
+            after.waits - before.waits,
+            after.wait_timeouts - before.wait_timeouts,
+            after.fallback_opens - before.fallback_opens,
+            after.fallback_reads - before.fallback_reads,
+            after.queue_shed - before.queue_shed,
+            after.refused_other - before.refused_other,
+        );
+        let _ = std::fs::copy(
+            bed.tmp.path().join("daemon.log"),
+            format!("/tmp/plan-{ahead}.log"),
         );
         if epoch > 0 {
             assert!(hit >= 0.49, "epoch {epoch}: hit ratio {hit} (ceiling 0.5)");

@@ -40,6 +40,9 @@ const MAX_WAIT_BLOCKS: u64 = 1024;
 /// Largest request accepted (64 paths of 4 KiB fit easily); larger ones end the
 /// connection before anything is allocated for them.
 const MAX_REQUEST: usize = 1 << 20;
+/// How long a file stays pinned after a reader was told it is being filled (see
+/// [`Store::pin`]); each wait of that reader renews it.
+const PIN: Duration = Duration::from_secs(2);
 /// Longest path accepted (Linux PATH_MAX).
 const MAX_PATH: usize = 4096;
 
@@ -480,9 +483,19 @@ fn open(ctx: &Ctx, creds: &Creds, path: &str) -> (pb::open_reply::Result, Option
         Ok(x) => x,
         Err(r) => return (pb::open_reply::Result::Refused(r), None),
     };
-    ctx.jobs.on_open(root, &rel);
+    tracing::trace!(path = %rel, "open");
     let root_name = &ctx.meta.roots().get(root).name;
-    let mut view = match ctx.store.view(root_name, &stat) {
+    let view = ctx.store.view(root_name, &stat);
+    // Only now (the descriptor is in hand, or the file pinned below) may the job's
+    // position move past this file; before, the file would be the one needed farthest
+    // in the future, and a prefetch could evict it under this very open.
+    if let Ok(v) = &view
+        && v.npresent != v.nblocks
+    {
+        ctx.store.pin(&v.key, Instant::now() + PIN);
+    }
+    ctx.jobs.on_open(root, &rel);
+    let mut view = match view {
         Ok(v) => v,
         Err(e) => {
             return (
@@ -531,6 +544,12 @@ fn wait(ctx: &Ctx, creds: &Creds, w: &pb::WaitRequest) -> (pb::wait_reply::Resul
         Err(e) => return refuse(refuse_store(&ctx.stats, e)),
     };
     let t = target(root, rel, stat.clone(), &view);
+    let timeout = match w.timeout_ms {
+        0 => ctx.max_wait,
+        ms => Duration::from_millis(ms as u64).min(ctx.max_wait),
+    };
+    // Keep what lands for this reader until it has the descriptor.
+    ctx.store.pin(&view.key, Instant::now() + timeout + PIN);
     let first = w.first_block as usize;
     let end = (w
         .first_block
@@ -547,16 +566,15 @@ fn wait(ctx: &Ctx, creds: &Creds, w: &pb::WaitRequest) -> (pb::wait_reply::Resul
         }
     }
     readahead(ctx, &t, &view, end, ctx.readahead);
-    let timeout = match w.timeout_ms {
-        0 => ctx.max_wait,
-        ms => Duration::from_millis(ms as u64).min(ctx.max_wait),
-    };
     let deadline = Instant::now() + timeout;
-    let mut timed_out = false;
+    let (mut timed_out, mut declined) = (false, false);
     for f in &flights {
-        if f.wait_until(deadline).is_none() {
-            timed_out = true;
-            break;
+        match f.wait_until(deadline) {
+            None => {
+                timed_out = true;
+                break;
+            }
+            Some(ok) => declined |= !ok,
         }
     }
     if timed_out {
@@ -568,6 +586,11 @@ fn wait(ctx: &Ctx, creds: &Creds, w: &pb::WaitRequest) -> (pb::wait_reply::Resul
         Ok(v) => v,
         Err(e) => return refuse(refuse_store(&ctx.stats, e)),
     };
+    if view.npresent == view.nblocks {
+        // The reader gets (or has) a descriptor holding every block: eviction from now
+        // on unlinks a file it keeps reading.
+        ctx.store.unpin(&view.key);
+    }
     let fd = if view.data_gen != w.have_data_gen {
         view.data.take()
     } else {
@@ -576,6 +599,7 @@ fn wait(ctx: &Ctx, creds: &Creds, w: &pb::WaitRequest) -> (pb::wait_reply::Resul
     let waited = pb::Waited {
         present: std::mem::take(&mut view.present),
         data_gen: view.data_gen,
+        declined,
     };
     (pb::wait_reply::Result::Waited(waited), fd)
 }

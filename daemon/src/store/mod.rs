@@ -35,6 +35,7 @@ use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
 use shardcache_proto::store::v1 as jpb;
 use shardcache_proto::store::v1::record::Kind;
@@ -149,7 +150,13 @@ struct Index {
     reserved: u64,
     unverified: u64,
     policy: Box<dyn EvictionPolicy>,
+    /// Files a reader is waiting on, not evictable until the instant given (see
+    /// [`Store::pin`]).
+    pins: HashMap<Key, Instant>,
 }
+
+/// Pins held at most at once (a bound on memory if readers vanish mid-wait).
+const MAX_PINS: usize = 4096;
 
 /// A file that left the index and whose data file is still to be removed.
 #[derive(Debug)]
@@ -373,6 +380,7 @@ impl Store {
             reserved: 0,
             unverified: 0,
             policy,
+            pins: HashMap::default(),
         };
         for (key, mut e) in files {
             for b in e.blocks.iter_mut().flatten() {
@@ -552,6 +560,30 @@ impl Store {
         by_capacity.min(by_floor)
     }
 
+    /// Keeps `key` from being evicted until `until` (or [`Store::unpin`]): a reader was
+    /// told the file is being filled and has not yet been handed a descriptor holding
+    /// the blocks. Without it, a fill that completes could be evicted (the reader's file
+    /// is, by then, the one needed farthest in the future) before the reader's reply,
+    /// and the reader would fetch the same bytes again from the backing store. Pins
+    /// expire on their own, so a reader that goes away costs nothing lasting.
+    pub fn pin(&self, key: &Key, until: Instant) {
+        let mut idx = self.lock();
+        if idx.pins.len() >= MAX_PINS {
+            let now = Instant::now();
+            idx.pins.retain(|_, u| *u > now);
+            if idx.pins.len() >= MAX_PINS {
+                return; // best effort: a pin only saves a refetch
+            }
+        }
+        let u = idx.pins.entry(*key).or_insert(until);
+        *u = (*u).max(until);
+    }
+
+    /// Lets `key` be evicted again.
+    pub fn unpin(&self, key: &Key) {
+        self.lock().pins.remove(key);
+    }
+
     /// True when block `i` of `key` is present and verified.
     pub fn is_present(&self, key: &Key, i: usize) -> bool {
         self.lock()
@@ -612,17 +644,30 @@ impl Store {
                 if !over_cap && short == 0 {
                     break;
                 }
-                let Index { files, policy, .. } = &mut *idx;
-                let victim =
-                    policy.victim(&|k| k != key && files.get(k).is_some_and(|e| e.filling == 0));
+                let Index {
+                    files,
+                    policy,
+                    pins,
+                    ..
+                } = &mut *idx;
+                let now = Instant::now();
+                let victim = policy.victim(&|k| {
+                    k != key
+                        && files.get(k).is_some_and(|e| e.filling == 0)
+                        && pins.get(k).is_none_or(|until| *until <= now)
+                });
                 let Some(victim) = victim else {
                     inc(&self.stats.fills_no_space);
                     return Err(StoreError::NoSpace);
                 };
                 if !policy.admits(root, &stat.path, &victim, prefetch) {
                     // Everything cached is needed sooner than this file: bypass.
+                    tracing::debug!(path = %stat.path, prefetch, "not admitted: everything cached is needed sooner");
                     inc(&self.stats.fills_no_space);
                     return Err(StoreError::NoSpace);
+                }
+                if let Some(e) = idx.files.get(&victim) {
+                    tracing::debug!(path = %e.path, to_admit = %stat.path, prefetch, "evicting");
                 }
                 if let Some(ev) = evict_locked(&mut idx, &victim) {
                     freed += ev.bytes;
