@@ -1,5 +1,6 @@
 //! Connections to the daemon: a pool, timeouts, a breaker, and read accounting.
 
+use std::collections::HashMap;
 use std::io;
 use std::os::fd::OwnedFd;
 use std::os::unix::net::UnixStream;
@@ -114,6 +115,8 @@ pub(crate) struct Report {
     pub filled_reads: AtomicU64,
     pub fallback_reads: AtomicU64,
     pub fallback_opens: AtomicU64,
+    /// Per registered job (by tag), from dropped readers.
+    jobs: Mutex<HashMap<u64, pb::JobUsage>>,
 }
 
 impl Report {
@@ -126,8 +129,25 @@ impl Report {
             filled_reads: self.filled_reads.swap(0, Ordering::Relaxed),
             fallback_reads: self.fallback_reads.swap(0, Ordering::Relaxed),
             fallback_opens: self.fallback_opens.swap(0, Ordering::Relaxed),
+            jobs: std::mem::take(&mut *self.jobs.lock().unwrap_or_else(|e| e.into_inner()))
+                .into_values()
+                .collect(),
         };
         (r != pb::ReadReport::default()).then_some(r)
+    }
+
+    /// Adds a reader's totals to what is reported for job `tag`.
+    pub(crate) fn add_job(&self, tag: u64, u: &pb::JobUsage) {
+        let mut jobs = self.jobs.lock().unwrap_or_else(|e| e.into_inner());
+        let e = jobs.entry(tag).or_insert_with(|| pb::JobUsage {
+            job_tag: tag,
+            ..Default::default()
+        });
+        e.hit_bytes += u.hit_bytes;
+        e.filled_bytes += u.filled_bytes;
+        e.fallback_bytes += u.fallback_bytes;
+        e.wait_ns += u.wait_ns;
+        e.fallback_ns += u.fallback_ns;
     }
 
     fn give_back(&self, r: &pb::ReadReport) {
@@ -143,6 +163,9 @@ impl Report {
             .fetch_add(r.fallback_reads, Ordering::Relaxed);
         self.fallback_opens
             .fetch_add(r.fallback_opens, Ordering::Relaxed);
+        for u in &r.jobs {
+            self.add_job(u.job_tag, u);
+        }
     }
 }
 
@@ -157,11 +180,18 @@ pub(crate) struct Inner {
 impl Drop for Inner {
     fn drop(&mut self) {
         // Deliver what is still unreported, if the daemon is there to take it.
-        if self.report.hit_reads.load(Ordering::Relaxed)
-            + self.report.filled_reads.load(Ordering::Relaxed)
-            + self.report.fallback_reads.load(Ordering::Relaxed)
-            + self.report.fallback_opens.load(Ordering::Relaxed)
-            > 0
+        let jobs = !self
+            .report
+            .jobs
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_empty();
+        if jobs
+            || self.report.hit_reads.load(Ordering::Relaxed)
+                + self.report.filled_reads.load(Ordering::Relaxed)
+                + self.report.fallback_reads.load(Ordering::Relaxed)
+                + self.report.fallback_opens.load(Ordering::Relaxed)
+                > 0
         {
             let _ = self.call(
                 request::Kind::Status(pb::StatusRequest {}),
@@ -402,7 +432,7 @@ impl Inner {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let req = pb::Request {
             id,
-            report,
+            report: report.clone(),
             kind: Some(kind),
         };
         let sent = conn

@@ -29,6 +29,7 @@ pub enum Source {
 
 /// Bytes and reads of one reader, by where they came from.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct ReaderStats {
     /// Read from blocks that were local when asked for.
     pub hit_bytes: u64,
@@ -42,6 +43,10 @@ pub struct ReaderStats {
     pub filled_reads: u64,
     /// See `hit_reads`.
     pub fallback_reads: u64,
+    /// Time blocked waiting for the daemon to fetch blocks.
+    pub wait_time: std::time::Duration,
+    /// Time spent reading the backing store.
+    pub fallback_time: std::time::Duration,
 }
 
 struct Cached {
@@ -87,6 +92,28 @@ pub struct Reader {
     state: Mutex<State>,
     stats: Mutex<ReaderStats>,
     fallback_reason: Mutex<Option<String>>,
+    /// The registered job whose plan this read follows (0: none): the reader's totals
+    /// are reported under it when it is dropped.
+    job_tag: u64,
+}
+
+impl Drop for Reader {
+    fn drop(&mut self) {
+        if self.job_tag != 0 {
+            let s = *lock(&self.stats);
+            self.client.inner.report.add_job(
+                self.job_tag,
+                &pb::JobUsage {
+                    job_tag: self.job_tag,
+                    hit_bytes: s.hit_bytes,
+                    filled_bytes: s.filled_bytes,
+                    fallback_bytes: s.fallback_bytes,
+                    wait_ns: s.wait_time.as_nanos() as u64,
+                    fallback_ns: s.fallback_time.as_nanos() as u64,
+                },
+            );
+        }
+    }
 }
 
 impl std::fmt::Debug for Reader {
@@ -170,9 +197,11 @@ impl Reader {
             Ok(c) => (Some(c), None),
             Err(why) => (None, Some(why)),
         };
+        let mut job_tag = 0;
         let (state, size) = match state {
             Some(c) => {
                 let size = c.version().map_or(0, |v| v.size);
+                job_tag = c.reply.job_tag;
                 (State::Cached(c.into_cached()), size)
             }
             None => {
@@ -194,6 +223,7 @@ impl Reader {
             state: Mutex::new(state),
             stats: Mutex::new(ReaderStats::default()),
             fallback_reason: Mutex::new(reason),
+            job_tag,
         })
     }
 
@@ -284,9 +314,7 @@ impl Reader {
                 State::Direct(f) => {
                     let f = f.clone();
                     drop(st);
-                    let n = pread_full(&f, buf, offset)?;
-                    self.count(Kind::Fallback, n);
-                    return Ok(n);
+                    return self.fallback_read(&f, buf, offset);
                 }
                 State::Cached(c) => c,
             };
@@ -337,7 +365,10 @@ impl Reader {
             };
             drop(st);
             let timeout = self.client.inner.cfg.wait_timeout + self.client.inner.cfg.timeout;
-            match self.client.inner.call(request::Kind::Wait(req), timeout) {
+            let started = std::time::Instant::now();
+            let reply = self.client.inner.call(request::Kind::Wait(req), timeout);
+            lock(&self.stats).wait_time += started.elapsed();
+            match reply {
                 Ok((
                     response::Kind::Wait(pb::WaitReply {
                         result: Some(wait_reply::Result::Waited(w)),
@@ -418,9 +449,7 @@ impl Reader {
                                 return Ok(0);
                             }
                             let want = buf.len().min((v.size - offset) as usize);
-                            let n = pread_full(&f, &mut buf[..want], offset)?;
-                            self.count(Kind::Fallback, n);
-                            return Ok(n);
+                            return self.fallback_read(&f, &mut buf[..want], offset);
                         } else {
                             return Err(stale());
                         }
@@ -428,7 +457,14 @@ impl Reader {
                 },
             }
         };
-        let n = pread_full(&f, buf, offset)?;
+        self.fallback_read(&f, buf, offset)
+    }
+
+    /// Reads from the backing file `f`, counted and timed as a fallback.
+    fn fallback_read(&self, f: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
+        let started = std::time::Instant::now();
+        let n = pread_full(f, buf, offset)?;
+        lock(&self.stats).fallback_time += started.elapsed();
         self.count(Kind::Fallback, n);
         Ok(n)
     }

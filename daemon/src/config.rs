@@ -194,10 +194,18 @@ pub struct Config {
     /// more than a whole cached open; `0` never polls. Default 50 µs.
     #[serde(deserialize_with = "de_duration")]
     pub spin: Duration,
-    /// Files of registered jobs fetched ahead of their readers by the planner's
-    /// prefetcher. `0` (the default) turns planned prefetch off: eviction and admission
-    /// still follow the registered plans. Experimental (docs/MANIFEST.md).
+    /// Most files of registered jobs fetched ahead of their readers and not yet read.
+    /// How far ahead the prefetcher runs within this bound follows the measured
+    /// consumption rate and backing-store speed. `0` turns planned prefetch off
+    /// (eviction and admission still follow the registered plans). Default 1024.
     pub prefetch_ahead: usize,
+    /// Most prefetched files being fetched at once. Default 16.
+    pub prefetch_concurrency: usize,
+    /// Most bytes per second prefetch reads from the backing store (a budget that
+    /// protects the shared file system; reads that clients wait on are not held back by
+    /// it); `0` = no limit. Default no limit.
+    #[serde(deserialize_with = "de_opt_bytes")]
+    pub prefetch_bandwidth: Option<u64>,
 }
 
 impl Default for Config {
@@ -218,7 +226,9 @@ impl Default for Config {
             backing_bandwidth: None,
             max_connections: 1024,
             spin: Duration::from_micros(50),
-            prefetch_ahead: 0,
+            prefetch_ahead: 1024,
+            prefetch_concurrency: 16,
+            prefetch_bandwidth: None,
         }
     }
 }
@@ -226,6 +236,12 @@ impl Default for Config {
 impl Config {
     /// Checks every field once; the message names the offending key.
     pub fn validate(&self) -> Result<(), String> {
+        if self.prefetch_ahead > 0 && self.prefetch_concurrency == 0 {
+            return Err(
+                "prefetch_concurrency: must be at least 1 while prefetch is on (prefetch_ahead > 0)"
+                    .into(),
+            );
+        }
         if self.backing_roots.is_empty() {
             return Err(
                 "backing_roots: at least one backing root is required (--backing-root DIR)".into(),
@@ -348,5 +364,7 @@ mod packaged {
         assert_eq!(c.max_connections, d.max_connections);
         assert_eq!(c.spin, d.spin);
         assert_eq!(c.prefetch_ahead, d.prefetch_ahead);
+        assert_eq!(c.prefetch_concurrency, d.prefetch_concurrency);
+        assert_eq!(c.prefetch_bandwidth, d.prefetch_bandwidth);
     }
 }

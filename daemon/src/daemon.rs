@@ -104,8 +104,17 @@ impl Daemon {
         let prefetch = match cfg.prefetch_ahead {
             0 => None,
             ahead => Some(
-                jobs.start_prefetcher(store.clone(), filler.clone(), meta_for_prefetch, ahead)
-                    .context("starting the prefetcher")?,
+                jobs.start_prefetcher(
+                    store.clone(),
+                    filler.clone(),
+                    meta_for_prefetch,
+                    crate::jobs::PrefetchConfig {
+                        ahead,
+                        concurrency: cfg.prefetch_concurrency,
+                        bandwidth: cfg.prefetch_bandwidth,
+                    },
+                )
+                .context("starting the prefetcher")?,
             ),
         };
         Ok(Self {

@@ -58,6 +58,11 @@ pub struct Flight {
 }
 
 impl Flight {
+    /// `Some(ok)` once the fill ended, without waiting.
+    pub fn outcome(&self) -> Option<bool> {
+        *self.done.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Waits until the fill ends or `deadline`; `Some(ok)` when it ended.
     pub fn wait_until(&self, deadline: Instant) -> Option<bool> {
         let mut g = self.done.lock().unwrap_or_else(|e| e.into_inner());
@@ -152,7 +157,44 @@ struct Inner {
     meta: Arc<Meta>,
     stats: Arc<Stats>,
     limit: usize,
+    workers: usize,
+    meter: Mutex<Meter>,
     handles: moka::sync::Cache<Key, Arc<dyn BackingFile>>,
+}
+
+/// Moving averages of block reads from the backing store (what the prefetcher paces
+/// itself by).
+#[derive(Debug, Default, Clone, Copy)]
+struct Meter {
+    /// Seconds per block read.
+    secs: f64,
+    /// Bytes per block read.
+    bytes: f64,
+    /// Reads measured (the averages mean nothing until a few are in).
+    n: u64,
+}
+
+impl Meter {
+    fn add(&mut self, secs: f64, bytes: f64) {
+        // An exponential average over about the last 32 reads.
+        let a = if self.n < 32 {
+            1.0 / (self.n + 1) as f64
+        } else {
+            1.0 / 32.0
+        };
+        self.secs += a * (secs - self.secs);
+        self.bytes += a * (bytes - self.bytes);
+        self.n += 1;
+    }
+}
+
+/// What the fill engine measured of the backing store.
+#[derive(Debug, Clone, Copy)]
+pub struct Service {
+    /// Seconds one block read takes (under the current load).
+    pub latency: f64,
+    /// Bytes per second all workers together read.
+    pub throughput: f64,
 }
 
 /// The fill engine.
@@ -190,6 +232,8 @@ impl Filler {
             meta,
             stats,
             limit,
+            workers,
+            meter: Mutex::new(Meter::default()),
             handles: moka::sync::Cache::builder()
                 .max_capacity(256)
                 .time_to_idle(std::time::Duration::from_secs(30))
@@ -243,6 +287,15 @@ impl Filler {
         q.enqueue(target, index, prio);
         inner.cv.notify_one();
         Scheduled::InFlight(f)
+    }
+
+    /// The backing store's measured latency and throughput, once a few reads are in.
+    pub fn service(&self) -> Option<Service> {
+        let m = *lock(&self.inner.meter);
+        (m.n >= 4 && m.secs > 0.0).then(|| Service {
+            latency: m.secs,
+            throughput: self.inner.workers as f64 * m.bytes / m.secs,
+        })
     }
 
     /// Stops the workers after their current fill; queued fills end unfinished (their
@@ -326,8 +379,10 @@ fn fill(inner: &Inner, t: &Target, index: usize, prefetch: bool) -> Result<(), F
     let Some(permit) = inner.store.begin_fill(root, &t.stat, index, prefetch)? else {
         return Ok(());
     };
+    let started = Instant::now();
     match read_block(inner, t, permit.offset(), permit.len()) {
         Ok(data) => {
+            lock(&inner.meter).add(started.elapsed().as_secs_f64(), data.len() as f64);
             inner.store.commit_fill(permit, &data)?;
             inc(&inner.stats.blocks_filled);
             Ok(())

@@ -8,7 +8,7 @@
 //! held, so the order is always store → planner.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use shardcache_plan::manifest::{Files, Item, Manifest, Plan};
 use shardcache_proto::local::v1 as pb;
 
-use crate::fill::{Filler, Priority, Target};
+use crate::fill::{Filler, Flight, Priority, Scheduled, Target};
 use crate::meta::{Meta, Roots};
 use crate::planner::prefetch::{self, CacheView, Pace};
 use crate::planner::{FileRef, Planner, Source};
@@ -29,10 +29,45 @@ const READ_WINDOW: u64 = 64;
 const LOOKAHEAD: usize = 256;
 /// Files shown as a job's "next window" in status.
 const STATUS_WINDOW: usize = 64;
+/// How often consumption rates are measured.
+const RATE_PERIOD: Duration = Duration::from_millis(500);
+/// How long a prefetch the store declined (no room worth making) is not retried.
+const DECLINED_BACKOFF: Duration = Duration::from_secs(1);
+
+/// How the prefetcher runs (from the daemon's configuration).
+#[derive(Debug, Clone, Copy)]
+pub struct PrefetchConfig {
+    /// Most files fetched ahead of their readers and not yet read.
+    pub ahead: usize,
+    /// Most files being fetched at once.
+    pub concurrency: usize,
+    /// Most bytes per second prefetch reads from the backing store.
+    pub bandwidth: Option<u64>,
+}
+
+/// Reads of one job, as clients reported them and as the daemon saw them.
+#[derive(Debug, Default, Clone, Copy)]
+struct Usage {
+    hit_bytes: u64,
+    filled_bytes: u64,
+    fallback_bytes: u64,
+    wait_ns: u64,
+    fallback_ns: u64,
+    opens: u64,
+    opens_hit: u64,
+}
 
 #[derive(Debug)]
 struct JobInfo {
     files: usize,
+    /// Names this registration in Opened replies and client reports (a job registered
+    /// again gets a new tag, so late reports of the old one are not mixed in).
+    tag: u64,
+    usage: Usage,
+    /// Steps done at the last rate measurement, and when.
+    rate_mark: (u64, Instant),
+    /// Steps per second, once measured.
+    rate: Option<f64>,
 }
 
 /// The registered jobs and their planner.
@@ -43,6 +78,9 @@ pub struct Jobs {
     root_index: HashMap<String, usize>,
     planner: Mutex<Planner>,
     info: Mutex<BTreeMap<String, JobInfo>>,
+    next_tag: AtomicU64,
+    /// Files being prefetched now (for status).
+    prefetching: AtomicU64,
     wake: (Mutex<bool>, Condvar),
 }
 
@@ -64,6 +102,8 @@ impl Jobs {
             root_index,
             planner: Mutex::new(Planner::new()),
             info: Mutex::new(BTreeMap::new()),
+            next_tag: AtomicU64::new(1),
+            prefetching: AtomicU64::new(0),
             wake: (Mutex::new(false), Condvar::new()),
         }
     }
@@ -153,7 +193,18 @@ impl Jobs {
         lock(&self.planner)
             .register(&m.job, files, source)
             .map_err(|e| format!("plan: {e}"))?;
-        lock(&self.info).insert(m.job.clone(), JobInfo { files: n });
+        let tag = self.next_tag.fetch_add(1, Ordering::Relaxed);
+        let done = lock(&self.planner).steps_done(&m.job).unwrap_or(0);
+        lock(&self.info).insert(
+            m.job.clone(),
+            JobInfo {
+                files: n,
+                tag,
+                usage: Usage::default(),
+                rate_mark: (done, Instant::now()),
+                rate: None,
+            },
+        );
         tracing::info!(job = %m.job, files = n, "prefetch manifest registered");
         self.poke();
         Ok((m.job, n))
@@ -187,29 +238,82 @@ impl Jobs {
         found
     }
 
-    /// A client opened `rel` under root `root`.
-    pub fn on_open(&self, root: usize, rel: &str) {
+    /// A client opened `rel` under root `root` (`hit`: cached whole). Returns the tag of
+    /// the job whose plan the read follows (0: none).
+    pub fn on_open(&self, root: usize, rel: &str, hit: bool) -> u64 {
         if lock(&self.info).is_empty() {
+            return 0;
+        }
+        let job = lock(&self.planner)
+            .on_access(
+                &FileRef {
+                    root,
+                    path: rel.to_owned(),
+                },
+                READ_WINDOW,
+            )
+            .map(str::to_owned);
+        self.poke();
+        let Some(job) = job else { return 0 };
+        let mut info = lock(&self.info);
+        let Some(j) = info.get_mut(&job) else {
+            return 0;
+        };
+        j.usage.opens += 1;
+        j.usage.opens_hit += hit as u64;
+        j.tag
+    }
+
+    /// Adds what a client reported about its reads, per job tag.
+    pub fn add_usage(&self, reports: &[pb::JobUsage]) {
+        if reports.is_empty() {
             return;
         }
-        lock(&self.planner).on_access(
-            &FileRef {
-                root,
-                path: rel.to_owned(),
-            },
-            READ_WINDOW,
-        );
-        self.poke();
+        let mut info = lock(&self.info);
+        for r in reports {
+            if let Some(j) = info.values_mut().find(|j| j.tag == r.job_tag) {
+                let u = &mut j.usage;
+                u.hit_bytes += r.hit_bytes;
+                u.filled_bytes += r.filled_bytes;
+                u.fallback_bytes += r.fallback_bytes;
+                u.wait_ns += r.wait_ns;
+                u.fallback_ns += r.fallback_ns;
+            }
+        }
+    }
+
+    /// Measures every job's consumption rate (steps per second) and hands it to the
+    /// planner, which then compares needs across jobs in seconds. A job that read
+    /// nothing in a period keeps its last rate (a pause is not a slowdown).
+    fn measure_rates(&self) {
+        let mut p = lock(&self.planner);
+        let mut info = lock(&self.info);
+        for (id, j) in info.iter_mut() {
+            let (done0, at) = j.rate_mark;
+            let dt = at.elapsed();
+            if dt < RATE_PERIOD {
+                continue;
+            }
+            let done = p.steps_done(id).unwrap_or(done0);
+            if done > done0 {
+                let r = (done - done0) as f64 / dt.as_secs_f64();
+                let r = j.rate.map_or(r, |old| old + 0.5 * (r - old));
+                j.rate = Some(r);
+                p.set_rate(id, r);
+            }
+            j.rate_mark = (done, Instant::now());
+        }
     }
 
     /// Status of every job; `cached(root, path)` says whether a file is cached.
     pub fn status(&self, cached: &dyn Fn(usize, &str) -> bool) -> Vec<pb::JobStatus> {
-        let info: Vec<(String, usize)> = lock(&self.info)
+        let info: Vec<(String, usize, Usage, Option<f64>)> = lock(&self.info)
             .iter()
-            .map(|(k, v)| (k.clone(), v.files))
+            .map(|(k, v)| (k.clone(), v.files, v.usage, v.rate))
             .collect();
+        let prefetching = self.prefetching.load(Ordering::Relaxed);
         let mut out = Vec::new();
-        for (job, files) in info {
+        for (job, files, u, rate) in info {
             let (pos, len, window) = {
                 let mut p = lock(&self.planner);
                 let pos = p.position(&job).unwrap_or_default();
@@ -225,25 +329,39 @@ impl Jobs {
                 files: files as u64,
                 window: window.len() as u64,
                 window_resident: resident as u64,
+                hit_bytes: u.hit_bytes,
+                filled_bytes: u.filled_bytes,
+                fallback_bytes: u.fallback_bytes,
+                opens: u.opens,
+                opens_hit: u.opens_hit,
+                wait_seconds: u.wait_ns as f64 / 1e9,
+                fallback_seconds: u.fallback_ns as f64 / 1e9,
+                rate: rate.unwrap_or(0.0),
+                prefetching,
             });
         }
         out
     }
 
+    /// True when every registered job's rate has been measured.
+    fn rates_known(&self) -> bool {
+        lock(&self.info).values().all(|j| j.rate.is_some())
+    }
+
     /// Starts the prefetch thread: it fetches what the planner says is needed next, as
-    /// far ahead as the planner's rules allow. Stop it with the returned flag.
+    /// far ahead as the planner's rules and `cfg` allow. Stop it with the returned flag.
     pub fn start_prefetcher(
         self: &Arc<Self>,
         store: Arc<Store>,
         filler: Arc<Filler>,
         meta: Arc<Meta>,
-        ahead: usize,
+        cfg: PrefetchConfig,
     ) -> std::io::Result<(Arc<AtomicBool>, JoinHandle<()>)> {
         let stop = Arc::new(AtomicBool::new(false));
         let (jobs, s) = (self.clone(), stop.clone());
         let h = std::thread::Builder::new()
             .name("sc-prefetch".into())
-            .spawn(move || jobs.prefetch_loop(&store, &filler, &meta, &s, ahead))?;
+            .spawn(move || jobs.prefetch_loop(&store, &filler, &meta, &s, cfg))?;
         Ok((stop, h))
     }
 
@@ -252,19 +370,27 @@ impl Jobs {
         self.poke();
     }
 
-    /// Keeps at most `ahead` files prefetched and not yet read.
+    /// The prefetcher. Every round (a read, a registration, or 20 ms): measure rates,
+    /// collect finished fetches, then start fetches the planner asks for
+    /// ([`prefetch::next_prefetch`]) while under the concurrency, lead and bandwidth
+    /// bounds. Pacing: once the consumption rates and the backing store's throughput are
+    /// measured, a file is fetched only when some upcoming missing file needs the
+    /// backing store to start now ([`Pace`]); before, as early as the rules allow.
     fn prefetch_loop(
         &self,
         store: &Store,
         filler: &Filler,
         meta: &Meta,
         stop: &AtomicBool,
-        ahead_max: usize,
+        cfg: PrefetchConfig,
     ) {
-        let mut in_flight: HashMap<FileRef, Instant> = HashMap::new();
+        let mut flights: HashMap<FileRef, Vec<Arc<Flight>>> = HashMap::new();
+        let mut declined: HashMap<FileRef, Instant> = HashMap::new();
         // Prefetched (or being prefetched) and not yet read: the planner's read count at
         // which each will have been read.
         let mut ahead: HashMap<FileRef, u64> = HashMap::new();
+        let mut sizes: HashMap<FileRef, u64> = HashMap::new();
+        let mut budget = cfg.bandwidth.map(Budget::new);
         while !stop.load(Ordering::Acquire) {
             {
                 let mut woken = lock(&self.wake.0);
@@ -279,9 +405,42 @@ impl Jobs {
                 *woken = false;
             }
             if lock(&self.info).is_empty() {
+                flights.clear();
+                ahead.clear();
+                sizes.clear();
+                self.prefetching.store(0, Ordering::Relaxed);
                 continue;
             }
-            // A snapshot of the store, taken without the planner lock.
+            self.measure_rates();
+            flights.retain(|f, fl| {
+                let outcomes: Vec<Option<bool>> = fl.iter().map(|x| x.outcome()).collect();
+                if outcomes.iter().any(Option::is_none) {
+                    return true;
+                }
+                if outcomes.contains(&Some(false)) {
+                    declined.insert(f.clone(), Instant::now());
+                }
+                false
+            });
+            declined.retain(|_, at| at.elapsed() < DECLINED_BACKOFF);
+            self.prefetching
+                .store(flights.len() as u64, Ordering::Relaxed);
+            if flights.len() >= cfg.concurrency {
+                continue;
+            }
+            // Sizes of the upcoming files, looked up without the planner lock (a stat
+            // may go to the backing store).
+            let upcoming = lock(&self.planner).upcoming(LOOKAHEAD);
+            if sizes.len() > 1 << 20 {
+                sizes.clear();
+            }
+            for (f, _) in &upcoming {
+                if !sizes.contains_key(f)
+                    && let Ok(st) = meta.stat(f.root, &f.path)
+                {
+                    sizes.insert(f.clone(), st.version.size);
+                }
+            }
             let resident: Vec<FileRef> = store
                 .cached_files()
                 .into_iter()
@@ -291,41 +450,62 @@ impl Jobs {
                         .map(|&r| FileRef { root: r, path })
                 })
                 .collect();
-            in_flight
-                .retain(|f, at| at.elapsed() < Duration::from_secs(30) && !resident.contains(f));
             let mut view = Snapshot {
                 resident: resident.iter().cloned().collect(),
                 order: resident,
-                in_flight: in_flight.keys().cloned().collect(),
+                busy: flights.keys().chain(declined.keys()).cloned().collect(),
                 room: store.room(),
-                meta,
+                sizes: &sizes,
+                default_size: store.block_size() as u64,
             };
+            let pace = match filler.service() {
+                Some(s) if self.rates_known() && !upcoming.is_empty() => {
+                    let mean = upcoming
+                        .iter()
+                        .map(|(f, _)| view.size(f) as f64)
+                        .sum::<f64>()
+                        / upcoming.len() as f64;
+                    Pace {
+                        max_ahead: LOOKAHEAD,
+                        secs_per_file: mean / s.throughput,
+                        // Room for the measurement to be off, and for a burst of reads.
+                        margin: 0.25 + 4.0 * s.latency,
+                    }
+                }
+                _ => Pace {
+                    max_ahead: LOOKAHEAD,
+                    secs_per_file: f64::INFINITY,
+                    margin: 0.0,
+                },
+            };
+            if let Some(b) = &mut budget {
+                b.refill();
+            }
             let mut fetches = Vec::new();
             {
                 let mut p = lock(&self.planner);
                 let reads = p.reads();
                 ahead.retain(|_, due| reads < *due);
-                let pace = Pace {
-                    max_ahead: LOOKAHEAD,
-                    secs_per_file: f64::INFINITY,
-                    margin: 0.0,
-                };
-                while ahead.len() + fetches.len() < ahead_max {
+                while ahead.len() + fetches.len() < cfg.ahead
+                    && flights.len() + fetches.len() < cfg.concurrency
+                    && budget.as_ref().is_none_or(Budget::allows)
+                {
                     let Some(fx) = prefetch::next_prefetch(&mut p, &view, pace) else {
                         break;
                     };
+                    let size = view.size(&fx.file);
                     if let Some(v) = &fx.evict {
                         view.resident.remove(v);
                         view.order.retain(|x| x != v);
                         view.room += view.size(v);
                     }
-                    view.room = view.room.saturating_sub(view.size(&fx.file));
-                    view.in_flight.insert(fx.file.clone());
-                    let steps = match fx.need {
-                        crate::planner::Need::In(t) => t.ceil() as u64,
-                        crate::planner::Need::Never => 0,
-                    };
-                    ahead.insert(fx.file.clone(), p.reads() + steps + 1);
+                    view.room = view.room.saturating_sub(size);
+                    view.busy.insert(fx.file.clone());
+                    if let Some(b) = &mut budget {
+                        b.spend(size);
+                    }
+                    let steps = p.steps_until(&fx.file).unwrap_or(0);
+                    ahead.insert(fx.file.clone(), reads + steps + 1);
                     fetches.push(fx.file);
                 }
             }
@@ -343,12 +523,54 @@ impl Jobs {
                     key,
                 });
                 tracing::debug!(path = %f.path, "prefetching");
+                let mut fl = Vec::new();
                 for i in 0..nblocks.max(1) {
-                    filler.request(&target, i, Priority::Prefetch);
+                    match filler.request(&target, i, Priority::Prefetch) {
+                        Scheduled::InFlight(x) => fl.push(x),
+                        Scheduled::Present => {}
+                        Scheduled::Shed => break,
+                    }
                 }
-                in_flight.insert(f, Instant::now());
+                if !fl.is_empty() {
+                    flights.insert(f, fl);
+                }
             }
         }
+    }
+}
+
+/// A token bucket over bytes: prefetch may start a file while the bucket is not in
+/// debt, and the file's size is then charged (so one large file may overdraw it).
+#[derive(Debug)]
+struct Budget {
+    rate: f64,
+    tokens: f64,
+    at: Instant,
+}
+
+impl Budget {
+    fn new(bytes_per_sec: u64) -> Self {
+        Self {
+            rate: bytes_per_sec as f64,
+            tokens: 0.0,
+            at: Instant::now(),
+        }
+    }
+
+    fn refill(&mut self) {
+        let now = Instant::now();
+        // At most a tenth of a second's worth saved up: bursts stay short.
+        self.tokens =
+            (self.tokens + self.rate * (now - self.at).as_secs_f64()).min(self.rate / 10.0);
+        self.at = now;
+    }
+
+    fn allows(&self) -> bool {
+        self.tokens >= 0.0
+    }
+
+    fn spend(&mut self, bytes: u64) {
+        self.tokens -= bytes as f64;
     }
 }
 
@@ -356,17 +578,16 @@ impl Jobs {
 struct Snapshot<'a> {
     resident: HashSet<FileRef>,
     order: Vec<FileRef>,
-    in_flight: HashSet<FileRef>,
+    /// Being fetched, or declined a moment ago.
+    busy: HashSet<FileRef>,
     room: u64,
-    meta: &'a Meta,
+    sizes: &'a HashMap<FileRef, u64>,
+    default_size: u64,
 }
 
 impl Snapshot<'_> {
     fn size(&self, f: &FileRef) -> u64 {
-        self.meta
-            .stat(f.root, &f.path)
-            .map(|s| s.version.size)
-            .unwrap_or(u64::MAX / 4)
+        self.sizes.get(f).copied().unwrap_or(self.default_size)
     }
 }
 
@@ -378,7 +599,7 @@ impl CacheView for Snapshot<'_> {
         self.resident.contains(f)
     }
     fn in_flight(&self, f: &FileRef) -> bool {
-        self.in_flight.contains(f)
+        self.busy.contains(f)
     }
     fn has_room(&self, f: &FileRef) -> bool {
         self.size(f) <= self.room

@@ -60,9 +60,17 @@ struct Args {
     /// 50us, 0 [default: 50us].
     #[arg(long, env = "SHARDCACHED_SPIN", value_parser = config::parse_duration)]
     spin: Option<std::time::Duration>,
-    /// Files of registered jobs prefetched ahead of their readers; 0 = off [default: 0].
+    /// Most files of registered jobs prefetched ahead of their readers; 0 = planned
+    /// prefetch off [default: 1024].
     #[arg(long, env = "SHARDCACHED_PREFETCH_AHEAD")]
     prefetch_ahead: Option<usize>,
+    /// Most prefetched files being fetched at once [default: 16].
+    #[arg(long, env = "SHARDCACHED_PREFETCH_CONCURRENCY")]
+    prefetch_concurrency: Option<usize>,
+    /// Most bytes/s prefetch reads from the backing store, e.g. 100MiB; 0 = unlimited
+    /// [default: 0].
+    #[arg(long, env = "SHARDCACHED_PREFETCH_BANDWIDTH", value_parser = config::parse_bytes)]
+    prefetch_bandwidth: Option<u64>,
     /// Log filter (tracing EnvFilter syntax) [default: info].
     #[arg(long, env = "SHARDCACHED_LOG", default_value = "info")]
     log: String,
@@ -94,10 +102,14 @@ fn load(args: &Args) -> anyhow::Result<Config> {
         fill_workers,
         max_wait,
         spin,
-        prefetch_ahead
+        prefetch_ahead,
+        prefetch_concurrency
     );
     if let Some(bw) = args.backing_bandwidth {
         cfg.backing_bandwidth = (bw > 0).then_some(bw);
+    }
+    if let Some(bw) = args.prefetch_bandwidth {
+        cfg.prefetch_bandwidth = (bw > 0).then_some(bw);
     }
     cfg.validate()
         .map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;

@@ -8,17 +8,18 @@ const FILE: u64 = 16 << 10;
 
 #[test]
 fn a_shuffled_job_reaches_the_hit_ceiling_after_its_first_epoch() {
-    four_shuffled_epochs("0");
+    four_shuffled_epochs(&["--prefetch-ahead", "0"]);
 }
 
 #[test]
 fn with_prefetch_a_shuffled_job_still_reaches_the_hit_ceiling() {
-    four_shuffled_epochs("16");
+    four_shuffled_epochs(&[]);
 }
 
-/// A 4-epoch shuffled job over twice the cache size, read in plan order, with
-/// `--prefetch-ahead ahead`.
-fn four_shuffled_epochs(ahead: &str) {
+/// A 4-epoch shuffled job over twice the cache size, read in plan order, by a daemon
+/// started with `extra` arguments.
+fn four_shuffled_epochs(extra: &[&str]) {
+    let ahead = extra.join(" ");
     let bed = Bed::new();
     let n = 200u64;
     for i in 0..n {
@@ -26,18 +27,16 @@ fn four_shuffled_epochs(ahead: &str) {
     }
     // Room for exactly half the dataset.
     let cap = format!("{}", n / 2 * FILE);
-    let d = bed.start(&[
+    let mut args = vec![
         "--block-size",
         "16KiB",
         "--capacity",
         &cap,
         "--min-free",
         "0",
-        "--prefetch-ahead",
-        ahead,
-        "--log",
-        "info,shardcache_daemon=trace",
-    ]);
+    ];
+    args.extend_from_slice(extra);
+    let d = bed.start(&args);
     let client = bed.client();
     let files: Vec<String> = (0..n).map(|i| format!("s{i:03}")).collect();
     let manifest = serde_json::json!({
@@ -62,7 +61,7 @@ fn four_shuffled_epochs(ahead: &str) {
             + (after.fallback_bytes - before.fallback_bytes);
         let hit = 1.0 - fetched as f64 / (n * FILE) as f64;
         eprintln!(
-            "prefetch {ahead}, epoch {epoch}: hit ratio {hit:.3}; backing reads {}, client fallback bytes {}, no-space {}, evicted {}, opens full {}",
+            "[{ahead}] epoch {epoch}: hit ratio {hit:.3}; backing reads {}, client fallback bytes {}, no-space {}, evicted {}, opens full {}",
             after.backing_reads - before.backing_reads,
             after.fallback_bytes - before.fallback_bytes,
             after.fills_no_space - before.fills_no_space,
@@ -85,8 +84,16 @@ fn four_shuffled_epochs(ahead: &str) {
         if epoch > 0 {
             assert!(hit >= 0.49, "epoch {epoch}: hit ratio {hit} (ceiling 0.5)");
         }
-        // The daemon followed the reads: its position is where the plan says.
+        // The daemon followed the reads: its position is where the plan says; and its
+        // per-job figures (reported by the client) agree with the counters.
         let job = &d.status().jobs[0];
+        let read = job.hit_bytes + job.filled_bytes + job.fallback_bytes;
+        assert_eq!(
+            read,
+            (epoch + 1) * n * FILE,
+            "every byte read is counted for the job"
+        );
+        assert_eq!(job.opens, (epoch + 1) * n);
         assert_eq!(
             (job.job.as_str(), job.epoch, job.step),
             ("train", (epoch + 1).min(3), if epoch == 3 { n } else { 0 })

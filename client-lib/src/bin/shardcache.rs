@@ -155,9 +155,31 @@ fn print_status(s: &pb::StatusReply) {
         c.wait_timeouts
     );
     for j in &s.jobs {
+        let read = j.hit_bytes + j.filled_bytes + j.fallback_bytes;
         println!(
-            "{:<12}{}: epoch {} step {}/{}, {} files, next window {}/{} cached",
-            "job", j.job, j.epoch, j.step, j.epoch_len, j.files, j.window_resident, j.window
+            "{:<12}{}: epoch {} step {}/{} ({:.1} steps/s), {} files, next window {}/{} cached",
+            "job",
+            j.job,
+            j.epoch,
+            j.step,
+            j.epoch_len,
+            j.rate,
+            j.files,
+            j.window_resident,
+            j.window
+        );
+        println!(
+            "{:<12}hit ratio {} (local {}, filled {}, backing {}); opens {} ({} cached whole); waited {:.2}s, read backing {:.2}s; {} files prefetching",
+            "",
+            ratio(j.hit_bytes, read),
+            human(j.hit_bytes),
+            human(j.filled_bytes),
+            human(j.fallback_bytes),
+            j.opens,
+            j.opens_hit,
+            j.wait_seconds,
+            j.fallback_seconds,
+            j.prefetching
         );
     }
     println!(

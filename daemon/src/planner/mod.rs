@@ -5,8 +5,8 @@
 //!
 //! Pure logic: no I/O, no clock. Positions are plan steps; each job's consumption rate
 //! (steps per second, measured by the daemon) turns step distances into comparable
-//! times across jobs. Not yet wired into the daemon: registration, the prefetch thread
-//! and the store's eviction policy build on this module.
+//! times across jobs. The daemon's registered jobs (`crate::jobs`) feed it, and the
+//! store's eviction policy and the prefetch thread consult it.
 //!
 //! Prefetch may run as far ahead as it likes, under one rule
 //! ([`Planner::may_evict_for_prefetch`]): the file it evicts must be next read in a
@@ -118,6 +118,8 @@ struct Job {
     step: u64,
     /// Steps per second (1.0 until measured).
     rate: f64,
+    /// Steps read so far (every epoch).
+    done: u64,
     epochs: Vec<(u64, Arc<EpochIndex>)>,
 }
 
@@ -272,6 +274,7 @@ impl Planner {
             epoch: first,
             step: 0,
             rate: 1.0,
+            done: 0,
             epochs: Vec::new(),
         });
         self.reindex();
@@ -364,12 +367,17 @@ impl Planner {
             .map(|j| (j.epoch, j.step))
     }
 
+    /// Steps a job has read so far, over all epochs (for measuring its rate).
+    pub fn steps_done(&self, id: &str) -> Option<u64> {
+        self.jobs.iter().find(|j| j.id == id).map(|j| j.done)
+    }
+
     /// Records that `file` was read: every job reading it next within `window` steps
-    /// advances past that read (rolling into the next epoch at the end of one).
-    pub fn on_access(&mut self, file: &FileRef, window: u64) {
-        let Some(refs) = self.files.get(file).cloned() else {
-            return;
-        };
+    /// advances past that read (rolling into the next epoch at the end of one). Returns
+    /// the id of the first job that advanced, if any.
+    pub fn on_access(&mut self, file: &FileRef, window: u64) -> Option<&str> {
+        let refs = self.files.get(file).cloned()?;
+        let mut first = None;
         for (j, f) in refs {
             let job = &mut self.jobs[j];
             let Some(cur) = job.index(job.epoch) else {
@@ -379,13 +387,16 @@ impl Planner {
                 && p - job.step <= window
             {
                 self.reads += p + 1 - job.step;
+                job.done += p + 1 - job.step;
                 job.step = p + 1;
                 if job.step as usize >= cur.order.len() && job.has_epoch(job.epoch + 1) {
                     job.epoch += 1;
                     job.step = 0;
                 }
+                first.get_or_insert(j);
             }
         }
+        first.map(|j| self.jobs[j].id.as_str())
     }
 
     /// When `file` is needed next by any job.
@@ -404,6 +415,15 @@ impl Planner {
             }
         }
         best
+    }
+
+    /// Steps until `file` is read next by the job that reads it soonest (in that job's
+    /// steps), if any plan reads it in its current or next epoch.
+    pub fn steps_until(&mut self, file: &FileRef) -> Option<u64> {
+        let refs = self.files.get(file).cloned()?;
+        refs.into_iter()
+            .filter_map(|(j, f)| self.jobs[j].distance(f))
+            .min()
     }
 
     /// The epoch in which `file` is read next (the earliest over jobs), if any.

@@ -261,6 +261,7 @@ fn serve(conn: &UnixStream, creds: &Creds, ctx: &Ctx) {
         };
         if let Some(r) = &req.report {
             ctx.stats.add_report(r);
+            ctx.jobs.add_usage(&r.jobs);
         }
         let (kind, fd) = handle(ctx, creds, req.kind);
         let resp = pb::Response {
@@ -494,7 +495,8 @@ fn open(ctx: &Ctx, creds: &Creds, path: &str) -> (pb::open_reply::Result, Option
     {
         ctx.store.pin(&v.key, Instant::now() + PIN);
     }
-    ctx.jobs.on_open(root, &rel);
+    let hit = view.as_ref().is_ok_and(|v| v.npresent == v.nblocks);
+    let job_tag = ctx.jobs.on_open(root, &rel, hit);
     let mut view = match view {
         Ok(v) => v,
         Err(e) => {
@@ -520,6 +522,7 @@ fn open(ctx: &Ctx, creds: &Creds, path: &str) -> (pb::open_reply::Result, Option
         block_size: view.block_size,
         present: std::mem::take(&mut view.present),
         data_gen: view.data_gen,
+        job_tag,
     };
     (pb::open_reply::Result::Opened(opened), view.data.take())
 }
