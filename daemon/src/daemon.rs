@@ -65,7 +65,7 @@ impl Daemon {
             min_free: cfg.min_free,
             block_size: u32::try_from(cfg.block_size).context("block_size")?,
         };
-        let jobs = Arc::new(Jobs::new(meta.roots().clone()));
+        let jobs = Arc::new(Jobs::new(meta.clone()));
         let policy = Box::new(PlannedPolicy::new(jobs.clone()));
         let store = Arc::new(
             Store::open_with_policy(&store_cfg, stats.clone(), policy)

@@ -60,6 +60,9 @@ struct Usage {
 #[derive(Debug)]
 struct JobInfo {
     files: usize,
+    /// Files held immutable in the metadata cache (an immutable manifest), and how many
+    /// of them were held.
+    immutable: Option<(Arc<Vec<FileRef>>, usize)>,
     /// Names this registration in Opened replies and client reports (a job registered
     /// again gets a new tag, so late reports of the old one are not mixed in).
     tag: u64,
@@ -74,6 +77,7 @@ struct JobInfo {
 #[derive(Debug)]
 pub struct Jobs {
     roots: Arc<Roots>,
+    meta: Arc<Meta>,
     /// Root index by root name (store entries name their root).
     root_index: HashMap<String, usize>,
     planner: Mutex<Planner>,
@@ -90,7 +94,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Jobs {
     /// No jobs yet.
-    pub fn new(roots: Arc<Roots>) -> Self {
+    pub fn new(meta: Arc<Meta>) -> Self {
+        let roots = meta.roots().clone();
         let root_index = roots
             .all()
             .iter()
@@ -99,6 +104,7 @@ impl Jobs {
             .collect();
         Self {
             roots,
+            meta,
             root_index,
             planner: Mutex::new(Planner::new()),
             info: Mutex::new(BTreeMap::new()),
@@ -123,9 +129,6 @@ impl Jobs {
                 m.root
             )
         })?;
-        let Files::List(list) = &m.files else {
-            return Err("files.glob: not supported by this daemon yet; list the files".into());
-        };
         let rel = |p: &str| {
             if prefix.is_empty() {
                 p.to_owned()
@@ -133,18 +136,38 @@ impl Jobs {
                 format!("{prefix}/{p}")
             }
         };
-        let files: Vec<FileRef> = list
+        let names: Vec<String> = match &m.files {
+            Files::List(list) => list.iter().map(|f| f.path().to_owned()).collect(),
+            Files::Glob { glob } => {
+                let found = crate::glob::expand(
+                    &*self.roots.get(root).backing,
+                    &prefix,
+                    glob,
+                    shardcache_plan::manifest::MAX_FILES,
+                )?;
+                if found.is_empty() {
+                    return Err(format!(
+                        "files.glob: {glob:?} matches no regular file under {}",
+                        m.root
+                    ));
+                }
+                found
+            }
+        };
+        let files: Vec<FileRef> = names
             .iter()
-            .map(|f| FileRef {
-                root,
-                path: rel(f.path()),
-            })
+            .map(|p| FileRef { root, path: rel(p) })
             .collect();
-        let index: HashMap<&str, u32> = list
+        let index: HashMap<&str, u32> = names
             .iter()
             .enumerate()
-            .map(|(i, f)| (f.path(), i as u32))
+            .map(|(i, p)| (p.as_str(), i as u32))
             .collect();
+        let lookup = |p: &str, e: usize, i: usize| {
+            index.get(p).copied().ok_or_else(|| {
+                format!("plan.epochs[{e}][{i}]: {p:?} is not one of the manifest's files")
+            })
+        };
         let source = match &m.plan {
             Plan::Shuffle {
                 seed,
@@ -165,46 +188,56 @@ impl Jobs {
             Plan::Sequence {
                 epochs,
                 first_epoch,
-            } => Source::Sequence {
-                first: *first_epoch,
-                epochs: epochs
-                    .iter()
-                    .map(|items| {
-                        Arc::new(
-                            items
-                                .iter()
-                                .map(|it| match it {
-                                    Item::Index(i) => *i as u32,
-                                    Item::Path(p) => index[p.as_str()],
-                                    Item::Range { file, .. } => match file {
-                                        shardcache_plan::manifest::FileRef::Index(i) => *i as u32,
-                                        shardcache_plan::manifest::FileRef::Path(p) => {
-                                            index[p.as_str()]
-                                        }
-                                    },
-                                })
-                                .collect(),
-                        )
-                    })
-                    .collect(),
-            },
+            } => {
+                let mut orders = Vec::with_capacity(epochs.len());
+                for (e, items) in epochs.iter().enumerate() {
+                    let mut order = Vec::with_capacity(items.len());
+                    for (i, it) in items.iter().enumerate() {
+                        use shardcache_plan::manifest::FileRef as F;
+                        order.push(match it {
+                            Item::Index(x)
+                            | Item::Range {
+                                file: F::Index(x), ..
+                            } => *x as u32,
+                            Item::Path(p)
+                            | Item::Range {
+                                file: F::Path(p), ..
+                            } => lookup(p, e, i)?,
+                        });
+                    }
+                    orders.push(Arc::new(order));
+                }
+                Source::Sequence {
+                    first: *first_epoch,
+                    epochs: orders,
+                }
+            }
         };
         let n = files.len();
+        let immutable = m.immutable.then(|| Arc::new(files.clone()));
         lock(&self.planner)
             .register(&m.job, files, source)
             .map_err(|e| format!("plan: {e}"))?;
+        let immutable = immutable.map(|f| {
+            let held = self.meta.hold(f.iter().map(|x| (x.root, x.path.as_str())));
+            (f, held)
+        });
         let tag = self.next_tag.fetch_add(1, Ordering::Relaxed);
         let done = lock(&self.planner).steps_done(&m.job).unwrap_or(0);
-        lock(&self.info).insert(
+        let old = lock(&self.info).insert(
             m.job.clone(),
             JobInfo {
                 files: n,
+                immutable,
                 tag,
                 usage: Usage::default(),
                 rate_mark: (done, Instant::now()),
                 rate: None,
             },
         );
+        if let Some(old) = old {
+            self.release(&old);
+        }
         tracing::info!(job = %m.job, files = n, "prefetch manifest registered");
         self.poke();
         Ok((m.job, n))
@@ -227,8 +260,17 @@ impl Jobs {
 
     /// Forgets a job; true if it was registered.
     pub fn unregister(&self, job: &str) -> bool {
-        lock(&self.info).remove(job);
+        if let Some(old) = lock(&self.info).remove(job) {
+            self.release(&old);
+        }
         lock(&self.planner).unregister(job)
+    }
+
+    fn release(&self, job: &JobInfo) {
+        if let Some((files, held)) = &job.immutable {
+            self.meta
+                .release(files.iter().map(|x| (x.root, x.path.as_str())), *held);
+        }
     }
 
     /// Sets a job's position explicitly.

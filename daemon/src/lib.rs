@@ -19,6 +19,7 @@ pub mod backing;
 pub mod config;
 pub mod daemon;
 pub mod fill;
+pub mod glob;
 pub mod jobs;
 pub mod meta;
 pub mod planner;

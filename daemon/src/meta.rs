@@ -4,10 +4,14 @@
 //! that contains it (or refuses), and [`Meta::stat`] returns the file's canonical path,
 //! version and owners, from the backing store at most once per `metadata_ttl` per path.
 //! This is what spares the shared file system a stat storm: within the TTL, an open
-//! through the cache costs the backing store nothing.
+//! through the cache costs the backing store nothing. Files of a manifest registered as
+//! `immutable` are stat'ed once and then trusted while the job is registered
+//! ([`Meta::hold`]).
 
+use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use crate::backing::{Backing, BackingError, Stat};
@@ -96,12 +100,30 @@ fn cache_key(root: usize, rel: &str) -> u128 {
     h.digest128()
 }
 
-/// Metadata of backing files, trusted for `ttl`.
+/// Most paths held as immutable at once (a bound on memory; beyond it, files of
+/// immutable manifests are revalidated like any other).
+pub const MAX_IMMUTABLE: usize = 4 << 20;
+
+/// A path a registered manifest declared immutable: stat once, then trusted for as long
+/// as some job holds it.
+#[derive(Debug)]
+struct Held {
+    rel: String,
+    /// Registrations holding it.
+    refs: u32,
+    stat: Option<Arc<Stat>>,
+}
+
+/// Metadata of backing files, trusted for `ttl` (or, for files of immutable manifests,
+/// until the manifest is unregistered).
 #[derive(Debug)]
 pub struct Meta {
     roots: Arc<Roots>,
     ttl: Duration,
     cache: moka::sync::Cache<u128, Arc<Cached>, rustc_hash::FxBuildHasher>,
+    held: RwLock<HashMap<u128, Held>>,
+    /// `held` is not empty (spares the common case the lock).
+    any_held: AtomicBool,
     stats: Arc<Stats>,
 }
 
@@ -116,8 +138,67 @@ impl Meta {
             roots,
             ttl,
             cache,
+            held: RwLock::new(HashMap::new()),
+            any_held: AtomicBool::new(false),
             stats,
         }
+    }
+
+    /// Declares `files` (root index, relative path) immutable until [`Meta::release`]:
+    /// each is stat'ed once more at most, then trusted. Returns how many are held (all,
+    /// unless [`MAX_IMMUTABLE`] is reached).
+    pub fn hold<'a>(&self, files: impl Iterator<Item = (usize, &'a str)>) -> usize {
+        let mut held = self.held.write().unwrap_or_else(|e| e.into_inner());
+        let mut n = 0;
+        for (root, rel) in files {
+            let key = cache_key(root, rel);
+            let full = held.len() >= MAX_IMMUTABLE;
+            match held.get_mut(&key) {
+                Some(h) if h.rel == rel => h.refs += 1,
+                Some(_) => {} // a hash collision: this one is revalidated as usual
+                None if full => break,
+                None => {
+                    held.insert(
+                        key,
+                        Held {
+                            rel: rel.to_owned(),
+                            refs: 1,
+                            stat: None,
+                        },
+                    );
+                }
+            }
+            n += 1;
+        }
+        self.any_held.store(!held.is_empty(), Ordering::Release);
+        n
+    }
+
+    /// Undoes a [`Meta::hold`] of the same files (the first `n` of them).
+    pub fn release<'a>(&self, files: impl Iterator<Item = (usize, &'a str)>, n: usize) {
+        let mut held = self.held.write().unwrap_or_else(|e| e.into_inner());
+        for (root, rel) in files.take(n) {
+            let key = cache_key(root, rel);
+            if let Some(h) = held.get_mut(&key)
+                && h.rel == rel
+            {
+                h.refs -= 1;
+                if h.refs == 0 {
+                    held.remove(&key);
+                }
+            }
+        }
+        self.any_held.store(!held.is_empty(), Ordering::Release);
+    }
+
+    fn held_stat(&self, key: u128, rel: &str) -> Option<Option<Arc<Stat>>> {
+        if !self.any_held.load(Ordering::Acquire) {
+            return None;
+        }
+        let held = self.held.read().unwrap_or_else(|e| e.into_inner());
+        held.get(&key)
+            .filter(|h| h.rel == rel)
+            .map(|h| h.stat.clone())
     }
 
     /// The roots this cache serves.
@@ -128,6 +209,10 @@ impl Meta {
     /// The metadata of `rel` under root `root`, fresh within the TTL.
     pub fn stat(&self, root: usize, rel: &str) -> Result<Arc<Stat>, BackingError> {
         let key = cache_key(root, rel);
+        let held = self.held_stat(key, rel);
+        if let Some(Some(stat)) = held {
+            return Ok(stat);
+        }
         if !self.ttl.is_zero()
             && let Some(c) = self.cache.get(&key)
             && c.at.elapsed() < self.ttl
@@ -138,6 +223,14 @@ impl Meta {
         let at = Instant::now();
         inc(&self.stats.backing_stats);
         let stat = Arc::new(self.roots.get(root).backing.stat(rel)?);
+        if held.is_some() {
+            let mut all = self.held.write().unwrap_or_else(|e| e.into_inner());
+            if let Some(h) = all.get_mut(&key)
+                && h.rel == rel
+            {
+                h.stat = Some(stat.clone());
+            }
+        }
         if !self.ttl.is_zero() {
             let cached = Cached {
                 rel: rel.to_owned(),
@@ -151,7 +244,18 @@ impl Meta {
 
     /// Forgets `rel` (after the backing store reported it changed).
     pub fn invalidate(&self, root: usize, rel: &str) {
-        self.cache.invalidate(&cache_key(root, rel));
+        let key = cache_key(root, rel);
+        self.cache.invalidate(&key);
+        if self.any_held.load(Ordering::Acquire) {
+            // The manifest said immutable, the store says otherwise: believe the store
+            // (stat once more, then trust again).
+            let mut held = self.held.write().unwrap_or_else(|e| e.into_inner());
+            if let Some(h) = held.get_mut(&key)
+                && h.rel == rel
+            {
+                h.stat = None;
+            }
+        }
     }
 }
 
@@ -233,6 +337,50 @@ mod tests {
             cached.stat(0, "f").unwrap().version,
             a,
             "after invalidation"
+        );
+    }
+
+    #[test]
+    fn immutable_files_are_stated_once_while_held() {
+        let (r, mem) = roots(&["/data"]);
+        let put = |b: &[u8]| {
+            mem.put(
+                "f",
+                b.to_vec(),
+                Owner {
+                    mode: 0o644,
+                    ..Owner::default()
+                },
+            )
+        };
+        put(b"one");
+        let stats = Arc::new(Stats::default());
+        let m = Meta::new(r, Duration::ZERO, 100, stats.clone());
+        let files = [(0usize, "f")];
+        assert_eq!(m.hold(files.iter().copied()), 1);
+        assert_eq!(
+            m.hold(files.iter().copied()),
+            1,
+            "a second job holds it too"
+        );
+        let v1 = m.stat(0, "f").unwrap().version;
+        put(b"two");
+        let before = stats.snapshot().backing_stats;
+        for _ in 0..10 {
+            assert_eq!(m.stat(0, "f").unwrap().version, v1, "trusted while held");
+        }
+        assert_eq!(stats.snapshot().backing_stats, before, "no backing stat");
+        m.invalidate(0, "f");
+        let v2 = m.stat(0, "f").unwrap().version;
+        assert_ne!(v2, v1, "a change the store reported is believed");
+        m.release(files.iter().copied(), 1);
+        assert_eq!(m.stat(0, "f").unwrap().version, v2, "still held by one job");
+        m.release(files.iter().copied(), 1);
+        put(b"three");
+        assert_ne!(
+            m.stat(0, "f").unwrap().version,
+            v2,
+            "released: TTL rules again"
         );
     }
 }

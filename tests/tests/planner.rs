@@ -169,3 +169,129 @@ fn the_cli_registers_a_manifest_and_waits_for_readiness() {
         "{out:?}"
     );
 }
+
+#[test]
+fn a_glob_manifest_names_the_matching_files_and_immutable_files_are_stated_once() {
+    let bed = Bed::new();
+    for i in 0..6u64 {
+        write_file(&bed.path(&format!("ds/train/{i}.tar")), i, 1000);
+    }
+    write_file(&bed.path("ds/train/index.json"), 99, 10);
+    write_file(&bed.path("ds/val/0.tar"), 98, 10);
+    // A zero TTL: without `immutable`, every open stats the backing file.
+    let d = bed.start(&["--metadata-ttl", "0"]);
+    let client = bed.client();
+    let manifest = |glob: &str| {
+        serde_json::json!({
+            "version": 1, "job": "g", "root": bed.path("ds"), "files": {"glob": glob},
+            "immutable": true,
+            "plan": {"kind": "sequence", "epochs": [["train/5.tar", "train/0.tar"]]}
+        })
+        .to_string()
+    };
+    let r = client.register(&manifest("train/*.tar")).unwrap();
+    assert_eq!(r.files, 6, "only the .tar files under train/");
+
+    let stats = || d.counters().backing_stats;
+    let read = |i: u64| {
+        let (got, _) = read_all(&client, &bed.path(&format!("ds/train/{i}.tar"))).unwrap();
+        assert_eq!(got, content(i, 1000));
+    };
+    for i in 0..6 {
+        read(i);
+    }
+    let before = stats();
+    for _ in 0..3 {
+        for i in 0..6 {
+            read(i);
+        }
+    }
+    assert_eq!(stats(), before, "immutable files are not stat'ed again");
+    assert!(client.unregister("g").unwrap());
+    read(0);
+    assert!(stats() > before, "unregistered: the TTL (0) applies again");
+
+    // A glob that matches nothing, and a plan naming a file the glob did not select.
+    let e = client.register(&manifest("test/*.tar")).unwrap_err();
+    assert!(e.to_string().contains("matches no regular file"), "{e}");
+    let bad = serde_json::json!({
+        "version": 1, "job": "g", "root": bed.path("ds"), "files": {"glob": "train/*.tar"},
+        "plan": {"kind": "sequence", "epochs": [["val/0.tar"]]}
+    });
+    let e = client.register(&bad.to_string()).unwrap_err();
+    assert!(e.to_string().contains("plan.epochs[0][0]"), "{e}");
+    assert!(d.status().jobs.is_empty());
+}
+
+/// Two jobs over two datasets, each as large as the cache, read in lockstep, plus a
+/// reader of files no plan names: the jobs together reach the ceiling C / (N_a + N_b),
+/// and the unplanned reads do not displace planned data.
+#[test]
+fn two_jobs_share_the_cache_by_their_future_needs() {
+    let bed = Bed::new();
+    let n = 80u64;
+    for i in 0..n {
+        write_file(&bed.path(&format!("a/{i:03}")), i, FILE);
+        write_file(&bed.path(&format!("b/{i:03}")), 1000 + i, FILE);
+    }
+    for i in 0..40u64 {
+        write_file(&bed.path(&format!("scratch/{i:03}")), 2000 + i, FILE);
+    }
+    let cap = format!("{}", n * FILE);
+    let d = bed.start(&[
+        "--block-size",
+        "16KiB",
+        "--capacity",
+        &cap,
+        "--min-free",
+        "0",
+    ]);
+    let client = bed.client();
+    let files: Vec<String> = (0..n).map(|i| format!("{i:03}")).collect();
+    for (job, seed) in [("a", 1u64), ("b", 2)] {
+        let m = serde_json::json!({
+            "version": 1, "job": job, "root": bed.path(job), "files": files,
+            "plan": {"kind": "shuffle", "algorithm": "pcg64-fisher-yates/v1", "seed": seed,
+                     "epochs": 3, "world_size": 1, "ranks": [0]}
+        });
+        client.register(&m.to_string()).unwrap();
+    }
+    for epoch in 0..3u64 {
+        let oa = shardcache_plan::shuffle::node_order(n, 1, epoch, 1, &[0], false);
+        let ob = shardcache_plan::shuffle::node_order(n, 2, epoch, 1, &[0], false);
+        let before = d.counters();
+        let mut scratch_bytes = 0;
+        for k in 0..n as usize {
+            let (a, b) = (oa[k], ob[k]);
+            let (got, _) = read_all(&client, &bed.path(&format!("a/{a:03}"))).unwrap();
+            assert!(got == content(a, FILE), "a/{a}");
+            let (got, _) = read_all(&client, &bed.path(&format!("b/{b:03}"))).unwrap();
+            assert!(got == content(1000 + b, FILE), "b/{b}");
+            if k % 2 == 0 {
+                let s = (k / 2) as u64;
+                let (got, _) = read_all(&client, &bed.path(&format!("scratch/{s:03}"))).unwrap();
+                assert!(got == content(2000 + s, FILE), "scratch/{s}");
+                scratch_bytes += FILE;
+            }
+        }
+        client.status().unwrap();
+        let after = d.counters();
+        let fetched = (after.backing_bytes - before.backing_bytes)
+            + (after.fallback_bytes - before.fallback_bytes)
+            - scratch_bytes;
+        let hit = 1.0 - fetched as f64 / (2 * n * FILE) as f64;
+        eprintln!("epoch {epoch}: planned hit ratio {hit:.3}");
+        if epoch > 0 {
+            assert!(hit >= 0.49, "epoch {epoch}: hit ratio {hit} (ceiling 0.5)");
+        }
+    }
+    let jobs = d.status().jobs;
+    assert_eq!(jobs.len(), 2);
+    for j in &jobs {
+        assert_eq!(
+            j.hit_bytes + j.filled_bytes + j.fallback_bytes,
+            3 * n * FILE,
+            "{j:?}"
+        );
+    }
+}
