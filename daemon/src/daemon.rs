@@ -22,6 +22,7 @@ use crate::store::{Store, StoreConfig};
 #[derive(Debug)]
 pub struct Daemon {
     server: Server,
+    ctx: Arc<Ctx>,
     filler: Arc<Filler>,
     store: Arc<Store>,
     scrub: Option<Scrub>,
@@ -36,7 +37,6 @@ impl Daemon {
     /// Validates `cfg`, opens the store, binds the socket and starts serving.
     pub fn start(cfg: &Config) -> anyhow::Result<Self> {
         cfg.validate().map_err(anyhow::Error::msg)?;
-        let stats = Arc::new(Stats::default());
         let mut roots = Vec::new();
         for r in &cfg.backing_roots {
             // Directories are trusted as long as file metadata (metadata_ttl).
@@ -57,6 +57,13 @@ impl Daemon {
                 backing,
             });
         }
+        Self::start_with_roots(cfg, roots)
+    }
+
+    /// [`Daemon::start`] over the given backing roots instead of `cfg.backing_roots`
+    /// (benchmarks drive the daemon over a throttled in-memory store this way).
+    pub fn start_with_roots(cfg: &Config, roots: Vec<Root>) -> anyhow::Result<Self> {
+        let stats = Arc::new(Stats::default());
         let roots = Arc::new(Roots::new(roots));
         let meta = Arc::new(Meta::new(roots, cfg.metadata_ttl, 1 << 20, stats.clone()));
         let store_cfg = StoreConfig {
@@ -97,8 +104,13 @@ impl Daemon {
             spin: cfg.spin,
             spinners: Default::default(),
         });
-        let server = Server::start(listener, cfg.socket.clone(), ctx, cfg.max_connections)
-            .context("starting the server")?;
+        let server = Server::start(
+            listener,
+            cfg.socket.clone(),
+            ctx.clone(),
+            cfg.max_connections,
+        )
+        .context("starting the server")?;
         tracing::info!(socket = %cfg.socket.display(), "shardcached ready");
         let scrub = Self::start_scrub(&store)?;
         let prefetch = match cfg.prefetch_ahead {
@@ -119,12 +131,19 @@ impl Daemon {
         };
         Ok(Self {
             server,
+            ctx,
             filler,
             store,
             scrub,
             jobs,
             prefetch,
         })
+    }
+
+    /// What the request handlers share: [`server::handle_request`] serves a request with
+    /// it exactly as a connection thread does, without the socket.
+    pub fn ctx(&self) -> &Arc<Ctx> {
+        &self.ctx
     }
 
     /// After an unclean start, checks every block in the background (blocks are also

@@ -25,3 +25,35 @@ fn the_planner_reaches_the_floors_and_lru_does_not() {
         }
     }
 }
+
+/// The live policy benchmark's harness (the real daemon over a throttled in-memory store)
+/// on a small dataset: every byte read is right, no run reads the backing store less
+/// than the physical floor 1 − C/N (else the accounting is wrong), and the planned cache
+/// reads it no more than LRU does. Timing is real, so no stall figure is asserted.
+#[test]
+fn the_live_policy_harness_reads_right_and_accounts_backing_bytes() {
+    use shardcache_tests::live::{Params, run};
+    for cn in [0.25, 0.5] {
+        let p = Params {
+            files: 48,
+            file_size: 64 << 10,
+            cn,
+            bandwidth: 64 << 20,
+            rb: 2.0,
+            epochs: 3,
+            seed: 3,
+            planned: true,
+            cache_parent: std::env::temp_dir(),
+        };
+        let ours = run(&p).unwrap();
+        let base = run(&Params {
+            planned: false,
+            ..p.clone()
+        })
+        .unwrap();
+        let at = format!("C/N {cn}: {ours:?} vs LRU {base:?}");
+        assert!(ours.backing_per_epoch >= 1.0 - cn - 0.01, "{at}");
+        assert!(base.backing_per_epoch >= 1.0 - cn - 0.01, "{at}");
+        assert!(ours.backing_per_epoch <= base.backing_per_epoch, "{at}");
+    }
+}

@@ -259,21 +259,30 @@ fn serve(conn: &UnixStream, creds: &Creds, ctx: &Ctx) {
                 return;
             }
         };
-        if let Some(r) = &req.report {
-            ctx.stats.add_report(r);
-            ctx.jobs.add_usage(&r.jobs);
-        }
-        let (kind, fd) = handle(ctx, creds, req.kind);
-        let resp = pb::Response {
-            id: req.id,
-            kind: Some(kind),
-        };
+        let (resp, fd) = handle_request(ctx, creds, req);
         let fds: Vec<_> = fd.iter().map(|f| f.as_fd()).collect();
         if let Err(e) = wire::send(conn, &resp, &fds) {
             tracing::debug!(pid = creds.pid, error = %e, "reply failed");
             return;
         }
     }
+}
+
+/// Serves one request from a client with credentials `creds`: the reply, and the
+/// descriptors to pass with it. What a connection thread does with every request.
+pub fn handle_request(ctx: &Ctx, creds: &Creds, req: pb::Request) -> (pb::Response, Vec<File>) {
+    if let Some(r) = &req.report {
+        ctx.stats.add_report(r);
+        ctx.jobs.add_usage(&r.jobs);
+    }
+    let (kind, fds) = handle(ctx, creds, req.kind);
+    (
+        pb::Response {
+            id: req.id,
+            kind: Some(kind),
+        },
+        fds,
+    )
 }
 
 fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::Kind, Vec<File>) {

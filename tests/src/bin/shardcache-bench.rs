@@ -32,7 +32,8 @@ struct Cli {
 enum Cmd {
     /// The single-node data path: cold fill, warm sequential, small files.
     Foundation(Foundation),
-    /// The planner's retention and prefetch against LRU, in a simulated node.
+    /// The planner's retention and prefetch against LRU: in a simulated node, then in the
+    /// real daemon over a throttled in-memory backing store.
     Policy(PolicyArgs),
 }
 
@@ -51,9 +52,117 @@ struct PolicyArgs {
     /// planner's rules are what bound prefetch).
     #[arg(long, default_value_t = 0)]
     window: usize,
+    /// Files in the live run's dataset.
+    #[arg(long, default_value_t = 200)]
+    live_files: u64,
+    /// Size of each file in the live run (one cache block).
+    #[arg(long, default_value = "256KiB")]
+    live_file_size: String,
+    /// Backing bandwidth B of the live run.
+    #[arg(long, default_value = "48MiB")]
+    live_bandwidth: String,
+    /// Epochs of the live run (the first is cold and not counted).
+    #[arg(long, default_value_t = 4)]
+    live_epochs: u64,
+    /// Where the live run's cache lives [default: /dev/shm if present, else the
+    /// temporary directory]: the policy is measured, not the disk.
+    #[arg(long)]
+    live_cache_dir: Option<PathBuf>,
+    /// Skip the live run.
+    #[arg(long)]
+    sim_only: bool,
+    /// Skip the simulation.
+    #[arg(long)]
+    live_only: bool,
 }
 
 fn policy(a: &PolicyArgs) {
+    if !a.live_only {
+        policy_sim(a);
+    }
+    if !a.sim_only {
+        if !a.live_only {
+            println!();
+        }
+        policy_live(a);
+    }
+}
+
+fn policy_live(a: &PolicyArgs) {
+    use shardcache_tests::live::{Params, run};
+    use shardcache_tests::policy::stall_floor;
+    let size = shardcache_daemon::config::parse_bytes(&a.live_file_size).expect("--live-file-size");
+    let bw = shardcache_daemon::config::parse_bytes(&a.live_bandwidth).expect("--live-bandwidth");
+    let shm = Path::new("/dev/shm");
+    let cache_parent = a.live_cache_dir.clone().unwrap_or_else(|| {
+        if shm.is_dir() {
+            shm.to_owned()
+        } else {
+            std::env::temp_dir()
+        }
+    });
+    println!(
+        "live: the daemon (planner, prefetcher, store in {}, fill workers, request handlers) over an in-memory store throttled to B = {} ({:.0} files/s); {} files of {}, {} epochs (first not counted)",
+        cache_parent.display(),
+        a.live_bandwidth,
+        bw as f64 / size as f64,
+        a.live_files,
+        a.live_file_size,
+        a.live_epochs
+    );
+    println!(
+        "{:>5} {:>5} | {:>13} {:>13} | {:>8} {:>8} {:>8} | {:>9} {:>8} | {:>9}",
+        "C/N",
+        "R/B",
+        "hit÷(C/N)",
+        "LRU hit÷(C/N)",
+        "stall",
+        "floor",
+        "LRU",
+        "backing",
+        "floor",
+        "open hits"
+    );
+    for cn in [0.25, 0.5, 0.75] {
+        for rb in [0.5, 2.0, 4.0] {
+            let p = Params {
+                files: a.live_files,
+                file_size: size,
+                cn,
+                bandwidth: bw,
+                rb,
+                epochs: a.live_epochs,
+                seed: a.seed,
+                planned: true,
+                cache_parent: cache_parent.clone(),
+            };
+            let ours = run(&p).expect("live run");
+            let base = run(&Params {
+                planned: false,
+                ..p
+            })
+            .expect("live LRU run");
+            println!(
+                "{:>5.2} {:>5.1} | {:>13.3} {:>13.3} | {:>8.3} {:>8.3} {:>8.3} | {:>9.3} {:>8.3} | {:>9.3}",
+                cn,
+                rb,
+                ours.hit_rate / cn,
+                base.hit_rate / cn,
+                ours.stall,
+                stall_floor(cn, rb, 1.0),
+                base.stall,
+                ours.backing_per_epoch,
+                1.0 - cn,
+                ours.open_hits
+            );
+        }
+    }
+    println!(
+        "hit = 1 − backing bytes ÷ bytes read; open hits = reads that found their file cached whole (prefetched or kept)"
+    );
+}
+
+fn policy_sim(a: &PolicyArgs) {
     use shardcache_tests::policy::{lru, planned, stall_floor};
     println!(
         "policy benchmark: {} files, {} epochs (first not counted), shuffled, prefetch window {}; backing bandwidth B = 1 file/s",
