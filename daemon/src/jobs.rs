@@ -273,11 +273,12 @@ impl Jobs {
         }
     }
 
-    /// Sets a job's position explicitly.
-    pub fn progress(&self, job: &str, epoch: u64, step: u64) -> bool {
-        let found = lock(&self.planner).set_position(job, epoch, step);
+    /// Sets a job's position explicitly: `Ok(false)` when no such job is registered; an
+    /// error when the position is not in its plan (nothing changes).
+    pub fn progress(&self, job: &str, epoch: u64, step: u64) -> Result<bool, String> {
+        let found = lock(&self.planner).set_position(job, epoch, step)?;
         self.poke();
-        found
+        Ok(found)
     }
 
     /// A client opened `rel` under root `root` (`hit`: cached whole). Returns the tag of

@@ -122,6 +122,20 @@ fn a_malformed_manifest_is_refused_with_the_field_and_changes_nothing() {
     assert!(e.to_string().starts_with("root:"), "{e}");
     assert!(d.status().jobs.is_empty());
     assert!(!client.unregister("j").unwrap());
+
+    // Progress reports outside the plan are refused with the reason and change nothing.
+    let ok = serde_json::json!({
+        "version": 1, "job": "j", "root": bed.path("ds"), "files": ["a"],
+        "plan": {"kind": "sequence", "epochs": [[0], [0]]}
+    });
+    client.register(&ok.to_string()).unwrap();
+    assert!(client.progress("j", 1, 0).unwrap());
+    let e = client.progress("j", 5, 0).unwrap_err();
+    assert!(e.to_string().contains("epoch 5 is outside the plan"), "{e}");
+    let e = client.progress("j", 0, 2).unwrap_err();
+    assert!(e.to_string().contains("past the end of epoch 0"), "{e}");
+    assert_eq!((d.status().jobs[0].epoch, d.status().jobs[0].step), (1, 0));
+    assert!(!client.progress("nobody", 0, 0).unwrap());
 }
 
 #[test]

@@ -175,7 +175,8 @@ impl Job {
             return Some(p - s);
         }
         let next = self.index(e + 1)?;
-        next.next(f, 0).map(|p| cur.order.len() as u64 - s + p)
+        let left = (cur.order.len() as u64).saturating_sub(s);
+        next.next(f, 0).map(|p| left + p)
     }
 }
 
@@ -305,16 +306,33 @@ impl Planner {
         self.jobs.iter_mut().find(|j| j.id == id)
     }
 
-    /// Sets a job's position (the next step it will read) explicitly.
-    pub fn set_position(&mut self, id: &str, epoch: u64, step: u64) -> bool {
-        match self.job_mut(id) {
-            Some(j) => {
-                j.epoch = epoch;
-                j.step = step;
-                true
-            }
-            None => false,
+    /// Sets a job's position (the next step it will read) explicitly. `Ok(false)`: no
+    /// such job; an error names what is wrong with the position (an epoch outside the
+    /// plan, a step past the epoch's end) and changes nothing. The end of an epoch is
+    /// the start of the next one when the plan has it.
+    pub fn set_position(&mut self, id: &str, epoch: u64, step: u64) -> Result<bool, String> {
+        let Some(j) = self.job_mut(id) else {
+            return Ok(false);
+        };
+        let (first, count) = j.range();
+        let Some(ix) = j.index(epoch) else {
+            return Err(format!(
+                "epoch {epoch} is outside the plan (epochs {first}..{})",
+                first + count
+            ));
+        };
+        let len = ix.order.len() as u64;
+        if step > len {
+            return Err(format!(
+                "step {step} is past the end of epoch {epoch} ({len} steps)"
+            ));
         }
+        if step == len && j.has_epoch(epoch + 1) {
+            (j.epoch, j.step) = (epoch + 1, 0);
+        } else {
+            (j.epoch, j.step) = (epoch, step);
+        }
+        Ok(true)
     }
 
     /// Sets a job's measured consumption rate (steps per second, > 0).
@@ -490,7 +508,7 @@ impl Planner {
                 if taken >= max {
                     break;
                 }
-                base += (ix.order.len() - start) as u64;
+                base += ix.order.len().saturating_sub(start) as u64;
             }
         }
         all.sort_by(|a, b| a.1.key().total_cmp(&b.1.key()));

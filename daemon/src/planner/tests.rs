@@ -261,3 +261,77 @@ proptest! {
         simulate(&mut p, "j", c, w, count, true);
     }
 }
+
+fn shuffle_strategy() -> impl Strategy<Value = (usize, Source, usize, usize)> {
+    (2usize..40, 1u64..5).prop_flat_map(|(n, world)| {
+        (
+            Just(n),
+            (
+                any::<u64>(),
+                1u64..4,
+                proptest::sample::subsequence((0..world).collect::<Vec<_>>(), 1..=world as usize),
+                any::<bool>(),
+            )
+                .prop_map(move |(seed, count, ranks, drop_last)| Source::Shuffle {
+                    seed,
+                    first: 0,
+                    count,
+                    world,
+                    ranks,
+                    drop_last,
+                }),
+            1..n + 1,
+            0usize..6,
+        )
+    })
+}
+
+/// Two jobs over overlapping files, at random positions and rates, and a random set of
+/// cached files.
+fn jobs_strategy()
+-> impl Strategy<Value = (usize, Vec<Vec<u32>>, Vec<Vec<u32>>, Vec<u64>, Vec<bool>)> {
+    (3usize..20).prop_flat_map(|n| {
+        let epoch = proptest::collection::vec(0..n as u32, 1..2 * n);
+        (
+            Just(n),
+            proptest::collection::vec(epoch.clone(), 1..3),
+            proptest::collection::vec(epoch, 1..3),
+            proptest::collection::vec(0u64..40, 4),
+            proptest::collection::vec(any::<bool>(), n),
+        )
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+    /// The same for shuffled plans (any world, ranks on this node, drop_last).
+    #[test]
+    fn shuffled_plans_never_evict_a_file_needed_sooner((n, source, c, w) in shuffle_strategy()) {
+        let mut p = Planner::new();
+        let count = match &source { Source::Shuffle { count, .. } => *count, _ => 1 };
+        p.register("s", files(n), source).unwrap();
+        simulate(&mut p, "s", c, w, count, true);
+    }
+
+    /// With several jobs (needs compared in seconds through their rates), the victim is
+    /// never needed sooner than any other cached file.
+    #[test]
+    fn with_several_jobs_the_victim_is_needed_last((n, a, b, pos, cached) in jobs_strategy()) {
+        let mut p = Planner::new();
+        let fs = files(n);
+        p.register("a", fs[..n - 1].to_vec(), seq(0, a.into_iter().map(|e| e.into_iter().map(|f| f % (n as u32 - 1)).collect()).collect())).unwrap();
+        p.register("b", fs[1..].to_vec(), seq(0, b.into_iter().map(|e| e.into_iter().map(|f| f % (n as u32 - 1)).collect()).collect())).unwrap();
+        // Positions outside a plan are refused; the rest are taken.
+        let _ = p.set_position("a", pos[0] % 2, pos[1]);
+        let _ = p.set_position("b", pos[2] % 2, pos[3]);
+        p.set_rate("a", 1.0 + pos[0] as f64);
+        p.set_rate("b", 1.0 + pos[3] as f64 / 3.0);
+        let resident: Vec<FileRef> = fs.iter().zip(&cached).filter(|(_, c)| **c).map(|(f, _)| f.clone()).collect();
+        prop_assume!(!resident.is_empty());
+        let v = p.victim(&resident).unwrap();
+        let nv = p.need(&resident[v]);
+        for f in &resident {
+            prop_assert!(!p.need(f).later_than(nv), "{f:?} is needed later than the victim");
+        }
+    }
+}

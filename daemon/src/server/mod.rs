@@ -340,11 +340,13 @@ fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::K
             )
         }
         Some(request::Kind::Progress(p)) => {
-            let found = ctx.jobs.progress(&p.job, p.epoch, p.step);
-            (
-                response::Kind::Progress(pb::ProgressReply { found }),
-                Vec::new(),
-            )
+            let kind = match ctx.jobs.progress(&p.job, p.epoch, p.step) {
+                Ok(found) => response::Kind::Progress(pb::ProgressReply { found }),
+                Err(e) => response::Kind::Error(pb::ErrorReply {
+                    message: format!("progress: {e}"),
+                }),
+            };
+            (kind, Vec::new())
         }
         Some(request::Kind::Verify(_)) => {
             let r = ctx.store.verify_all();
