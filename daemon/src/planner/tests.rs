@@ -286,10 +286,12 @@ fn shuffle_strategy() -> impl Strategy<Value = (usize, Source, usize, usize)> {
     })
 }
 
+/// Files, two jobs' sequence plans, positions and rates, and which files are cached.
+type TwoJobs = (usize, Vec<Vec<u32>>, Vec<Vec<u32>>, Vec<u64>, Vec<bool>);
+
 /// Two jobs over overlapping files, at random positions and rates, and a random set of
 /// cached files.
-fn jobs_strategy()
--> impl Strategy<Value = (usize, Vec<Vec<u32>>, Vec<Vec<u32>>, Vec<u64>, Vec<bool>)> {
+fn jobs_strategy() -> impl Strategy<Value = TwoJobs> {
     (3usize..20).prop_flat_map(|n| {
         let epoch = proptest::collection::vec(0..n as u32, 1..2 * n);
         (
