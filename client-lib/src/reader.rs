@@ -349,77 +349,134 @@ impl Reader {
             while first + count <= last && count < MAX_WAIT_BLOCKS && !c.has(first + count) {
                 count += 1;
             }
-            let req = pb::WaitRequest {
-                path: self.path.to_str().unwrap_or_default().to_owned(),
-                version: Some(c.version),
-                first_block: first,
-                count: count as u32,
-                have_data_gen: c.data_gen,
-                timeout_ms: self
-                    .client
-                    .inner
-                    .cfg
-                    .wait_timeout
-                    .as_millis()
-                    .min(u32::MAX as u128) as u32,
-            };
+            let req = self.wait_request(c, first, count);
             drop(st);
-            let timeout = self.client.inner.cfg.wait_timeout + self.client.inner.cfg.timeout;
-            let started = std::time::Instant::now();
-            let reply = self.client.inner.call(request::Kind::Wait(req), timeout);
-            lock(&self.stats).wait_time += started.elapsed();
-            match reply {
-                Ok((
-                    response::Kind::Wait(pb::WaitReply {
-                        result: Some(wait_reply::Result::Waited(w)),
-                    }),
-                    fds,
-                )) => {
-                    let mut st = lock(&self.state);
-                    if let State::Cached(c) = &mut *st {
-                        if w.data_gen != c.data_gen {
-                            match fds.into_iter().next() {
-                                Some(fd) => {
-                                    c.data = Some(Arc::new(File::from(fd)));
-                                    c.data_gen = w.data_gen;
-                                }
-                                None => {
-                                    drop(st);
-                                    self.note(
-                                        "daemon replaced the data file without a descriptor".into(),
-                                    );
-                                    break;
-                                }
-                            }
-                        }
-                        c.present = w.present;
-                        c.refused = w.declined;
-                    }
-                    waited = true;
-                }
-                Ok((
-                    response::Kind::Wait(pb::WaitReply {
-                        result: Some(wait_reply::Result::Refused(r)),
-                    }),
-                    _,
-                )) => {
-                    if let State::Cached(c) = &mut *lock(&self.state) {
-                        c.refused = true;
-                    }
-                    self.note(format!("wait refused: {}", r.message));
-                    break;
-                }
-                Ok(_) => {
-                    self.note("unexpected reply to wait".into());
-                    break;
-                }
-                Err(e) => {
-                    self.note(e.to_string());
-                    break;
-                }
+            if !self.ask(req) {
+                break;
             }
+            waited = true;
         }
         self.read_backing(buf, offset)
+    }
+
+    fn wait_request(&self, c: &Cached, first: u64, count: u64) -> pb::WaitRequest {
+        pb::WaitRequest {
+            path: self.path.to_str().unwrap_or_default().to_owned(),
+            version: Some(c.version),
+            first_block: first,
+            count: count as u32,
+            have_data_gen: c.data_gen,
+            timeout_ms: self
+                .client
+                .inner
+                .cfg
+                .wait_timeout
+                .as_millis()
+                .min(u32::MAX as u128) as u32,
+        }
+    }
+
+    /// Asks the daemon for blocks and waits (bounded by the client's `wait_timeout`);
+    /// true when the reply was taken in (the blocks may still be missing: a timeout, or
+    /// the daemon declined and said so). False, with the reason noted, otherwise.
+    fn ask(&self, req: pb::WaitRequest) -> bool {
+        let timeout = self.client.inner.cfg.wait_timeout + self.client.inner.cfg.timeout;
+        let started = std::time::Instant::now();
+        let reply = self.client.inner.call(request::Kind::Wait(req), timeout);
+        lock(&self.stats).wait_time += started.elapsed();
+        match reply {
+            Ok((
+                response::Kind::Wait(pb::WaitReply {
+                    result: Some(wait_reply::Result::Waited(w)),
+                }),
+                fds,
+            )) => {
+                let mut st = lock(&self.state);
+                if let State::Cached(c) = &mut *st {
+                    if w.data_gen != c.data_gen {
+                        match fds.into_iter().next() {
+                            Some(fd) => {
+                                c.data = Some(Arc::new(File::from(fd)));
+                                c.data_gen = w.data_gen;
+                            }
+                            None => {
+                                drop(st);
+                                self.note(
+                                    "daemon replaced the data file without a descriptor".into(),
+                                );
+                                return false;
+                            }
+                        }
+                    }
+                    c.present = w.present;
+                    c.refused = w.declined;
+                }
+                true
+            }
+            Ok((
+                response::Kind::Wait(pb::WaitReply {
+                    result: Some(wait_reply::Result::Refused(r)),
+                }),
+                _,
+            )) => {
+                if let State::Cached(c) = &mut *lock(&self.state) {
+                    c.refused = true;
+                }
+                self.note(format!("wait refused: {}", r.message));
+                false
+            }
+            Ok(_) => {
+                self.note("unexpected reply to wait".into());
+                false
+            }
+            Err(e) => {
+                self.note(e.to_string());
+                false
+            }
+        }
+    }
+
+    /// A descriptor of the node-local copy holding every byte of the file, after
+    /// waiting for the daemon to fetch what is missing (each wait bounded by the
+    /// client's `wait_timeout`). For callers that hand the descriptor on instead of
+    /// reading through the reader (the `LD_PRELOAD` shim). `None` when the cache cannot
+    /// provide one: no daemon, the file is read from the backing store, the daemon
+    /// refused or declined, a wait timed out, or the file is empty.
+    pub fn local_copy(&self) -> Option<File> {
+        // Each round either completes the file, gives up, or fills up to 64 blocks.
+        let rounds = match &*lock(&self.state) {
+            State::Cached(c) => c.nblocks / MAX_WAIT_BLOCKS + 3,
+            State::Direct(_) => return None,
+        };
+        for _ in 0..rounds {
+            let req = {
+                let st = lock(&self.state);
+                let State::Cached(c) = &*st else { return None };
+                let Some(first) = (0..c.nblocks).find(|&b| !c.has(b)) else {
+                    return c.data.as_ref()?.try_clone().ok();
+                };
+                if c.refused {
+                    return None;
+                }
+                let mut count = 1;
+                while first + count < c.nblocks && count < MAX_WAIT_BLOCKS && !c.has(first + count)
+                {
+                    count += 1;
+                }
+                self.wait_request(c, first, count)
+            };
+            let first = req.first_block;
+            if !self.ask(req) {
+                return None;
+            }
+            let st = lock(&self.state);
+            if let State::Cached(c) = &*st
+                && !c.has(first)
+            {
+                return None; // timed out or declined: the caller reads the backing store
+            }
+        }
+        None
     }
 
     /// Serves `buf` at `offset` from the backing file, keeping to the version the

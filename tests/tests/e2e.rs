@@ -805,3 +805,24 @@ fn concurrent_readers_never_see_torn_or_mixed_versions() {
     let total: usize = readers.into_iter().map(|r| r.join().unwrap()).sum();
     assert!(total >= 8, "readers made progress ({total})");
 }
+
+/// `Reader::local_copy` (what the preload shim hands a program): a descriptor holding
+/// every byte, after the daemon fetched what was missing; none without a daemon.
+#[test]
+fn local_copy_holds_the_whole_file_or_is_none() {
+    use std::io::Read;
+    let bed = Bed::new();
+    let len = 5 * 64 * 1024 + 17;
+    write_file(&bed.path("ds/f"), 7, len);
+    let mut d = bed.start(&["--block-size", "64KiB", "--readahead-blocks", "0"]);
+    let client = bed.client();
+    let r = client.open(bed.path("ds/f")).unwrap();
+    let mut f = r.local_copy().expect("a local copy");
+    let mut got = Vec::new();
+    f.read_to_end(&mut got).unwrap();
+    assert!(got == content(7, len), "every byte, right");
+    assert!(d.counters().opens_empty >= 1, "it was cold");
+    d.stop();
+    let r = bed.client().open(bed.path("ds/f")).unwrap();
+    assert!(r.local_copy().is_none(), "no daemon, no local copy");
+}
