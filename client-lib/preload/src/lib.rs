@@ -1,0 +1,1 @@
+//! `libshardcache_preload.so`: see docs/PYTHON.md (being written).

@@ -1,0 +1,1 @@
+//! The `shardcache` Python package's native module (being written).
