@@ -8,8 +8,8 @@ echo "== format and lints"
 cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
-echo "== build (the end-to-end tests start these binaries)"
-cargo build --workspace --bins --locked
+echo "== build (the end-to-end tests start these binaries and load the preload shim)"
+cargo build --workspace --locked
 
 echo "== docs"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --quiet
@@ -21,3 +21,10 @@ if cargo nextest --version >/dev/null 2>&1; then
 else
     cargo test --workspace --locked
 fi
+
+echo "== Python package (pip install of client-lib/python, built by maturin) and its tests"
+PYENV=target/pyenv
+[ -x "$PYENV/bin/python" ] || python3 -m venv "$PYENV"
+"$PYENV/bin/pip" install --quiet --disable-pip-version-check pytest ./client-lib/python
+SHARDCACHED_BIN="$PWD/target/debug/shardcached" PYTHONPATH=tests/python \
+    "$PYENV/bin/python" -m pytest -q -p no:cacheprovider tests/python

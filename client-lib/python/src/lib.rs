@@ -144,6 +144,18 @@ impl PyReader {
         Ok(obj)
     }
 
+    /// The path of the node-local copy holding every byte of the file, after waiting
+    /// for the daemon to fetch what is missing; None when the cache cannot provide one.
+    /// For inspection and benchmarks: read through this object, not that path (the
+    /// daemon may evict and replace it at any time).
+    fn local_path(&self, py: Python<'_>) -> Option<PathBuf> {
+        py.detach(|| {
+            use std::os::fd::AsRawFd;
+            let f = self.inner.local_copy()?;
+            std::fs::read_link(format!("/proc/self/fd/{}", f.as_raw_fd())).ok()
+        })
+    }
+
     /// Bytes and reads so far by source, and seconds spent waiting.
     fn stats(&self) -> std::collections::HashMap<&'static str, f64> {
         let s = self.inner.stats();

@@ -100,6 +100,12 @@ class CacheFile(io.RawIOBase):
         """Bytes and reads by source, and seconds spent waiting, so far."""
         return self._r.stats()
 
+    def local_path(self) -> Optional[str]:
+        """Where the node-local copy is, once the daemon holds every byte (None if it
+        cannot): for inspection and benchmarks, since the daemon may evict it any time."""
+        p = self._r.local_path()
+        return None if p is None else os.fspath(p)
+
     def readinto(self, b: Any) -> int:
         self._checkClosed()
         n = self._r.readinto_at(b, self._pos)
