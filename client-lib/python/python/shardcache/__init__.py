@@ -196,7 +196,7 @@ def open(  # noqa: A001 - mirrors builtins.open on purpose
         if not binary:
             raise ValueError("can't have unbuffered text I/O")
         return raw
-    size = buffering if buffering > 1 else io.DEFAULT_BUFFER_SIZE * 16
+    size = buffering if buffering > 1 else io.DEFAULT_BUFFER_SIZE
     buffered = io.BufferedReader(raw, buffer_size=size)
     if binary:
         return buffered
