@@ -9,7 +9,8 @@ cargo fmt --all --check
 cargo clippy --workspace --all-targets --locked -- -D warnings
 
 echo "== build (the end-to-end tests start these binaries and load the preload shim)"
-cargo build --workspace --locked
+cargo build --workspace --bins --locked
+cargo build -p shardcache-preload --locked   # the LD_PRELOAD shim (a cdylib) the preload tests load
 
 echo "== docs"
 RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps --locked --quiet

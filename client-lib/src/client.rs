@@ -256,6 +256,13 @@ impl Client {
         Reader::open(self.clone(), path.as_ref())
     }
 
+    /// Opens `path` when the daemon serves it; `None` otherwise, without touching the
+    /// backing store (for callers with a fallback of their own, like the preload shim,
+    /// which then runs the program's real `open`).
+    pub fn open_cached(&self, path: impl AsRef<Path>) -> Option<Reader> {
+        Reader::open_cached(self.clone(), path.as_ref())
+    }
+
     /// Opens several files at once: one exchange with the daemon per 64 files instead
     /// of one per file. For loaders that know the next batch of samples; each result
     /// is what [`Client::open`] would give for that path.

@@ -162,6 +162,19 @@ fn pread_full(f: &File, buf: &mut [u8], off: u64) -> io::Result<usize> {
 
 impl Reader {
     pub(crate) fn open(client: Client, path: &Path) -> io::Result<Self> {
+        let (path, outcome) = Self::ask_open(&client, path)?;
+        Self::build(client, path, outcome)
+    }
+
+    /// [`Reader::open`] when the daemon serves the file; `None` (without touching the
+    /// backing store) when it does not.
+    pub(crate) fn open_cached(client: Client, path: &Path) -> Option<Self> {
+        let (path, outcome) = Self::ask_open(&client, path).ok()?;
+        let opened = outcome.ok()?;
+        Self::build(client, path, Ok(opened)).ok()
+    }
+
+    fn ask_open(client: &Client, path: &Path) -> io::Result<(std::path::PathBuf, Outcome)> {
         let path = std::path::absolute(path)?;
         let outcome = match path.to_str() {
             None => Err("path is not UTF-8".to_owned()),
@@ -174,7 +187,7 @@ impl Reader {
                 }
             }
         };
-        Self::build(client, path, outcome)
+        Ok((path, outcome))
     }
 
     /// Opens many files in as few exchanges as possible (64 per request). Each result is
