@@ -484,18 +484,8 @@ impl Jobs {
                     sizes.insert(f.clone(), st.version.size);
                 }
             }
-            let resident: Vec<FileRef> = store
-                .cached_files()
-                .into_iter()
-                .filter_map(|(root, path, _)| {
-                    self.root_index
-                        .get(&root)
-                        .map(|&r| FileRef { root: r, path })
-                })
-                .collect();
             let mut view = Snapshot {
-                resident: resident.iter().cloned().collect(),
-                order: resident,
+                evicted: HashSet::new(),
                 busy: flights.keys().chain(declined.keys()).cloned().collect(),
                 room: store.room(),
                 sizes: &sizes,
@@ -538,9 +528,8 @@ impl Jobs {
                     };
                     let size = view.size(&fx.file);
                     if let Some(v) = &fx.evict {
-                        view.resident.remove(v);
-                        view.order.retain(|x| x != v);
                         view.room += view.size(v);
+                        view.evicted.insert(v.clone());
                     }
                     view.room = view.room.saturating_sub(size);
                     view.busy.insert(fx.file.clone());
@@ -617,11 +606,12 @@ impl Budget {
     }
 }
 
-/// The store as the prefetcher saw it this round.
+/// The store as the prefetcher sees it this round: what the planner knows to be
+/// resident, less what this round plans to evict, plus what it plans to fetch.
 struct Snapshot<'a> {
-    resident: HashSet<FileRef>,
-    order: Vec<FileRef>,
-    /// Being fetched, or declined a moment ago.
+    /// Planned for eviction this round.
+    evicted: HashSet<FileRef>,
+    /// Being fetched (or planned this round), or declined a moment ago.
     busy: HashSet<FileRef>,
     room: u64,
     sizes: &'a HashMap<FileRef, u64>,
@@ -635,11 +625,11 @@ impl Snapshot<'_> {
 }
 
 impl CacheView for Snapshot<'_> {
-    fn resident(&self) -> Vec<FileRef> {
-        self.order.clone()
+    fn is_resident(&self, p: &Planner, f: &FileRef) -> bool {
+        p.is_resident(f) && !self.evicted.contains(f)
     }
-    fn is_resident(&self, f: &FileRef) -> bool {
-        self.resident.contains(f)
+    fn victim(&self, p: &mut Planner) -> Option<FileRef> {
+        p.victim_indexed(&|f| !self.busy.contains(f) && !self.evicted.contains(f))
     }
     fn in_flight(&self, f: &FileRef) -> bool {
         self.busy.contains(f)
@@ -649,13 +639,16 @@ impl CacheView for Snapshot<'_> {
     }
 }
 
-/// The store's eviction policy when jobs are registered: the planner's choice (the file
-/// needed farthest in the future; files no plan needs go first, least recently used
-/// first) and its admission rule. Without jobs it is plain LRU.
+/// The store's eviction policy: the planner's choice when jobs are registered (a file
+/// no plan needs, least recently used first, else the file needed farthest in the
+/// future, from the planner's eviction index) and its admission rule; plain LRU without
+/// jobs. Every entry is reported to the planner either way, so that its index is
+/// complete when a job registers.
 #[derive(Debug)]
 pub struct PlannedPolicy {
     lru: Lru,
     files: HashMap<Key, FileRef>,
+    keys: HashMap<FileRef, Key>,
     jobs: Arc<Jobs>,
 }
 
@@ -665,6 +658,7 @@ impl PlannedPolicy {
         Self {
             lru: Lru::default(),
             files: HashMap::new(),
+            keys: HashMap::new(),
             jobs,
         }
     }
@@ -678,46 +672,45 @@ impl EvictionPolicy for PlannedPolicy {
     fn insert(&mut self, key: Key, root: &str, path: &str) {
         self.lru.insert(key, root, path);
         if let Some(&r) = self.jobs.root_index.get(root) {
-            self.files.insert(
-                key,
-                FileRef {
-                    root: r,
-                    path: path.to_owned(),
-                },
-            );
+            let f = FileRef {
+                root: r,
+                path: path.to_owned(),
+            };
+            lock(&self.jobs.planner).set_resident(&f, true);
+            self.keys.insert(f.clone(), key);
+            self.files.insert(key, f);
         }
     }
 
     fn touch(&mut self, key: Key) {
         self.lru.touch(key);
+        if let Some(f) = self.files.get(&key) {
+            lock(&self.jobs.planner).touch(f);
+        }
     }
 
     fn remove(&mut self, key: &Key) {
         self.lru.remove(key);
-        self.files.remove(key);
+        if let Some(f) = self.files.remove(key)
+            && self.keys.get(&f) == Some(key)
+        {
+            // (Another version of the same path may have taken its place already.)
+            self.keys.remove(&f);
+            lock(&self.jobs.planner).set_resident(&f, false);
+        }
     }
 
     fn victim(&mut self, evictable: &dyn Fn(&Key) -> bool) -> Option<Key> {
         if !self.planned() {
             return self.lru.victim(evictable);
         }
-        let candidates: Vec<Key> = self
-            .lru
-            .order()
-            .into_iter()
-            .filter(|k| evictable(k))
-            .collect();
-        let refs: Vec<FileRef> = candidates
-            .iter()
-            .map(|k| {
-                self.files.get(k).cloned().unwrap_or(FileRef {
-                    root: usize::MAX,
-                    path: String::new(),
-                })
-            })
-            .collect();
-        let i = lock(&self.jobs.planner).victim(&refs)?;
-        Some(candidates[i])
+        let keys = &self.keys;
+        let v = lock(&self.jobs.planner).victim_indexed(&|f| keys.get(f).is_some_and(evictable));
+        match v {
+            Some(f) => self.keys.get(&f).copied(),
+            // Entries the planner cannot name (none in practice): least recently used.
+            None => self.lru.victim(evictable),
+        }
     }
 
     fn admits(&mut self, root: &str, path: &str, victim: &Key, prefetch: bool) -> bool {

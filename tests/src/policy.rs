@@ -27,11 +27,11 @@ struct Cache {
 }
 
 impl CacheView for Cache {
-    fn resident(&self) -> Vec<FileRef> {
-        self.resident.clone()
-    }
-    fn is_resident(&self, f: &FileRef) -> bool {
+    fn is_resident(&self, _: &Planner, f: &FileRef) -> bool {
         self.resident.contains(f)
+    }
+    fn victim(&self, p: &mut Planner) -> Option<FileRef> {
+        p.victim(&self.resident).map(|i| self.resident[i].clone())
     }
     fn in_flight(&self, f: &FileRef) -> bool {
         self.in_flight.as_ref() == Some(f)
@@ -100,7 +100,7 @@ pub fn planned(
             // Wait until `want` is cached, keeping the backing store busy meanwhile.
             let mut demand = false;
             loop {
-                if cache.is_resident(&want) {
+                if cache.resident.contains(&want) {
                     break;
                 }
                 if fetch.is_none() {

@@ -25,7 +25,7 @@
 //! cached longer. The policy benchmark (`shardcache-bench policy`) shows both the hit
 //! ceiling and the stall floor across cache sizes and rates.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 
 use shardcache_plan::shuffle;
@@ -33,7 +33,7 @@ use shardcache_plan::shuffle;
 pub mod prefetch;
 
 /// A file the planner knows: (root index, path relative to the root).
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct FileRef {
     /// Index of the backing root.
     pub root: usize,
@@ -121,6 +121,14 @@ struct Job {
     /// Steps read so far (every epoch).
     done: u64,
     epochs: Vec<(u64, Arc<EpochIndex>)>,
+    /// The eviction index: this job's resident files by the absolute step (in `done`
+    /// terms) of their next use, `u64::MAX` when not within the current and next epoch.
+    /// A key changes only when the file is read, when the position jumps, or (for
+    /// `u64::MAX` keys) when the job enters a new epoch, so keeping it costs O(log n) per
+    /// read instead of a scan of the cache per eviction.
+    ranked: BTreeSet<(u64, u32)>,
+    /// The key of each file in `ranked`.
+    rank_of: HashMap<u32, u64>,
 }
 
 impl Job {
@@ -165,6 +173,42 @@ impl Job {
         }
         self.epochs.push((e, ix.clone()));
         Some(ix)
+    }
+
+    /// (Re)computes the eviction key of resident file `f`.
+    fn rank(&mut self, f: u32) {
+        let k = self.distance(f).map_or(u64::MAX, |d| self.done + d);
+        if let Some(old) = self.rank_of.insert(f, k) {
+            self.ranked.remove(&(old, f));
+        }
+        self.ranked.insert((k, f));
+    }
+
+    fn unrank(&mut self, f: u32) {
+        if let Some(old) = self.rank_of.remove(&f) {
+            self.ranked.remove(&(old, f));
+        }
+    }
+
+    /// Recomputes every key (after the position jumped).
+    fn rerank_all(&mut self) {
+        let fs: Vec<u32> = self.rank_of.keys().copied().collect();
+        for f in fs {
+            self.rank(f);
+        }
+    }
+
+    /// Recomputes the keys of files not needed within the current and next epoch (after
+    /// entering a new epoch, the one after it comes into view).
+    fn rerank_never(&mut self) {
+        let fs: Vec<u32> = self
+            .ranked
+            .range((u64::MAX, 0)..)
+            .map(|&(_, f)| f)
+            .collect();
+        for f in fs {
+            self.rank(f);
+        }
     }
 
     /// Steps from the position until file `f` is read next (this epoch or the next).
@@ -226,7 +270,17 @@ pub struct Planner {
     files: HashMap<FileRef, Vec<(usize, u32)>>,
     /// Planned reads so far, over all jobs (grows by one per read that advanced a job).
     reads: u64,
+    /// Files with a cache entry ([`Planner::set_resident`]), with the tick of their
+    /// last use.
+    resident: HashMap<FileRef, u64>,
+    /// Resident files no registered job reads, by last use: the first to evict.
+    unplanned: BTreeSet<(u64, FileRef)>,
+    tick: u64,
 }
+
+/// Candidates taken from each job's eviction index before the exact comparison (a file
+/// several jobs read can be far for one and near for another).
+const CANDIDATES_PER_JOB: usize = 16;
 
 impl Planner {
     /// An empty planner.
@@ -277,20 +331,123 @@ impl Planner {
             rate: 1.0,
             done: 0,
             epochs: Vec::new(),
+            ranked: BTreeSet::new(),
+            rank_of: HashMap::new(),
         });
         self.reindex();
+        // The new job's files already cached enter its index (and leave the unplanned).
+        let j = self.jobs.len() - 1;
+        let cached: Vec<(u32, FileRef, u64)> = self.jobs[j]
+            .files
+            .iter()
+            .enumerate()
+            .filter_map(|(i, f)| self.resident.get(f).map(|&t| (i as u32, f.clone(), t)))
+            .collect();
+        for (i, f, t) in cached {
+            self.jobs[j].rank(i);
+            self.unplanned.remove(&(t, f));
+        }
         Ok(())
     }
 
     /// Forgets job `id`; true if it was registered.
     pub fn unregister(&mut self, id: &str) -> bool {
-        let before = self.jobs.len();
-        self.jobs.retain(|j| j.id != id);
-        let removed = self.jobs.len() != before;
-        if removed {
-            self.reindex();
+        let Some(j) = self.jobs.iter().position(|j| j.id == id) else {
+            return false;
+        };
+        let job = self.jobs.remove(j);
+        self.reindex();
+        // Its cached files that no other job reads join the unplanned.
+        for &i in job.rank_of.keys() {
+            let f = &job.files[i as usize];
+            if !self.files.contains_key(f)
+                && let Some(&t) = self.resident.get(f)
+            {
+                self.unplanned.insert((t, f.clone()));
+            }
         }
-        removed
+        true
+    }
+
+    /// Records that `f` has (or no longer has) a cache entry. The eviction policy calls
+    /// this for every entry it is told of, so that [`Planner::victim_indexed`] needs no
+    /// scan.
+    pub fn set_resident(&mut self, f: &FileRef, resident: bool) {
+        if resident {
+            if self.resident.contains_key(f) {
+                return;
+            }
+            self.tick += 1;
+            self.resident.insert(f.clone(), self.tick);
+            match self.files.get(f).cloned() {
+                Some(refs) => {
+                    for (j, i) in refs {
+                        self.jobs[j].rank(i);
+                    }
+                }
+                None => {
+                    self.unplanned.insert((self.tick, f.clone()));
+                }
+            }
+        } else if let Some(t) = self.resident.remove(f) {
+            match self.files.get(f).cloned() {
+                Some(refs) => {
+                    for (j, i) in refs {
+                        self.jobs[j].unrank(i);
+                    }
+                }
+                None => {
+                    self.unplanned.remove(&(t, f.clone()));
+                }
+            }
+        }
+    }
+
+    /// Records a use of resident file `f` (LRU order among files no plan needs).
+    pub fn touch(&mut self, f: &FileRef) {
+        let planned = self.files.contains_key(f);
+        let Some(t) = self.resident.get_mut(f) else {
+            return;
+        };
+        self.tick += 1;
+        if !planned {
+            self.unplanned.remove(&(*t, f.clone()));
+            self.unplanned.insert((self.tick, f.clone()));
+        }
+        *t = self.tick;
+    }
+
+    /// True when `f` has a cache entry (see [`Planner::set_resident`]).
+    pub fn is_resident(&self, f: &FileRef) -> bool {
+        self.resident.contains_key(f)
+    }
+
+    /// The resident file to evict among those `ok` accepts: a file no plan needs (least
+    /// recently used first), else the one needed farthest in the future. Each job's
+    /// index gives its farthest resident files; the exact need (over every job, through
+    /// their rates) decides among them. The same choice as [`Planner::victim`] over all
+    /// resident files whenever each job's 16 farthest accepted files include the answer
+    /// (always, for a file only one job reads), at O(jobs · log n) instead of O(n).
+    pub fn victim_indexed(&mut self, ok: &dyn Fn(&FileRef) -> bool) -> Option<FileRef> {
+        if let Some((_, f)) = self.unplanned.iter().find(|(_, f)| ok(f)) {
+            return Some(f.clone());
+        }
+        let mut candidates: Vec<FileRef> = Vec::new();
+        for job in &self.jobs {
+            let mut taken = 0;
+            for &(_, i) in job.ranked.iter().rev() {
+                let f = &job.files[i as usize];
+                if ok(f) {
+                    candidates.push(f.clone());
+                    taken += 1;
+                    if taken >= CANDIDATES_PER_JOB {
+                        break;
+                    }
+                }
+            }
+        }
+        let v = self.victim(&candidates)?;
+        Some(candidates.swap_remove(v))
     }
 
     fn reindex(&mut self) {
@@ -332,6 +489,7 @@ impl Planner {
         } else {
             (j.epoch, j.step) = (epoch, step);
         }
+        j.rerank_all();
         Ok(true)
     }
 
@@ -404,12 +562,24 @@ impl Planner {
             if let Some(p) = cur.next(f, job.step)
                 && p - job.step <= window
             {
+                let from = job.step;
                 self.reads += p + 1 - job.step;
                 job.done += p + 1 - job.step;
                 job.step = p + 1;
-                if job.step as usize >= cur.order.len() && job.has_epoch(job.epoch + 1) {
+                let rolled = job.step as usize >= cur.order.len() && job.has_epoch(job.epoch + 1);
+                if rolled {
                     job.epoch += 1;
                     job.step = 0;
+                }
+                // The files read (or skipped) are next needed later: new keys.
+                for q in from..=p {
+                    let g = cur.order[q as usize];
+                    if job.rank_of.contains_key(&g) {
+                        job.rank(g);
+                    }
+                }
+                if rolled {
+                    job.rerank_never();
                 }
                 first.get_or_insert(j);
             }

@@ -7,10 +7,12 @@ use super::{FileRef, Need, Planner};
 
 /// What the decisions need to know about the cache.
 pub trait CacheView {
-    /// Resident files, least recently used first.
-    fn resident(&self) -> Vec<FileRef>;
     /// True when `f` is resident.
-    fn is_resident(&self, f: &FileRef) -> bool;
+    fn is_resident(&self, p: &Planner, f: &FileRef) -> bool;
+    /// The file to evict next (the planner's choice among the files that may go now):
+    /// [`Planner::victim_indexed`] over the daemon's store, [`Planner::victim`] over a
+    /// simulated cache.
+    fn victim(&self, p: &mut Planner) -> Option<FileRef>;
     /// True when a fetch of `f` is under way.
     fn in_flight(&self, f: &FileRef) -> bool;
     /// True when `f` fits without evicting anything (fetches under way counted).
@@ -55,7 +57,7 @@ pub fn next_prefetch(p: &mut Planner, cache: &dyn CacheView, pace: Pace) -> Opti
     let mut missing = 0usize;
     let mut urgent = false;
     for (file, need) in p.upcoming(pace.max_ahead) {
-        if cache.is_resident(&file) || cache.in_flight(&file) {
+        if cache.is_resident(p, &file) || cache.in_flight(&file) {
             continue;
         }
         missing += 1;
@@ -82,9 +84,7 @@ pub fn next_prefetch(p: &mut Planner, cache: &dyn CacheView, pace: Pace) -> Opti
             evict: None,
         });
     }
-    let resident = cache.resident();
-    let v = p.victim(&resident)?;
-    let victim = resident[v].clone();
+    let victim = cache.victim(p)?;
     let incoming = p.use_epoch(&file);
     if p.need(&victim).later_than(need) && p.may_evict_for_prefetch(&victim, incoming) {
         return Some(Fetch {
@@ -116,11 +116,8 @@ pub fn admit_demand(
     if cache.has_room(file) {
         return Admission::Keep(None);
     }
-    let resident = cache.resident();
-    match p.victim(&resident) {
-        Some(v) if p.need(&resident[v]).later_than(next_need) => {
-            Admission::Keep(Some(resident[v].clone()))
-        }
+    match cache.victim(p) {
+        Some(v) if p.need(&v).later_than(next_need) => Admission::Keep(Some(v)),
         _ => Admission::Bypass,
     }
 }

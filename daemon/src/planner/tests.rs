@@ -85,14 +85,26 @@ fn registration_checks_the_plan() {
 struct SimCache {
     resident: Vec<FileRef>,
     capacity: usize,
+    /// Check every victim the planner's index gives against the exhaustive search.
+    check: bool,
 }
 
 impl prefetch::CacheView for SimCache {
-    fn resident(&self) -> Vec<FileRef> {
-        self.resident.clone()
-    }
-    fn is_resident(&self, f: &FileRef) -> bool {
+    fn is_resident(&self, _: &Planner, f: &FileRef) -> bool {
         self.resident.contains(f)
+    }
+    fn victim(&self, p: &mut Planner) -> Option<FileRef> {
+        let exact = p.victim(&self.resident).map(|i| self.resident[i].clone());
+        if self.check {
+            let indexed = p.victim_indexed(&|f| self.resident.contains(f));
+            let need = |p: &mut Planner, f: &Option<FileRef>| f.as_ref().map(|f| p.need(f));
+            assert_eq!(
+                need(p, &indexed),
+                need(p, &exact),
+                "the index chose {indexed:?}, the search {exact:?}"
+            );
+        }
+        exact
     }
     fn in_flight(&self, _: &FileRef) -> bool {
         false // fetches complete at once in this step model
@@ -115,6 +127,7 @@ impl SimCache {
             }
         }
         self.resident.retain(|x| x != v);
+        p.set_resident(v, false);
     }
 }
 
@@ -132,6 +145,7 @@ fn simulate(
     let mut cache = SimCache {
         resident: Vec::new(),
         capacity,
+        check,
     };
     let mut ahead: Vec<FileRef> = Vec::new();
     let mut fetched = vec![0usize; epochs as usize];
@@ -160,6 +174,7 @@ fn simulate(
                 ahead.retain(|x| x != v);
             }
             cache.resident.push(fx.file.clone());
+            p.set_resident(&fx.file, true);
             ahead.push(fx.file);
             fetched[slot] += 1;
         }
@@ -184,6 +199,7 @@ fn simulate(
                         cache.evict(p, &v, check);
                         ahead.retain(|x| *x != v);
                     }
+                    p.set_resident(&f, true);
                     cache.resident.push(f);
                 }
                 prefetch::Admission::Bypass => {}
@@ -335,5 +351,11 @@ proptest! {
         for f in &resident {
             prop_assert!(!p.need(f).later_than(nv), "{f:?} is needed later than the victim");
         }
+        // The eviction index agrees (here every job's candidates cover its files).
+        for f in &resident {
+            p.set_resident(f, true);
+        }
+        let indexed = p.victim_indexed(&|_| true).unwrap();
+        prop_assert_eq!(p.need(&indexed), nv);
     }
 }
