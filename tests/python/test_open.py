@@ -86,3 +86,20 @@ def test_the_default_client_follows_the_environment(daemon, monkeypatch):
         assert f.read() == content(2, 1000)
     assert daemon.counters()["opens"] == before + 1
     assert os.path.exists(daemon.socket)
+
+
+def test_open_many_and_open_ahead_give_the_same_bytes(daemon):
+    paths = [daemon.write(f"many/{i:03}", i, 1000 + 37 * i) for i in range(150)]
+    c = daemon.client()
+    before = daemon.counters()["opens"]
+    files = c.open_many(paths)
+    assert [f.read() for f in files] == [content(i, 1000 + 37 * i) for i in range(150)]
+    got = [f.read() for f in c.open_ahead(paths, batch=16)]
+    assert got == [content(i, 1000 + 37 * i) for i in range(150)]
+    assert daemon.counters()["opens"] == before + 300
+    with pytest.raises(FileNotFoundError):
+        c.open_many([paths[0], daemon.root / "missing"])
+    it = c.open_ahead([paths[0], daemon.root / "missing"])
+    assert next(it).read() == content(0, 1000)
+    with pytest.raises(FileNotFoundError):
+        next(it)

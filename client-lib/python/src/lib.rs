@@ -228,6 +228,27 @@ impl PyClient {
         })
     }
 
+    /// Opens many files in one exchange with the daemon per 64; each item is what
+    /// `open` gives for that path, or the exception (an `OSError` instance) it raises.
+    fn open_many(&self, py: Python<'_>, paths: Vec<PathBuf>) -> PyResult<Vec<Py<PyAny>>> {
+        let rs = py.detach(|| self.inner.open_many(&paths));
+        rs.into_iter()
+            .map(|r| match r {
+                Ok(inner) => Ok(Py::new(py, PyReader { inner })?.into_any()),
+                Err(e) => Ok(PyErr::from(e).into_value(py).into_any()),
+            })
+            .collect()
+    }
+
+    /// Opens `paths` in order, one batch ahead of the caller: the daemon opens the next
+    /// batch while the caller reads the current one.
+    #[pyo3(signature = (paths, batch=32))]
+    fn open_ahead(&self, paths: Vec<PathBuf>, batch: usize) -> PyOpenAhead {
+        PyOpenAhead {
+            inner: std::sync::Mutex::new(self.inner.open_ahead(paths, batch.clamp(1, 64))),
+        }
+    }
+
     /// Registers a manifest (JSON text); returns (job id, number of files).
     fn register(&self, py: Python<'_>, manifest_json: &str) -> PyResult<(String, u64)> {
         match py.detach(|| self.inner.register(manifest_json)) {
@@ -263,6 +284,24 @@ impl PyClient {
             .detach(|| self.inner.status())
             .map_err(|e| PyOSError::new_err(format!("shardcached: {e}")))?;
         serde_json::to_string(&s).map_err(|e| PyValueError::new_err(e.to_string()))
+    }
+}
+
+/// The iterator `NativeClient.open_ahead` returns: one `Reader` per path, in order.
+#[pyclass(module = "shardcache._shardcache", name = "OpenAhead", frozen)]
+struct PyOpenAhead {
+    inner: std::sync::Mutex<shardcache_client::OpenAhead>,
+}
+
+#[pymethods]
+impl PyOpenAhead {
+    fn __iter__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
+        slf
+    }
+
+    fn __next__(&self, py: Python<'_>) -> Option<PyResult<PyReader>> {
+        let next = py.detach(|| self.inner.lock().unwrap_or_else(|e| e.into_inner()).next())?;
+        Some(next.map(|inner| PyReader { inner }).map_err(PyErr::from))
     }
 }
 
@@ -342,6 +381,7 @@ fn shuffle_algorithm() -> &'static str {
 fn _shardcache(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyReader>()?;
     m.add_class::<PyClient>()?;
+    m.add_class::<PyOpenAhead>()?;
     m.add_function(wrap_pyfunction!(rank_order, m)?)?;
     m.add_function(wrap_pyfunction!(node_order, m)?)?;
     m.add_function(wrap_pyfunction!(samples_per_rank, m)?)?;

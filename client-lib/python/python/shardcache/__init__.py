@@ -162,6 +162,13 @@ class _Closed:
         raise ValueError("I/O operation on closed file")
 
 
+def _wrap(reader: Any, name: str, buffering: int = -1) -> Any:
+    raw = CacheFile(reader, name)
+    if buffering == 0:
+        return raw
+    return io.BufferedReader(raw, buffer_size=buffering if buffering > 1 else io.DEFAULT_BUFFER_SIZE)
+
+
 def open(  # noqa: A001 - mirrors builtins.open on purpose
     path: PathLike,
     mode: str = "rb",
@@ -229,6 +236,27 @@ class Client:
     def open(self, path: PathLike, mode: str = "rb", buffering: int = -1, **kw: Any) -> Any:
         """As :func:`shardcache.open`, through this client."""
         return open(path, mode, buffering, client=self, **kw)
+
+    def open_many(self, paths: Iterable[PathLike], buffering: int = -1) -> list:
+        """Opens many files (binary) with one exchange with the daemon per 64 files:
+        for loaders that fetch a batch at once (e.g. a ``Dataset.__getitems__``). Raises
+        the first error, as opening them one by one would."""
+        names = [os.fspath(p) for p in paths]
+        out = []
+        for name, r in zip(names, self._native.open_many(names)):
+            if isinstance(r, BaseException):
+                raise r
+            out.append(_wrap(r, name, buffering))
+        return out
+
+    def open_ahead(self, paths: Iterable[PathLike], batch: int = 32, buffering: int = -1) -> Iterator[Any]:
+        """Yields binary file objects for ``paths`` in order while the daemon opens the
+        next ``batch`` (≤ 64) files: the exchange with the daemon leaves the critical
+        path of loaders that know their order (a sampler's epoch). An error is raised
+        when its file's turn comes."""
+        names = [os.fspath(p) for p in paths]
+        for name, r in zip(names, self._native.open_ahead(names, batch)):
+            yield _wrap(r, name, buffering)
 
     def register(self, manifest: Union[Mapping[str, Any], str]) -> tuple:
         """Registers a prefetch manifest (a dict as :func:`make_manifest` builds, or
