@@ -27,8 +27,8 @@ use crate::store::{Key, Store};
 const READ_WINDOW: u64 = 64;
 /// Upcoming files the prefetcher and the status look at.
 const LOOKAHEAD: usize = 256;
-/// Files shown as a job's "next window" in status.
-const STATUS_WINDOW: usize = 64;
+/// Most files in a job's readiness window (status, `shardcache prefetch --wait`).
+const STATUS_WINDOW: usize = 4096;
 /// How often consumption rates are measured.
 const RATE_PERIOD: Duration = Duration::from_millis(500);
 /// How long a prefetch the store declined (no room worth making) is not retried.
@@ -85,6 +85,9 @@ pub struct Jobs {
     next_tag: AtomicU64,
     /// Files being prefetched now (for status).
     prefetching: AtomicU64,
+    /// Sizes of planned files, as declared by manifests or stat'ed by the prefetcher
+    /// and the status (bounded: cleared when it grows past a million entries).
+    sizes: Mutex<HashMap<FileRef, u64>>,
     wake: (Mutex<bool>, Condvar),
 }
 
@@ -110,6 +113,7 @@ impl Jobs {
             info: Mutex::new(BTreeMap::new()),
             next_tag: AtomicU64::new(1),
             prefetching: AtomicU64::new(0),
+            sizes: Mutex::new(HashMap::new()),
             wake: (Mutex::new(false), Condvar::new()),
         }
     }
@@ -213,6 +217,14 @@ impl Jobs {
                 }
             }
         };
+        if let Files::List(list) = &m.files {
+            let mut sizes = lock(&self.sizes);
+            for (f, spec) in files.iter().zip(list) {
+                if let Some(size) = spec.size() {
+                    sizes.insert(f.clone(), size);
+                }
+            }
+        }
         let n = files.len();
         let immutable = m.immutable.then(|| Arc::new(files.clone()));
         lock(&self.planner)
@@ -348,8 +360,29 @@ impl Jobs {
         }
     }
 
-    /// Status of every job; `cached(root, path)` says whether a file is cached.
-    pub fn status(&self, cached: &dyn Fn(usize, &str) -> bool) -> Vec<pb::JobStatus> {
+    /// The size of planned file `f`: known, or stat'ed now (not under the planner lock).
+    fn size_of(&self, f: &FileRef) -> Option<u64> {
+        if let Some(&s) = lock(&self.sizes).get(f) {
+            return Some(s);
+        }
+        let size = self.meta.stat(f.root, &f.path).ok()?.version.size;
+        let mut sizes = lock(&self.sizes);
+        if sizes.len() > 1 << 20 {
+            sizes.clear();
+        }
+        sizes.insert(f.clone(), size);
+        Some(size)
+    }
+
+    /// Status of every job; `cached(root, path)` says whether a file is cached whole and
+    /// `capacity` is the cache's. A job's readiness window is what it reads next, to the
+    /// end of its current epoch (the next epoch, at a job's start), as far as the cache
+    /// can hold it, at most 4096 files.
+    pub fn status(
+        &self,
+        cached: &dyn Fn(usize, &str) -> bool,
+        capacity: u64,
+    ) -> Vec<pb::JobStatus> {
         let info: Vec<(String, usize, Usage, Option<f64>)> = lock(&self.info)
             .iter()
             .map(|(k, v)| (k.clone(), v.files, v.usage, v.rate))
@@ -357,21 +390,36 @@ impl Jobs {
         let prefetching = self.prefetching.load(Ordering::Relaxed);
         let mut out = Vec::new();
         for (job, files, u, rate) in info {
-            let (pos, len, window) = {
+            let (pos, len, upcoming) = {
                 let mut p = lock(&self.planner);
                 let pos = p.position(&job).unwrap_or_default();
                 let len = p.epoch_len(&job).unwrap_or_default();
-                (pos, len, p.upcoming_of(&job, STATUS_WINDOW))
+                let left = (len as u64).saturating_sub(pos.1).max(1) as usize;
+                (pos, len, p.upcoming_of(&job, left.min(STATUS_WINDOW)))
             };
-            let resident = window.iter().filter(|f| cached(f.root, &f.path)).count();
+            let (mut window, mut window_bytes, mut resident, mut resident_bytes) = (0, 0, 0, 0);
+            for f in &upcoming {
+                let size = self.size_of(f).unwrap_or(0);
+                if window > 0 && window_bytes + size > capacity {
+                    break;
+                }
+                window += 1;
+                window_bytes += size;
+                if cached(f.root, &f.path) {
+                    resident += 1;
+                    resident_bytes += size;
+                }
+            }
             out.push(pb::JobStatus {
                 job,
                 epoch: pos.0,
                 step: pos.1,
                 epoch_len: len as u64,
                 files: files as u64,
-                window: window.len() as u64,
-                window_resident: resident as u64,
+                window,
+                window_resident: resident,
+                window_bytes,
+                window_resident_bytes: resident_bytes,
                 hit_bytes: u.hit_bytes,
                 filled_bytes: u.filled_bytes,
                 fallback_bytes: u.fallback_bytes,
@@ -432,7 +480,6 @@ impl Jobs {
         // Prefetched (or being prefetched) and not yet read: the planner's read count at
         // which each will have been read.
         let mut ahead: HashMap<FileRef, u64> = HashMap::new();
-        let mut sizes: HashMap<FileRef, u64> = HashMap::new();
         let mut budget = cfg.bandwidth.map(Budget::new);
         while !stop.load(Ordering::Acquire) {
             {
@@ -450,7 +497,6 @@ impl Jobs {
             if lock(&self.info).is_empty() {
                 flights.clear();
                 ahead.clear();
-                sizes.clear();
                 self.prefetching.store(0, Ordering::Relaxed);
                 continue;
             }
@@ -474,20 +520,15 @@ impl Jobs {
             // Sizes of the upcoming files, looked up without the planner lock (a stat
             // may go to the backing store).
             let upcoming = lock(&self.planner).upcoming(LOOKAHEAD);
-            if sizes.len() > 1 << 20 {
-                sizes.clear();
-            }
             for (f, _) in &upcoming {
-                if !sizes.contains_key(f)
-                    && let Ok(st) = meta.stat(f.root, &f.path)
-                {
-                    sizes.insert(f.clone(), st.version.size);
-                }
+                self.size_of(f);
             }
+            let room = store.room();
+            let sizes = lock(&self.sizes);
             let mut view = Snapshot {
                 evicted: HashSet::new(),
                 busy: flights.keys().chain(declined.keys()).cloned().collect(),
-                room: store.room(),
+                room,
                 sizes: &sizes,
                 default_size: store.block_size() as u64,
             };
@@ -541,6 +582,8 @@ impl Jobs {
                     fetches.push(fx.file);
                 }
             }
+            drop(view);
+            drop(sizes);
             for f in fetches {
                 let Ok(stat) = meta.stat(f.root, &f.path) else {
                     continue;

@@ -46,6 +46,13 @@ fn four_shuffled_epochs(extra: &[&str]) {
     });
     let reply = client.register(&manifest.to_string()).unwrap();
     assert_eq!((reply.job.as_str(), reply.files), ("train", n));
+    // The readiness window is what the cache can hold of the first epoch: half of it.
+    let job = &d.status().jobs[0];
+    assert_eq!(
+        (job.window, job.window_bytes),
+        (n / 2, n / 2 * FILE),
+        "{job:?}"
+    );
 
     for epoch in 0..4u64 {
         let order = shardcache_plan::shuffle::node_order(n, 5, epoch, 1, &[0], false);
@@ -163,7 +170,12 @@ fn the_cli_registers_a_manifest_and_waits_for_readiness() {
     assert!(out.status.success(), "{out:?}");
     assert!(String::from_utf8_lossy(&out.stdout).contains("registered job prolog (40 files)"));
     let job = &d.status().jobs[0];
-    assert!(job.window_resident * 10 >= job.window, "ready: {job:?}");
+    assert_eq!(job.window, n, "the whole first epoch fits: {job:?}");
+    assert_eq!(job.window_bytes, n * FILE);
+    assert!(
+        job.window_resident_bytes * 10 >= job.window_bytes,
+        "ready: {job:?}"
+    );
     // The prefetched files are the ones the plan reads first, and they read back right.
     let first = shardcache_plan::shuffle::node_order(n, 9, 0, 1, &[0], false)[0];
     let (got, st) = read_all(&bed.client(), &bed.path(&format!("ds/s{first:02}"))).unwrap();

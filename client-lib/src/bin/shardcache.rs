@@ -41,7 +41,8 @@ enum Cmd {
     Prefetch {
         /// The manifest (JSON file).
         manifest: PathBuf,
-        /// Then wait until this fraction (0–1) of the job's next 64 files is cached.
+        /// Then wait until this fraction (0–1) of the bytes of the job's next epoch (as
+        /// far as the cache holds it) is cached.
         #[arg(long)]
         wait: Option<f64>,
         /// Give up waiting after this many seconds.
@@ -157,7 +158,7 @@ fn print_status(s: &pb::StatusReply) {
     for j in &s.jobs {
         let read = j.hit_bytes + j.filled_bytes + j.fallback_bytes;
         println!(
-            "{:<12}{}: epoch {} step {}/{} ({:.1} steps/s), {} files, next window {}/{} cached",
+            "{:<12}{}: epoch {} step {}/{} ({:.1} steps/s), {} files; readiness window {} of {} cached ({}/{} files)",
             "job",
             j.job,
             j.epoch,
@@ -165,6 +166,8 @@ fn print_status(s: &pb::StatusReply) {
             j.epoch_len,
             j.rate,
             j.files,
+            human(j.window_resident_bytes),
+            human(j.window_bytes),
             j.window_resident,
             j.window
         );
@@ -290,16 +293,17 @@ fn run(cli: Cli) -> Result<(), String> {
     Ok(())
 }
 
-/// Waits until `fraction` of the job's next window is cached, drawing a progress bar.
+/// Waits until `fraction` of the bytes of the job's readiness window is cached, drawing
+/// a progress bar.
 /// For Slurm prologs and Kubernetes init containers: exits non-zero on timeout.
 fn wait_ready(client: &Client, job: &str, fraction: f64, timeout: Duration) -> Result<(), String> {
     if !(0.0..=1.0).contains(&fraction) {
         return Err(format!("--wait {fraction}: must be between 0 and 1"));
     }
-    let bar = indicatif::ProgressBar::new(64);
+    let bar = indicatif::ProgressBar::new(0);
     bar.set_style(
         indicatif::ProgressStyle::with_template(
-            "{msg} [{bar:40}] {pos}/{len} files of the next window cached",
+            "{msg} [{bar:40}] {bytes}/{total_bytes} of the next epoch's readiness window cached",
         )
         .map_err(|e| e.to_string())?,
     );
@@ -310,16 +314,18 @@ fn wait_ready(client: &Client, job: &str, fraction: f64, timeout: Duration) -> R
         let Some(j) = s.jobs.iter().find(|j| j.job == job) else {
             return Err(format!("job `{job}` is no longer registered"));
         };
-        bar.set_length(j.window.max(1));
-        bar.set_position(j.window_resident);
-        if j.window == 0 || j.window_resident as f64 >= fraction * j.window as f64 {
+        bar.set_length(j.window_bytes);
+        bar.set_position(j.window_resident_bytes);
+        if j.window == 0 || j.window_resident_bytes as f64 >= fraction * j.window_bytes as f64 {
             bar.finish();
             return Ok(());
         }
         if std::time::Instant::now() >= deadline {
             bar.abandon();
             return Err(format!(
-                "job `{job}`: {} of {} files ready after {}s (is prefetch enabled? see prefetch_ahead)",
+                "job `{job}`: {} of {} ready ({} of {} files) after {}s; is prefetch on (prefetch_ahead > 0)? is the backing store slow?",
+                human(j.window_resident_bytes),
+                human(j.window_bytes),
                 j.window_resident,
                 j.window,
                 timeout.as_secs()

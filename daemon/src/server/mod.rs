@@ -626,10 +626,11 @@ fn status(ctx: &Ctx) -> pb::StatusReply {
         .iter()
         .map(|r| r.name.clone())
         .collect();
-    let jobs = ctx
-        .jobs
-        .status(&|root, path| ctx.store.is_cached(&names[root], path));
     let s = ctx.store.status();
+    let jobs = ctx.jobs.status(
+        &|root, path| ctx.store.is_cached(&names[root], path),
+        s.capacity,
+    );
     pb::StatusReply {
         daemon_version: env!("CARGO_PKG_VERSION").to_owned(),
         uptime_seconds: ctx.started.elapsed().as_secs(),
