@@ -125,6 +125,11 @@ fn de_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
     }
 }
 
+fn de_opt_count<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    let n = u64::deserialize(d)?;
+    Ok((n > 0).then_some(n))
+}
+
 fn de_opt_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     de_bytes(d).map(|b| if b == 0 { None } else { Some(b) })
 }
@@ -206,6 +211,10 @@ pub struct Config {
     /// it); `0` = no limit. Default no limit.
     #[serde(deserialize_with = "de_opt_bytes")]
     pub prefetch_bandwidth: Option<u64>,
+    /// Most files per second prefetch opens on the backing store (a metadata budget);
+    /// `0` = no limit. Default no limit.
+    #[serde(deserialize_with = "de_opt_count")]
+    pub prefetch_ops: Option<u64>,
 }
 
 impl Default for Config {
@@ -229,6 +238,7 @@ impl Default for Config {
             prefetch_ahead: 1024,
             prefetch_concurrency: 16,
             prefetch_bandwidth: None,
+            prefetch_ops: None,
         }
     }
 }
@@ -366,5 +376,6 @@ mod packaged {
         assert_eq!(c.prefetch_ahead, d.prefetch_ahead);
         assert_eq!(c.prefetch_concurrency, d.prefetch_concurrency);
         assert_eq!(c.prefetch_bandwidth, d.prefetch_bandwidth);
+        assert_eq!(c.prefetch_ops, d.prefetch_ops);
     }
 }

@@ -124,6 +124,7 @@ impl Daemon {
                         ahead,
                         concurrency: cfg.prefetch_concurrency,
                         bandwidth: cfg.prefetch_bandwidth,
+                        ops: cfg.prefetch_ops,
                     },
                 )
                 .context("starting the prefetcher")?,

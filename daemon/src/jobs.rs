@@ -43,6 +43,8 @@ pub struct PrefetchConfig {
     pub concurrency: usize,
     /// Most bytes per second prefetch reads from the backing store.
     pub bandwidth: Option<u64>,
+    /// Most files per second prefetch opens on the backing store.
+    pub ops: Option<u64>,
 }
 
 /// Reads of one job, as clients reported them and as the daemon saw them.
@@ -481,6 +483,7 @@ impl Jobs {
         // which each will have been read.
         let mut ahead: HashMap<FileRef, u64> = HashMap::new();
         let mut budget = cfg.bandwidth.map(Budget::new);
+        let mut ops = cfg.ops.map(Budget::new);
         while !stop.load(Ordering::Acquire) {
             {
                 let mut woken = lock(&self.wake.0);
@@ -552,7 +555,7 @@ impl Jobs {
                     margin: 0.0,
                 },
             };
-            if let Some(b) = &mut budget {
+            for b in [&mut budget, &mut ops].into_iter().flatten() {
                 b.refill();
             }
             let mut fetches = Vec::new();
@@ -563,6 +566,7 @@ impl Jobs {
                 while ahead.len() + fetches.len() < cfg.ahead
                     && flights.len() + fetches.len() < cfg.concurrency
                     && budget.as_ref().is_none_or(Budget::allows)
+                    && ops.as_ref().is_none_or(Budget::allows)
                 {
                     let Some(fx) = prefetch::next_prefetch(&mut p, &view, pace) else {
                         break;
@@ -576,6 +580,9 @@ impl Jobs {
                     view.busy.insert(fx.file.clone());
                     if let Some(b) = &mut budget {
                         b.spend(size);
+                    }
+                    if let Some(o) = &mut ops {
+                        o.spend(1);
                     }
                     let steps = p.steps_until(&fx.file).unwrap_or(0);
                     ahead.insert(fx.file.clone(), reads + steps + 1);
@@ -614,8 +621,9 @@ impl Jobs {
     }
 }
 
-/// A token bucket over bytes: prefetch may start a file while the bucket is not in
-/// debt, and the file's size is then charged (so one large file may overdraw it).
+/// A token bucket (over bytes, or over files): prefetch may start a file while the
+/// bucket is not in debt, and the file's cost is then charged (so one large file may
+/// overdraw it).
 #[derive(Debug)]
 struct Budget {
     rate: f64,
@@ -634,9 +642,9 @@ impl Budget {
 
     fn refill(&mut self) {
         let now = Instant::now();
-        // At most a tenth of a second's worth saved up: bursts stay short.
-        self.tokens =
-            (self.tokens + self.rate * (now - self.at).as_secs_f64()).min(self.rate / 10.0);
+        // At most a tenth of a second's worth saved up (and one unit): bursts stay short.
+        self.tokens = (self.tokens + self.rate * (now - self.at).as_secs_f64())
+            .min((self.rate / 10.0).max(1.0));
         self.at = now;
     }
 

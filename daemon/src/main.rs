@@ -71,6 +71,9 @@ struct Args {
     /// [default: 0].
     #[arg(long, env = "SHARDCACHED_PREFETCH_BANDWIDTH", value_parser = config::parse_bytes)]
     prefetch_bandwidth: Option<u64>,
+    /// Most files/s prefetch opens on the backing store; 0 = unlimited [default: 0].
+    #[arg(long, env = "SHARDCACHED_PREFETCH_OPS")]
+    prefetch_ops: Option<u64>,
     /// Log filter (tracing EnvFilter syntax) [default: info].
     #[arg(long, env = "SHARDCACHED_LOG", default_value = "info")]
     log: String,
@@ -110,6 +113,9 @@ fn load(args: &Args) -> anyhow::Result<Config> {
     }
     if let Some(bw) = args.prefetch_bandwidth {
         cfg.prefetch_bandwidth = (bw > 0).then_some(bw);
+    }
+    if let Some(ops) = args.prefetch_ops {
+        cfg.prefetch_ops = (ops > 0).then_some(ops);
     }
     cfg.validate()
         .map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;

@@ -321,3 +321,41 @@ fn two_jobs_share_the_cache_by_their_future_needs() {
         );
     }
 }
+
+/// The prefetch budgets toward the shared file system hold: with `--prefetch-ops N` (or
+/// `--prefetch-bandwidth B`) prefetch fetches at most about N files (B bytes) per second.
+/// Only upper bounds are checked: a slow machine prefetches less, never more.
+#[test]
+fn prefetch_stays_within_its_ops_and_bandwidth_budgets() {
+    for (flag, value, per_sec_files) in [
+        ("--prefetch-ops", "10", 10.0),
+        ("--prefetch-bandwidth", "80KiB", 5.0), // 16 KiB files
+    ] {
+        let bed = Bed::new();
+        let n = 100u64;
+        for i in 0..n {
+            write_file(&bed.path(&format!("ds/s{i:03}")), i, FILE);
+        }
+        let d = bed.start(&["--block-size", "16KiB", flag, value]);
+        let files: Vec<String> = (0..n).map(|i| format!("s{i:03}")).collect();
+        let manifest = serde_json::json!({
+            "version": 1, "job": "b", "root": bed.path("ds"), "files": files,
+            "plan": {"kind": "shuffle", "algorithm": "pcg64-fisher-yates/v1", "seed": 1,
+                     "epochs": 1, "world_size": 1, "ranks": [0]}
+        });
+        let start = std::time::Instant::now();
+        bed.client().register(&manifest.to_string()).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(1500));
+        let filled = d.counters().blocks_filled;
+        let secs = start.elapsed().as_secs_f64();
+        // The bucket starts empty and saves up at most a tenth of a second (or one file);
+        // one file may overdraw it.
+        let most = (per_sec_files * secs).ceil() as u64 + 2;
+        eprintln!("{flag} {value}: {filled} files prefetched in {secs:.2}s (at most {most})");
+        assert!(filled >= 1, "{flag}: prefetch ran");
+        assert!(
+            filled <= most,
+            "{flag} {value}: {filled} files in {secs:.2}s"
+        );
+    }
+}
