@@ -153,6 +153,8 @@ struct Index {
     /// Files a reader is waiting on, not evictable until the instant given (see
     /// [`Store::pin`]).
     pins: HashMap<Key, Instant>,
+    /// When `pins` may next be swept of expired entries.
+    pins_swept: Instant,
 }
 
 /// Pins held at most at once (a bound on memory if readers vanish mid-wait).
@@ -381,6 +383,7 @@ impl Store {
             unverified: 0,
             policy,
             pins: HashMap::default(),
+            pins_swept: Instant::now(),
         };
         for (key, mut e) in files {
             for b in e.blocks.iter_mut().flatten() {
@@ -568,11 +571,17 @@ impl Store {
     /// expire on their own, so a reader that goes away costs nothing lasting.
     pub fn pin(&self, key: &Key, until: Instant) {
         let mut idx = self.lock();
-        if idx.pins.len() >= MAX_PINS {
+        if idx.pins.len() >= MAX_PINS && !idx.pins.contains_key(key) {
+            // Sweep expired pins, at most once per 100 ms (a full map of live pins
+            // would otherwise cost a sweep per open).
             let now = Instant::now();
-            idx.pins.retain(|_, u| *u > now);
-            if idx.pins.len() >= MAX_PINS {
+            if now < idx.pins_swept {
                 return; // best effort: a pin only saves a refetch
+            }
+            idx.pins.retain(|_, u| *u > now);
+            idx.pins_swept = now + std::time::Duration::from_millis(100);
+            if idx.pins.len() >= MAX_PINS {
+                return;
             }
         }
         let u = idx.pins.entry(*key).or_insert(until);

@@ -191,6 +191,37 @@ fn capacity_evicts_least_recently_used_files() {
 }
 
 #[test]
+fn a_pinned_file_is_not_evicted_until_unpinned_or_expired() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Store::open(&cfg(dir.path(), 2 * BS as u64), Arc::default()).unwrap();
+    let (a, b, c) = (
+        stat("a", BS as u64, 1),
+        stat("b", BS as u64, 1),
+        stat("c", BS as u64, 1),
+    );
+    fill(&s, &a, 0).unwrap();
+    fill(&s, &b, 0).unwrap();
+    let ka = Key::of("/r", "a", &a.version);
+    s.pin(&ka, Instant::now() + std::time::Duration::from_secs(60));
+    fill(&s, &c, 0).unwrap();
+    assert_eq!(check(&s, &a), 1, "a is least recently used, but pinned");
+    assert_eq!(check(&s, &b), 0, "b went instead");
+    // With every other file pinned too, nothing can make room.
+    let kc = Key::of("/r", "c", &c.version);
+    s.pin(&kc, Instant::now() + std::time::Duration::from_secs(60));
+    assert!(matches!(fill(&s, &b, 0), Err(StoreError::NoSpace)));
+    s.unpin(&ka);
+    fill(&s, &b, 0).unwrap();
+    assert_eq!(check(&s, &a), 0, "unpinned, a goes");
+    // An expired pin protects nothing.
+    let kb = Key::of("/r", "b", &b.version);
+    s.unpin(&kc);
+    s.pin(&kb, Instant::now());
+    fill(&s, &a, 0).unwrap();
+    assert_eq!(check(&s, &a), 1);
+}
+
+#[test]
 fn a_new_version_retires_the_old_one() {
     let dir = tempfile::tempdir().unwrap();
     let s = Store::open(&cfg(dir.path(), 1 << 30), Arc::default()).unwrap();
