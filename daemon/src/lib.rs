@@ -22,6 +22,7 @@ pub mod fill;
 pub mod glob;
 pub mod jobs;
 pub mod meta;
+pub mod peer;
 pub mod planner;
 pub mod server;
 pub mod stats;
