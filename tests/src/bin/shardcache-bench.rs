@@ -148,7 +148,6 @@ fn policy(a: &PolicyArgs) {
 
 fn policy_live(a: &PolicyArgs) {
     use shardcache_tests::live::{Params, run};
-    use shardcache_tests::policy::stall_floor;
     let size = shardcache_daemon::config::parse_bytes(&a.live_file_size).expect("--live-file-size");
     let bw = shardcache_daemon::config::parse_bytes(&a.live_bandwidth).expect("--live-bandwidth");
     let shm = Path::new("/dev/shm");
@@ -200,19 +199,14 @@ fn policy_live(a: &PolicyArgs) {
                 ..p
             })
             .expect("live LRU run");
-            println!(
-                "{:>5.2} {:>5.1} | {:>13.3} {:>13.3} | {:>8.3} {:>8.3} {:>8.3} | {:>9.3} {:>8.3} | {:>9.3}",
+            let row = policy_row(
                 cn,
                 rb,
-                ours.hit_rate / cn,
-                base.hit_rate / cn,
-                ours.stall,
-                stall_floor(cn, rb, 1.0),
-                base.stall,
+                [ours.hit_rate, base.hit_rate],
+                [ours.stall, base.stall],
                 ours.backing_per_epoch,
-                1.0 - cn,
-                ours.open_hits
             );
+            println!("{row} | {:>9.3}", ours.open_hits);
         }
     }
     println!(
@@ -220,8 +214,26 @@ fn policy_live(a: &PolicyArgs) {
     );
 }
 
+/// One row of a policy table: hit rates (planned, LRU) ÷ C/N, stalls (planned, floor,
+/// LRU), backing traffic per epoch and its floor.
+fn policy_row(cn: f64, rb: f64, hit: [f64; 2], stall: [f64; 2], backing: f64) -> String {
+    use shardcache_tests::policy::stall_floor;
+    format!(
+        "{:>5.2} {:>5.1} | {:>13.3} {:>13.3} | {:>8.3} {:>8.3} {:>8.3} | {:>9.3} {:>8.3}",
+        cn,
+        rb,
+        hit[0] / cn,
+        hit[1] / cn,
+        stall[0],
+        stall_floor(cn, rb, 1.0),
+        stall[1],
+        backing,
+        1.0 - cn
+    )
+}
+
 fn policy_sim(a: &PolicyArgs) {
-    use shardcache_tests::policy::{lru, planned, stall_floor};
+    use shardcache_tests::policy::{lru, planned};
     println!(
         "policy benchmark: {} files, {} epochs (first not counted), shuffled, prefetch window {}; backing bandwidth B = 1 file/s",
         a.files,
@@ -242,18 +254,14 @@ fn policy_sim(a: &PolicyArgs) {
             let window = if a.window == 0 { c } else { a.window };
             let ours = planned(a.files, c, rb, 1.0, a.epochs, a.seed, window);
             let base = lru(a.files, c, rb, 1.0, a.epochs, a.seed);
-            println!(
-                "{:>5.2} {:>5.1} | {:>13.3} {:>13.3} | {:>8.3} {:>8.3} {:>8.3} | {:>9.3} {:>8.3}",
+            let row = policy_row(
                 cn,
                 rb,
-                ours.hit_rate / cn,
-                base.hit_rate / cn,
-                ours.stall,
-                stall_floor(cn, rb, 1.0),
-                base.stall,
+                [ours.hit_rate, base.hit_rate],
+                [ours.stall, base.stall],
                 ours.backing_per_epoch,
-                1.0 - cn
             );
+            println!("{row}");
         }
     }
     println!(

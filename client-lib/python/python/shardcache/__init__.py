@@ -196,18 +196,14 @@ def open(  # noqa: A001 - mirrors builtins.open on purpose
         )
     if binary and (encoding or errors or newline is not None):
         raise ValueError("binary mode takes no encoding, errors or newline")
+    if buffering == 0 and not binary:
+        raise ValueError("can't have unbuffered text I/O")
     c = client if client is not None else _default_client()
     name = os.fspath(path)
-    raw = CacheFile(c._native.open(name), name)
-    if buffering == 0:
-        if not binary:
-            raise ValueError("can't have unbuffered text I/O")
-        return raw
-    size = buffering if buffering > 1 else io.DEFAULT_BUFFER_SIZE
-    buffered = io.BufferedReader(raw, buffer_size=size)
+    f = _wrap(c._native.open(name), name, buffering)
     if binary:
-        return buffered
-    return io.TextIOWrapper(buffered, encoding=encoding, errors=errors, newline=newline)
+        return f
+    return io.TextIOWrapper(f, encoding=encoding, errors=errors, newline=newline)
 
 
 class Client:
