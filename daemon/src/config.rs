@@ -215,6 +215,26 @@ pub struct Config {
     /// `0` = no limit. Default no limit.
     #[serde(deserialize_with = "de_opt_count")]
     pub prefetch_ops: Option<u64>,
+    /// Where the peer service listens (`host:port`); unset (the default) keeps this node
+    /// to itself. Sharing needs `peer_secret_file` and `peers` or `peer_dns`.
+    pub peer_listen: Option<std::net::SocketAddr>,
+    /// This node's address as the other nodes reach it. Default: `peer_listen`.
+    pub peer_advertise: Option<String>,
+    /// The other nodes (`host:port` each), a static list.
+    pub peers: Vec<String>,
+    /// A DNS name (`name:port`) whose addresses are the nodes, re-read every
+    /// `peer_refresh` (a Kubernetes headless Service).
+    pub peer_dns: Option<String>,
+    /// A file holding the cluster's shared secret (at least 16 characters; the same on
+    /// every node). Peers without it get nothing.
+    pub peer_secret_file: Option<PathBuf>,
+    /// Longest a fetch from a peer may take before the backing store is read instead.
+    /// Default 2 s.
+    #[serde(deserialize_with = "de_duration")]
+    pub peer_timeout: Duration,
+    /// How often `peer_dns` is resolved again. Default 30 s.
+    #[serde(deserialize_with = "de_duration")]
+    pub peer_refresh: Duration,
 }
 
 impl Default for Config {
@@ -239,6 +259,13 @@ impl Default for Config {
             prefetch_concurrency: 16,
             prefetch_bandwidth: None,
             prefetch_ops: None,
+            peer_listen: None,
+            peer_advertise: None,
+            peers: Vec::new(),
+            peer_dns: None,
+            peer_secret_file: None,
+            peer_timeout: Duration::from_secs(2),
+            peer_refresh: Duration::from_secs(30),
         }
     }
 }
@@ -246,6 +273,26 @@ impl Default for Config {
 impl Config {
     /// Checks every field once; the message names the offending key.
     pub fn validate(&self) -> Result<(), String> {
+        if let Some(listen) = self.peer_listen {
+            if self.peer_secret_file.is_none() {
+                return Err("peer_secret_file: required with peer_listen (peers authenticate every call with it)".into());
+            }
+            if self.peers.is_empty() && self.peer_dns.is_none() {
+                return Err(
+                    "peers: list the other nodes, or set peer_dns, with peer_listen".into(),
+                );
+            }
+            if self.peer_advertise.is_none() && listen.ip().is_unspecified() {
+                return Err(format!(
+                    "peer_advertise: required when peer_listen ({listen}) is a wildcard address: the address the other nodes reach this one at"
+                ));
+            }
+            if self.peer_timeout.is_zero() || self.peer_refresh.is_zero() {
+                return Err("peer_timeout, peer_refresh: must be more than 0".into());
+            }
+        } else if !self.peers.is_empty() || self.peer_dns.is_some() {
+            return Err("peer_listen: required when peers or peer_dns is set".into());
+        }
         if self.prefetch_ahead > 0 && self.prefetch_concurrency == 0 {
             return Err(
                 "prefetch_concurrency: must be at least 1 while prefetch is on (prefetch_ahead > 0)"
@@ -377,5 +424,9 @@ mod packaged {
         assert_eq!(c.prefetch_concurrency, d.prefetch_concurrency);
         assert_eq!(c.prefetch_bandwidth, d.prefetch_bandwidth);
         assert_eq!(c.prefetch_ops, d.prefetch_ops);
+        assert_eq!(c.peer_listen, d.peer_listen);
+        assert_eq!(c.peers, d.peers);
+        assert_eq!(c.peer_timeout, d.peer_timeout);
+        assert_eq!(c.peer_refresh, d.peer_refresh);
     }
 }

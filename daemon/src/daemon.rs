@@ -14,6 +14,8 @@ use crate::config::Config;
 use crate::fill::Filler;
 use crate::jobs::{Jobs, PlannedPolicy};
 use crate::meta::{Meta, Root, Roots};
+use crate::peer::membership::Source;
+use crate::peer::{PeerConfig, Peers};
 use crate::server::{self, Ctx, Server};
 use crate::stats::Stats;
 use crate::store::{Store, StoreConfig};
@@ -23,6 +25,7 @@ use crate::store::{Store, StoreConfig};
 pub struct Daemon {
     server: Server,
     ctx: Arc<Ctx>,
+    peers: Option<Arc<Peers>>,
     filler: Arc<Filler>,
     store: Arc<Store>,
     scrub: Option<Scrub>,
@@ -88,6 +91,12 @@ impl Daemon {
             )
             .context("starting fill workers")?,
         );
+        let peers = match cfg.peer_listen {
+            Some(listen) => Some(Self::start_peers(
+                cfg, listen, &store, &meta, &stats, &filler,
+            )?),
+            None => None,
+        };
         let listener = server::bind(&cfg.socket, cfg.socket_mode)
             .with_context(|| format!("binding the socket {}", cfg.socket.display()))?;
         let meta_for_prefetch = meta.clone();
@@ -96,6 +105,7 @@ impl Daemon {
             store: store.clone(),
             filler: filler.clone(),
             jobs: jobs.clone(),
+            peers: peers.clone(),
             stats,
             readahead: cfg.readahead_blocks,
             max_wait: cfg.max_wait,
@@ -133,6 +143,7 @@ impl Daemon {
         Ok(Self {
             server,
             ctx,
+            peers,
             filler,
             store,
             scrub,
@@ -145,6 +156,55 @@ impl Daemon {
     /// it exactly as a connection thread does, without the socket.
     pub fn ctx(&self) -> &Arc<Ctx> {
         &self.ctx
+    }
+
+    /// Starts the peer service and lets fills ask peers.
+    fn start_peers(
+        cfg: &Config,
+        listen: std::net::SocketAddr,
+        store: &Arc<Store>,
+        meta: &Arc<Meta>,
+        stats: &Arc<Stats>,
+        filler: &Arc<Filler>,
+    ) -> anyhow::Result<Arc<Peers>> {
+        let file = cfg
+            .peer_secret_file
+            .as_ref()
+            .context("peer_secret_file is required with peer_listen")?;
+        let secret = std::fs::read_to_string(file)
+            .with_context(|| format!("reading the peer secret {}", file.display()))?
+            .trim()
+            .to_owned();
+        anyhow::ensure!(
+            secret.len() >= 16,
+            "{}: the peer secret must be at least 16 characters",
+            file.display()
+        );
+        let source = match &cfg.peer_dns {
+            Some(name) => {
+                let (host, port) = name
+                    .rsplit_once(':')
+                    .and_then(|(h, p)| Some((h.to_owned(), p.parse().ok()?)))
+                    .with_context(|| format!("peer_dns `{name}`: expected name:port"))?;
+                Source::Dns { name: host, port }
+            }
+            None => Source::Static(cfg.peers.clone()),
+        };
+        let pc = PeerConfig {
+            listen,
+            advertise: cfg
+                .peer_advertise
+                .clone()
+                .unwrap_or_else(|| listen.to_string()),
+            source,
+            secret,
+            timeout: cfg.peer_timeout,
+            refresh: cfg.peer_refresh,
+        };
+        let (peers, fill_cell) = Peers::start(&pc, store.clone(), meta.clone(), stats.clone())?;
+        let _ = fill_cell.set(filler.clone());
+        filler.use_peers(peers.clone());
+        Ok(peers)
     }
 
     /// After an unclean start, checks every block in the background (blocks are also
@@ -174,6 +234,9 @@ impl Daemon {
     /// fills stop, the journal is flushed and the store marked clean.
     pub fn close(mut self) -> anyhow::Result<()> {
         self.server.close();
+        if let Some(p) = &self.peers {
+            p.close();
+        }
         if let Some((stop, h)) = self.prefetch.take() {
             stop.store(true, Ordering::Relaxed);
             self.jobs.stop_prefetcher();

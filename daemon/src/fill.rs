@@ -16,7 +16,7 @@ use std::cmp::Ordering as CmpOrdering;
 use std::collections::BinaryHeap;
 
 use rustc_hash::FxHashMap as HashMap;
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::Instant;
 
@@ -48,6 +48,9 @@ pub struct Target {
     pub stat: Arc<Stat>,
     /// The store key of that version.
     pub key: Key,
+    /// The block may come from a peer (false when filling for a peer: the owner reads the
+    /// backing store itself).
+    pub peer_ok: bool,
 }
 
 /// One block fill in progress; waiters block on it.
@@ -159,6 +162,7 @@ struct Inner {
     limit: usize,
     workers: usize,
     meter: Mutex<Meter>,
+    peers: OnceLock<Arc<crate::peer::Peers>>,
     handles: moka::sync::Cache<Key, Arc<dyn BackingFile>>,
 }
 
@@ -234,6 +238,7 @@ impl Filler {
             limit,
             workers,
             meter: Mutex::new(Meter::default()),
+            peers: OnceLock::new(),
             handles: moka::sync::Cache::builder()
                 .max_capacity(256)
                 .time_to_idle(std::time::Duration::from_secs(30))
@@ -287,6 +292,49 @@ impl Filler {
         q.enqueue(target, index, prio);
         inner.cv.notify_one();
         Scheduled::InFlight(f)
+    }
+
+    /// Fills block `index` of `target` on the calling thread (for a peer that asked this
+    /// node, the block's owner): single flight with every other request for the block,
+    /// but not queued behind workers that may themselves be waiting on peers. True when
+    /// the block is present afterwards.
+    pub fn fill_here(&self, target: &Arc<Target>, index: usize, deadline: Instant) -> bool {
+        let inner = &self.inner;
+        if inner.store.is_present(&target.key, index) {
+            return true;
+        }
+        let id = (target.key, index);
+        let mine = {
+            let mut flights = lock(&inner.flights);
+            match flights.get(&id) {
+                Some(f) => Err(f.clone()),
+                None => {
+                    let f = Arc::new(Flight::default());
+                    flights.insert(id, f.clone());
+                    Ok(f)
+                }
+            }
+        };
+        match mine {
+            Err(theirs) => theirs.wait_until(deadline).unwrap_or(false),
+            Ok(f) => {
+                let ok = match fill(inner, target, index, false) {
+                    Ok(()) => true,
+                    Err(e) => {
+                        tracing::debug!(path = %target.stat.path, block = index, error = %e, "fill for a peer failed");
+                        false
+                    }
+                };
+                lock(&inner.flights).remove(&id);
+                f.finish(ok);
+                ok
+            }
+        }
+    }
+
+    /// Lets fills ask peers before the backing store.
+    pub fn use_peers(&self, peers: Arc<crate::peer::Peers>) {
+        let _ = self.inner.peers.set(peers);
     }
 
     /// The backing store's measured latency and throughput, once a few reads are in.
@@ -379,6 +427,15 @@ fn fill(inner: &Inner, t: &Target, index: usize, prefetch: bool) -> Result<(), F
     let Some(permit) = inner.store.begin_fill(root, &t.stat, index, prefetch)? else {
         return Ok(());
     };
+    if t.peer_ok
+        && let Some(peers) = inner.peers.get()
+        && let Some(data) =
+            peers.fetch(root, &t.stat, index, inner.store.block_size(), permit.len())
+    {
+        inner.store.commit_fill(permit, &data)?;
+        inc(&inner.stats.blocks_filled);
+        return Ok(());
+    }
     let started = Instant::now();
     match read_block(inner, t, permit.offset(), permit.len()) {
         Ok(data) => {
@@ -500,6 +557,7 @@ mod tests {
             let stat = self.meta.stat(0, path).unwrap();
             let view = self.store.view("/r", &stat).unwrap();
             Arc::new(Target {
+                peer_ok: true,
                 root: 0,
                 rel: path.to_owned(),
                 stat,

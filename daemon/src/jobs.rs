@@ -599,6 +599,7 @@ impl Jobs {
                 let key = Key::of(root_name, &stat.path, &stat.version);
                 let nblocks = stat.version.size.div_ceil(store.block_size() as u64) as usize;
                 let target = Arc::new(Target {
+                    peer_ok: true,
                     root: f.root,
                     rel: f.path.clone(),
                     stat,

@@ -74,6 +74,24 @@ struct Args {
     /// Most files/s prefetch opens on the backing store; 0 = unlimited [default: 0].
     #[arg(long, env = "SHARDCACHED_PREFETCH_OPS")]
     prefetch_ops: Option<u64>,
+    /// Where the peer service listens, e.g. 0.0.0.0:7070 [default: peers off].
+    #[arg(long, env = "SHARDCACHED_PEER_LISTEN")]
+    peer_listen: Option<std::net::SocketAddr>,
+    /// This node's address as the others reach it [default: --peer-listen].
+    #[arg(long, env = "SHARDCACHED_PEER_ADVERTISE")]
+    peer_advertise: Option<String>,
+    /// Another node's host:port (repeat for each).
+    #[arg(long = "peer", env = "SHARDCACHED_PEERS", value_delimiter = ',')]
+    peers: Vec<String>,
+    /// A DNS name:port whose addresses are the nodes (a headless Service).
+    #[arg(long, env = "SHARDCACHED_PEER_DNS")]
+    peer_dns: Option<String>,
+    /// File with the cluster's shared secret.
+    #[arg(long, env = "SHARDCACHED_PEER_SECRET_FILE")]
+    peer_secret_file: Option<PathBuf>,
+    /// Longest fetch from a peer before reading the backing store, e.g. 2s [default: 2s].
+    #[arg(long, env = "SHARDCACHED_PEER_TIMEOUT", value_parser = config::parse_duration)]
+    peer_timeout: Option<std::time::Duration>,
     /// Log filter (tracing EnvFilter syntax) [default: info].
     #[arg(long, env = "SHARDCACHED_LOG", default_value = "info")]
     log: String,
@@ -106,8 +124,24 @@ fn load(args: &Args) -> anyhow::Result<Config> {
         max_wait,
         spin,
         prefetch_ahead,
-        prefetch_concurrency
+        prefetch_concurrency,
+        peer_timeout
     );
+    if args.peer_listen.is_some() {
+        cfg.peer_listen = args.peer_listen;
+    }
+    if args.peer_advertise.is_some() {
+        cfg.peer_advertise = args.peer_advertise.clone();
+    }
+    if !args.peers.is_empty() {
+        cfg.peers = args.peers.clone();
+    }
+    if args.peer_dns.is_some() {
+        cfg.peer_dns = args.peer_dns.clone();
+    }
+    if args.peer_secret_file.is_some() {
+        cfg.peer_secret_file = args.peer_secret_file.clone();
+    }
     if let Some(bw) = args.backing_bandwidth {
         cfg.backing_bandwidth = (bw > 0).then_some(bw);
     }

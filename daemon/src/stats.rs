@@ -51,6 +51,12 @@ counters!(
     fallback_reads,
     fallback_opens,
     queue_shed,
+    peer_blocks_in,
+    peer_bytes_in,
+    peer_errors,
+    peer_blocks_out,
+    peer_bytes_out,
+    peer_refused,
 );
 
 /// Adds `n` to a counter.

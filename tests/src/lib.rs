@@ -126,7 +126,33 @@ impl Bed {
 
     /// Starts the daemon on this bed with extra flags.
     pub fn start(&self, extra: &[&str]) -> Daemon {
-        Daemon::start(self, extra)
+        Daemon::start(self, &self.cache, &self.socket, "daemon.log", extra)
+    }
+
+    /// Starts daemon number `node` of several sharing this bed's backing root (another
+    /// node of a cluster): its own cache directory, socket and log.
+    pub fn start_node(&self, node: usize, extra: &[&str]) -> Daemon {
+        let cache = self.tmp.path().join(format!("cache-{node}"));
+        std::fs::create_dir_all(&cache).expect("mkdir");
+        let socket = self.node_socket(node);
+        Daemon::start(self, &cache, &socket, &format!("daemon-{node}.log"), extra)
+    }
+
+    /// The socket of daemon `node` (see [`Bed::start_node`]).
+    pub fn node_socket(&self, node: usize) -> PathBuf {
+        self.tmp.path().join(format!("node-{node}.sock"))
+    }
+
+    /// A client of daemon `node`.
+    pub fn node_client(&self, node: usize) -> Client {
+        Client::with_config(ClientConfig {
+            socket: self.node_socket(node),
+            timeout: Duration::from_secs(5),
+            wait_timeout: Duration::from_secs(60),
+            retry_after: Duration::from_millis(200),
+            pool: 4,
+            ..ClientConfig::default()
+        })
     }
 
     /// A client for this bed's socket with short timeouts.
@@ -159,14 +185,14 @@ pub struct Daemon {
 }
 
 impl Daemon {
-    fn start(bed: &Bed, extra: &[&str]) -> Self {
+    fn start(bed: &Bed, cache: &Path, socket: &Path, log: &str, extra: &[&str]) -> Self {
         let mut args: Vec<String> = vec![
             "--backing-root".into(),
             bed.backing.display().to_string(),
             "--cache-dir".into(),
-            bed.cache.display().to_string(),
+            cache.display().to_string(),
             "--socket".into(),
-            bed.socket.display().to_string(),
+            socket.display().to_string(),
         ];
         if !extra.contains(&"--log") {
             args.extend(["--log".into(), "info,shardcache_daemon=debug".into()]);
@@ -175,8 +201,8 @@ impl Daemon {
         let mut d = Self {
             child: None,
             args,
-            socket: bed.socket.clone(),
-            log: bed.tmp.path().join("daemon.log"),
+            socket: socket.to_owned(),
+            log: bed.tmp.path().join(log),
             starts: 0,
         };
         d.spawn();

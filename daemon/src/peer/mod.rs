@@ -1,8 +1,318 @@
-//! Peers (issue 5, in progress): the parts of cluster-wide sharing that do not need the
-//! network yet. [`ring`] gives every block an owner among the healthy peers by
-//! rendezvous hashing; [`membership`] keeps the peer list (a static list, or a DNS name
-//! re-resolved periodically, as a Kubernetes headless Service gives) and each peer's
-//! health. The gRPC service and the fill path's peer source build on these.
+//! Peers: daemons on other nodes share cached blocks over gRPC, so that the shared file
+//! system is read about once per block per cluster.
+//!
+//! Every block has an owner among the healthy peers ([`ring`], rendezvous hashing over
+//! [`membership`]). A fill that misses locally asks the owner (`Fetch` with `fill`): the
+//! owner serves the block from its cache, or fetches it from the backing store first
+//! (its own fill engine: one backing read however many nodes ask), and the requester
+//! checks the checksum before it trusts the bytes. Any error or timeout falls through to
+//! the backing store: a read never fails because a peer did. Peers authenticate every
+//! call with the cluster's shared secret; without it a caller gets nothing.
 
 pub mod membership;
 pub mod ring;
+mod service;
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::Duration;
+
+use tonic::metadata::AsciiMetadataValue;
+use tonic::transport::{Channel, Endpoint};
+use xxhash_rust::xxh3::xxh3_64;
+
+use crate::backing::Stat;
+use crate::fill::Filler;
+use crate::meta::Meta;
+use crate::stats::{Stats, add, inc};
+use crate::store::{Key, Store};
+use membership::Membership;
+
+/// The generated gRPC code.
+#[allow(missing_docs, clippy::all, clippy::pedantic, unreachable_pub)]
+pub mod proto {
+    tonic::include_proto!("shardcache.peer.v1");
+}
+
+/// The metadata key that carries the shared secret.
+pub const SECRET_HEADER: &str = "x-shardcache-secret";
+/// Largest block a peer sends or accepts (the largest configurable block size).
+const MAX_BLOCK: usize = 64 << 20;
+/// Bytes per streamed chunk.
+const CHUNK: usize = 1 << 20;
+
+/// How this node takes part.
+#[derive(Debug, Clone)]
+pub struct PeerConfig {
+    /// Where the peer service listens.
+    pub listen: SocketAddr,
+    /// This node's id as the others know it (`host:port`).
+    pub advertise: String,
+    /// Where the member list comes from.
+    pub source: membership::Source,
+    /// The cluster's shared secret.
+    pub secret: String,
+    /// Longest a fetch from a peer may take before the backing store is read instead.
+    pub timeout: Duration,
+    /// How often the member list is read again.
+    pub refresh: Duration,
+}
+
+/// Where the peer service finds the fill engine once it exists (the fill engine also
+/// uses the peers, so one of the two is handed over late).
+pub type FillerCell = Arc<OnceLock<Arc<Filler>>>;
+
+/// This node's side of sharing: the service other nodes call, and the client fills use.
+pub struct Peers {
+    rt: tokio::runtime::Runtime,
+    membership: Arc<Membership>,
+    secret: AsciiMetadataValue,
+    channels: Mutex<HashMap<String, Channel>>,
+    timeout: Duration,
+    stats: Arc<Stats>,
+    stop: Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
+}
+
+impl std::fmt::Debug for Peers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Peers")
+            .field("me", &self.membership.me())
+            .finish()
+    }
+}
+
+impl Peers {
+    /// Binds the peer service and starts serving it, and the periodic member refresh.
+    /// The fill engine is handed over afterwards through the returned [`FillerCell`]
+    /// (it uses this object too).
+    pub fn start(
+        cfg: &PeerConfig,
+        store: Arc<Store>,
+        meta: Arc<Meta>,
+        stats: Arc<Stats>,
+    ) -> anyhow::Result<(Arc<Self>, FillerCell)> {
+        use anyhow::Context;
+        let secret: AsciiMetadataValue = cfg
+            .secret
+            .parse()
+            .context("peer secret: must be printable ASCII")?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("sc-peer")
+            .enable_all()
+            .build()
+            .context("starting the peer runtime")?;
+        let listener = std::net::TcpListener::bind(cfg.listen)
+            .with_context(|| format!("binding the peer service to {}", cfg.listen))?;
+        listener.set_nonblocking(true)?;
+        let membership = Arc::new(Membership::new(
+            cfg.source.clone(),
+            cfg.advertise.clone(),
+            membership::HealthPolicy::default(),
+        ));
+        if let Err(e) = membership.refresh() {
+            tracing::warn!(error = %e, "peer list: first lookup failed; will retry");
+        }
+        let filler = Arc::new(OnceLock::new());
+        let svc = service::Service {
+            store,
+            meta,
+            filler: filler.clone(),
+            stats: stats.clone(),
+            timeout: cfg.timeout,
+        };
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let expected = cfg.secret.clone();
+        let refused = stats.clone();
+        rt.spawn(async move {
+            let listener = match tokio::net::TcpListener::from_std(listener) {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::error!(error = %e, "peer service: cannot use the listener");
+                    return;
+                }
+            };
+            let auth = move |req: tonic::Request<()>| {
+                let ok = req
+                    .metadata()
+                    .get(SECRET_HEADER)
+                    .is_some_and(|v| service::same_secret(v.as_bytes(), expected.as_bytes()));
+                if ok {
+                    Ok(req)
+                } else {
+                    inc(&refused.peer_refused);
+                    Err(tonic::Status::unauthenticated(
+                        "shardcache peer: bad or missing secret",
+                    ))
+                }
+            };
+            let server = tonic::transport::Server::builder()
+                .add_service(proto::peer_server::PeerServer::with_interceptor(svc, auth))
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(listener),
+                    async {
+                        let _ = rx.await;
+                    },
+                );
+            if let Err(e) = server.await {
+                tracing::error!(error = %e, "peer service stopped");
+            }
+        });
+        let m = membership.clone();
+        let every = cfg.refresh;
+        rt.spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let m = m.clone();
+                match tokio::task::spawn_blocking(move || m.refresh()).await {
+                    Ok(Err(e)) => tracing::warn!(error = %e, "peer list: lookup failed; keeping the last list"),
+                    Err(e) => tracing::warn!(error = %e, "peer list: refresh task failed"),
+                    Ok(Ok(())) => {}
+                }
+            }
+        });
+        tracing::info!(listen = %cfg.listen, me = %cfg.advertise, "peer service ready");
+        Ok((
+            Arc::new(Self {
+                rt,
+                membership,
+                secret,
+                channels: Mutex::new(HashMap::new()),
+                timeout: cfg.timeout,
+                stats,
+                stop: Mutex::new(Some(tx)),
+            }),
+            filler,
+        ))
+    }
+
+    /// The members and their health.
+    pub fn membership(&self) -> &Membership {
+        &self.membership
+    }
+
+    /// Stops serving peers (fills stop asking them too: the runtime ends with this
+    /// object).
+    pub fn close(&self) {
+        if let Some(tx) = self.stop.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            let _ = tx.send(());
+        }
+    }
+
+    /// Block `index` of the file version `stat` under `root`, from its owner when that is
+    /// another node: `None` when this node owns it, or the owner failed (the caller
+    /// reads the backing store).
+    pub fn fetch(
+        &self,
+        root: &str,
+        stat: &Stat,
+        index: usize,
+        block_size: u32,
+        len: usize,
+    ) -> Option<Vec<u8>> {
+        let key = Key::of(root, &stat.path, &stat.version);
+        let mut id = key.hex().into_bytes();
+        id.extend_from_slice(&(index as u64).to_le_bytes());
+        let healthy = self.membership.healthy();
+        let owner = ring::owner(healthy.iter().map(String::as_str), &id)?.to_owned();
+        if owner == self.membership.me() {
+            return None;
+        }
+        let v = &stat.version;
+        let req = proto::FetchRequest {
+            root: root.to_owned(),
+            path: stat.path.clone(),
+            size: v.size,
+            mtime_ns: v.mtime_ns,
+            ctime_ns: v.ctime_ns,
+            ino: v.ino,
+            dev: v.dev,
+            index: index as u64,
+            block_size,
+            fill: true,
+        };
+        let got = self.rt.handle().block_on(async {
+            tokio::time::timeout(self.timeout, self.fetch_from(&owner, req))
+                .await
+                .unwrap_or_else(|_| Err("timed out".into()))
+        });
+        match got {
+            Ok(data) if data.len() == len => {
+                self.membership.report(&owner, true);
+                inc(&self.stats.peer_blocks_in);
+                add(&self.stats.peer_bytes_in, len as u64);
+                Some(data)
+            }
+            Ok(data) => {
+                tracing::warn!(peer = %owner, got = data.len(), want = len, "peer sent a block of the wrong length");
+                inc(&self.stats.peer_errors);
+                None
+            }
+            Err(e) => {
+                tracing::debug!(peer = %owner, error = %e, "peer fetch failed; reading the backing store");
+                // A peer that answers "not here" is healthy; one that fails is not.
+                if !e.starts_with("not found") {
+                    self.membership.report(&owner, false);
+                }
+                inc(&self.stats.peer_errors);
+                None
+            }
+        }
+    }
+
+    fn channel(&self, peer: &str) -> Result<Channel, String> {
+        let mut chans = self.channels.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = chans.get(peer) {
+            return Ok(c.clone());
+        }
+        let ep = Endpoint::from_shared(format!("http://{peer}"))
+            .map_err(|e| e.to_string())?
+            .connect_timeout(self.timeout)
+            .tcp_nodelay(true);
+        let c = ep.connect_lazy();
+        chans.insert(peer.to_owned(), c.clone());
+        Ok(c)
+    }
+
+    async fn fetch_from(&self, peer: &str, req: proto::FetchRequest) -> Result<Vec<u8>, String> {
+        let mut client = proto::peer_client::PeerClient::new(self.channel(peer)?)
+            .max_decoding_message_size(CHUNK + 1024);
+        let mut r = tonic::Request::new(req);
+        r.metadata_mut().insert(SECRET_HEADER, self.secret.clone());
+        let mut stream = client
+            .fetch(r)
+            .await
+            .map_err(|s| match s.code() {
+                tonic::Code::NotFound => format!("not found: {}", s.message()),
+                _ => format!("{:?}: {}", s.code(), s.message()),
+            })?
+            .into_inner();
+        let mut data = Vec::new();
+        let mut want: Option<(usize, u64)> = None;
+        while let Some(chunk) = stream.message().await.map_err(|s| s.to_string())? {
+            if want.is_none() {
+                let len = chunk.length as usize;
+                if len > MAX_BLOCK {
+                    return Err(format!("block of {len} bytes"));
+                }
+                data.reserve_exact(len);
+                want = Some((len, chunk.xxh3));
+            }
+            data.extend_from_slice(&chunk.data);
+            if want.is_some_and(|(len, _)| data.len() > len) {
+                return Err("more bytes than announced".into());
+            }
+        }
+        let (len, sum) = want.ok_or("empty reply")?;
+        if data.len() != len {
+            return Err(format!("{} of {len} bytes", data.len()));
+        }
+        if xxh3_64(&data) != sum {
+            return Err("checksum mismatch: bytes dropped".into());
+        }
+        Ok(data)
+    }
+}

@@ -57,6 +57,8 @@ pub struct Ctx {
     pub filler: Arc<Filler>,
     /// Registered jobs and their planner.
     pub jobs: Arc<crate::jobs::Jobs>,
+    /// The peers, when this node shares with others.
+    pub peers: Option<Arc<crate::peer::Peers>>,
     /// Counters.
     pub stats: Arc<Stats>,
     /// Blocks to read ahead.
@@ -449,6 +451,7 @@ fn authorize(
 
 fn target(root: usize, rel: String, stat: Arc<Stat>, view: &View) -> Arc<Target> {
     Arc::new(Target {
+        peer_ok: true,
         root,
         rel,
         stat,
@@ -652,6 +655,28 @@ fn status(ctx: &Ctx) -> pb::StatusReply {
         unverified_blocks: s.unverified,
         counters: Some(ctx.stats.snapshot()),
         jobs,
+        peer_id: ctx
+            .peers
+            .as_ref()
+            .map(|p| p.membership().me().to_owned())
+            .unwrap_or_default(),
+        peers: ctx
+            .peers
+            .as_ref()
+            .map(|p| {
+                let healthy = p.membership().healthy();
+                p.membership()
+                    .all()
+                    .into_iter()
+                    .map(|(id, h)| pb::PeerStatus {
+                        healthy: healthy.contains(&id),
+                        failures: h.failures,
+                        last_ok_seconds: h.last_ok.map_or(-1.0, |t| t.elapsed().as_secs_f64()),
+                        id,
+                    })
+                    .collect()
+            })
+            .unwrap_or_default(),
     }
 }
 

@@ -563,6 +563,27 @@ impl Store {
         by_capacity.min(by_floor)
     }
 
+    /// The bytes of block `i` of `key` and their xxh3-64, checked against the checksum
+    /// recorded when the block was written (a block that fails the check is dropped, as
+    /// `verify` would, and `None` returned). For serving peers: they check again.
+    pub fn read_block(&self, key: &Key, i: usize) -> Option<(Vec<u8>, u64)> {
+        let (generation, bs, meta) = {
+            let idx = self.lock();
+            let e = idx.files.get(key)?;
+            let meta = (*e.blocks.get(i)?)?;
+            (e.generation, e.block_size, meta)
+        };
+        let f = self.open_data(key, generation).ok()?;
+        let mut buf = vec![0u8; meta.len as usize];
+        f.read_exact_at(&mut buf, i as u64 * bs as u64).ok()?;
+        let sum = xxh3_64(&buf);
+        if sum != meta.xxh3 {
+            self.verify_blocks(key, generation, &[(i, meta)]);
+            return None;
+        }
+        Some((buf, sum))
+    }
+
     /// Keeps `key` from being evicted until `until` (or [`Store::unpin`]): a reader was
     /// told the file is being filled and has not yet been handed a descriptor holding
     /// the blocks. Without it, a fill that completes could be evicted (the reader's file

@@ -1,0 +1,132 @@
+//! The peer service: serves blocks this node holds (or, as a block's owner, fetches
+//! them from the backing store first), checked against their checksums before sending.
+
+use std::pin::Pin;
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use tonic::{Request, Response, Status};
+
+use super::CHUNK;
+use super::proto::{self, Chunk, FetchRequest};
+use crate::backing::Version;
+use crate::fill::{Filler, Target};
+use crate::meta::Meta;
+use crate::stats::{Stats, add, inc};
+use crate::store::{Key, Store};
+
+pub(super) struct Service {
+    pub(super) store: Arc<Store>,
+    pub(super) meta: Arc<Meta>,
+    pub(super) filler: Arc<OnceLock<Arc<Filler>>>,
+    pub(super) stats: Arc<Stats>,
+    pub(super) timeout: Duration,
+}
+
+/// Compares secrets in time independent of where they differ.
+pub(super) fn same_secret(given: &[u8], expected: &[u8]) -> bool {
+    use subtle::ConstantTimeEq;
+    given.len() == expected.len() && bool::from(given.ct_eq(expected))
+}
+
+type ChunkStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<Chunk, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl proto::peer_server::Peer for Service {
+    type FetchStream = ChunkStream;
+
+    async fn fetch(&self, req: Request<FetchRequest>) -> Result<Response<ChunkStream>, Status> {
+        let r = req.into_inner();
+        let (store, meta) = (self.store.clone(), self.meta.clone());
+        let (filler, timeout) = (self.filler.clone(), self.timeout);
+        let (data, sum) = tokio::task::spawn_blocking(move || {
+            serve_block(&store, &meta, filler.get(), &r, timeout)
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))??;
+        inc(&self.stats.peer_blocks_out);
+        add(&self.stats.peer_bytes_out, data.len() as u64);
+        let len = data.len() as u64;
+        let mut chunks: Vec<Result<Chunk, Status>> = data
+            .chunks(CHUNK)
+            .map(|c| {
+                Ok(Chunk {
+                    length: 0,
+                    xxh3: 0,
+                    data: c.to_vec(),
+                })
+            })
+            .collect();
+        if chunks.is_empty() {
+            chunks.push(Ok(Chunk::default()));
+        }
+        if let Some(Ok(first)) = chunks.first_mut() {
+            first.length = len;
+            first.xxh3 = sum;
+        }
+        Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
+    }
+}
+
+/// The block a peer asks for, from this node's cache, filled first when asked to.
+fn serve_block(
+    store: &Store,
+    meta: &Meta,
+    filler: Option<&Arc<Filler>>,
+    r: &FetchRequest,
+    timeout: Duration,
+) -> Result<(Vec<u8>, u64), Status> {
+    if r.block_size != store.block_size() {
+        return Err(Status::failed_precondition(format!(
+            "block size {} here, {} there: peers must use the same block_size",
+            store.block_size(),
+            r.block_size
+        )));
+    }
+    let Some(root) = meta.roots().all().iter().position(|x| x.name == r.root) else {
+        return Err(Status::not_found(format!(
+            "no backing root {} here",
+            r.root
+        )));
+    };
+    let version = Version {
+        size: r.size,
+        mtime_ns: r.mtime_ns,
+        ctime_ns: r.ctime_ns,
+        ino: r.ino,
+        dev: r.dev,
+    };
+    let index = usize::try_from(r.index).map_err(|_| Status::invalid_argument("index"))?;
+    let nblocks = r.size.div_ceil(r.block_size.max(1) as u64);
+    if r.index >= nblocks.max(1) {
+        return Err(Status::invalid_argument("no such block"));
+    }
+    let key = Key::of(&r.root, &r.path, &version);
+    if let Some(b) = store.read_block(&key, index) {
+        return Ok(b);
+    }
+    if !r.fill {
+        return Err(Status::not_found("not cached here"));
+    }
+    let filler = filler.ok_or_else(|| Status::unavailable("starting up"))?;
+    // Fill only the version the peer named, found by this node's own lookup.
+    let stat = meta
+        .stat(root, &r.path)
+        .map_err(|e| Status::not_found(e.to_string()))?;
+    if stat.version != version || stat.path != r.path {
+        return Err(Status::failed_precondition(
+            "the file changed on the backing store (or the path is not canonical)",
+        ));
+    }
+    let target = Arc::new(Target {
+        root,
+        rel: r.path.clone(),
+        stat,
+        key,
+        peer_ok: false,
+    });
+    filler.fill_here(&target, index, Instant::now() + timeout);
+    store
+        .read_block(&key, index)
+        .ok_or_else(|| Status::not_found("could not cache it here"))
+}
