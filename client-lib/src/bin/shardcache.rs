@@ -185,6 +185,36 @@ fn print_status(s: &pb::StatusReply) {
             j.prefetching
         );
     }
+    if !s.peer_id.is_empty() {
+        let healthy = s.peers.iter().filter(|p| p.healthy).count();
+        println!(
+            "{:<12}this node {}; {} of {} members healthy; from peers {} blocks ({}), to peers {} blocks ({}); {} failed fetches, {} refused callers",
+            "peers",
+            s.peer_id,
+            healthy,
+            s.peers.len(),
+            c.peer_blocks_in,
+            human(c.peer_bytes_in),
+            c.peer_blocks_out,
+            human(c.peer_bytes_out),
+            c.peer_errors,
+            c.peer_refused
+        );
+        for p in s.peers.iter().filter(|p| p.id != s.peer_id) {
+            let last = if p.last_ok_seconds < 0.0 {
+                "no exchange yet".to_owned()
+            } else {
+                format!("last ok {:.0}s ago", p.last_ok_seconds)
+            };
+            println!(
+                "{:<12}{} {} ({} failures in a row, {last})",
+                "",
+                p.id,
+                if p.healthy { "healthy" } else { "DOWN" },
+                p.failures
+            );
+        }
+    }
     println!(
         "{:<12}{} verified, {} corrupt; evicted {} files ({})",
         "integrity",
