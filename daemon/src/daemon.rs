@@ -93,7 +93,7 @@ impl Daemon {
         );
         let peers = match cfg.peer_listen {
             Some(listen) => Some(Self::start_peers(
-                cfg, listen, &store, &meta, &stats, &filler,
+                cfg, listen, &store, &meta, &stats, &filler, &jobs,
             )?),
             None => None,
         };
@@ -166,6 +166,7 @@ impl Daemon {
         meta: &Arc<Meta>,
         stats: &Arc<Stats>,
         filler: &Arc<Filler>,
+        jobs: &Arc<Jobs>,
     ) -> anyhow::Result<Arc<Peers>> {
         let file = cfg
             .peer_secret_file
@@ -204,6 +205,7 @@ impl Daemon {
         let (peers, fill_cell) = Peers::start(&pc, store.clone(), meta.clone(), stats.clone())?;
         let _ = fill_cell.set(filler.clone());
         filler.use_peers(peers.clone());
+        jobs.set_peers(peers.clone());
         Ok(peers)
     }
 

@@ -19,7 +19,7 @@ use shardcache_proto::local::v1 as pb;
 use crate::fill::{Filler, Flight, Priority, Scheduled, Target};
 use crate::meta::{Meta, Roots};
 use crate::planner::prefetch::{self, CacheView, Pace};
-use crate::planner::{FileRef, Planner, Source};
+use crate::planner::{FileRef, Need, Planner, Source};
 use crate::store::evict::{EvictionPolicy, Lru};
 use crate::store::{Key, Store};
 
@@ -90,6 +90,9 @@ pub struct Jobs {
     /// Sizes of planned files, as declared by manifests or stat'ed by the prefetcher
     /// and the status (bounded: cleared when it grows past a million entries).
     sizes: Mutex<HashMap<FileRef, u64>>,
+    /// The peers, when this node shares with others: eviction then keeps the files this
+    /// node owns for the cluster before its local copies of files others own.
+    peers: std::sync::OnceLock<Arc<crate::peer::Peers>>,
     wake: (Mutex<bool>, Condvar),
 }
 
@@ -116,8 +119,14 @@ impl Jobs {
             next_tag: AtomicU64::new(1),
             prefetching: AtomicU64::new(0),
             sizes: Mutex::new(HashMap::new()),
+            peers: std::sync::OnceLock::new(),
             wake: (Mutex::new(false), Condvar::new()),
         }
+    }
+
+    /// Makes eviction aware of which files this node owns for the cluster.
+    pub fn set_peers(&self, peers: Arc<crate::peer::Peers>) {
+        let _ = self.peers.set(peers);
     }
 
     fn poke(&self) {
@@ -718,6 +727,13 @@ impl PlannedPolicy {
     fn planned(&self) -> bool {
         !lock(&self.jobs.info).is_empty()
     }
+
+    /// "This node owns the file for the cluster", when peers are on.
+    fn owner_test(&self) -> Option<impl Fn(&FileRef) -> bool + use<>> {
+        let test = self.jobs.peers.get()?.owner_test();
+        let roots = self.jobs.roots.clone();
+        Some(move |f: &FileRef| test(&roots.get(f.root).name, &f.path))
+    }
 }
 
 impl EvictionPolicy for PlannedPolicy {
@@ -753,32 +769,53 @@ impl EvictionPolicy for PlannedPolicy {
     }
 
     fn victim(&mut self, evictable: &dyn Fn(&Key) -> bool) -> Option<Key> {
-        if !self.planned() {
-            return self.lru.victim(evictable);
+        // With peers, local copies of files other nodes own go before the files this
+        // node owns (the cluster's copy: evicting it sends a peer to the backing store).
+        let owned = self.owner_test();
+        let Self {
+            lru,
+            files,
+            keys,
+            jobs,
+        } = self;
+        if let Some(owned) = owned {
+            let local = |k: &Key| evictable(k) && files.get(k).is_none_or(|f| !owned(f));
+            if let Some(v) = choose(lru, keys, jobs, &local) {
+                return Some(v);
+            }
         }
-        let keys = &self.keys;
-        let v = lock(&self.jobs.planner).victim_indexed(&|f| keys.get(f).is_some_and(evictable));
-        match v {
-            Some(f) => self.keys.get(&f).copied(),
-            // Entries the planner cannot name (none in practice): least recently used.
-            None => self.lru.victim(evictable),
-        }
+        choose(lru, keys, jobs, evictable)
     }
 
     fn admits(&mut self, root: &str, path: &str, victim: &Key, prefetch: bool) -> bool {
-        if !self.planned() {
-            return true;
-        }
         let (Some(&r), Some(v)) = (self.jobs.root_index.get(root), self.files.get(victim)) else {
             return true;
         };
-        let mut p = lock(&self.jobs.planner);
         let f = FileRef {
             root: r,
             path: path.to_owned(),
         };
-        let incoming = p.need(&f);
-        if !p.need(v).later_than(incoming) {
+        if let Some(owned) = self.owner_test() {
+            match (owned(&f), owned(v)) {
+                // A local copy never displaces the cluster's copy of another file.
+                (false, true) => return false,
+                // The cluster's copy displaces a local copy; and a local copy displaces
+                // another: refetching one from its owner costs a transfer between nodes,
+                // not reading the shared file system (which is what a client turned away
+                // here would do).
+                (true, false) | (false, false) => return true,
+                (true, true) => {}
+            }
+        }
+        if !self.planned() {
+            return true;
+        }
+        let mut p = lock(&self.jobs.planner);
+        let (incoming, needed) = (p.need(&f), p.need(v));
+        if incoming == Need::Never && needed == Need::Never {
+            return true; // neither is planned: least recently used goes
+        }
+        if !needed.later_than(incoming) {
             return false; // everything cached is needed sooner: bypass
         }
         // A prefetch decided a moment ago is checked again against the epoch rule.
@@ -790,5 +827,24 @@ impl EvictionPolicy for PlannedPolicy {
 
     fn order(&self) -> Vec<Key> {
         self.lru.order()
+    }
+}
+
+/// The victim among files `ok` accepts: the planner's choice with jobs registered, least
+/// recently used without.
+fn choose(
+    lru: &mut Lru,
+    keys: &HashMap<FileRef, Key>,
+    jobs: &Jobs,
+    ok: &dyn Fn(&Key) -> bool,
+) -> Option<Key> {
+    if lock(&jobs.info).is_empty() {
+        return lru.victim(ok);
+    }
+    let v = lock(&jobs.planner).victim_indexed(&|f| keys.get(f).is_some_and(ok));
+    match v {
+        Some(f) => keys.get(&f).copied(),
+        // Entries the planner cannot name (none in practice): least recently used.
+        None => lru.victim(ok),
     }
 }

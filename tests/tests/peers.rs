@@ -17,6 +17,10 @@ fn free_port() -> u16 {
 
 /// Starts `n` nodes that list each other; `secrets[i]` is node i's secret.
 fn cluster(bed: &Bed, secrets: &[&str]) -> (Vec<Daemon>, Vec<String>) {
+    cluster_with(bed, secrets, &[])
+}
+
+fn cluster_with(bed: &Bed, secrets: &[&str], extra: &[&str]) -> (Vec<Daemon>, Vec<String>) {
     let ports: Vec<u16> = secrets.iter().map(|_| free_port()).collect();
     let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
     let mut nodes = Vec::new();
@@ -36,6 +40,7 @@ fn cluster(bed: &Bed, secrets: &[&str]) -> (Vec<Daemon>, Vec<String>) {
                 args.extend(["--peer".into(), a.clone()]);
             }
         }
+        args.extend(extra.iter().map(|a| a.to_string()));
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         nodes.push(bed.start_node(i, &args));
     }
@@ -104,14 +109,35 @@ fn a_node_without_the_secret_gets_nothing_and_still_reads_right() {
 fn a_killed_node_costs_no_read_and_the_cluster_converges_when_it_returns() {
     let bed = Bed::new();
     let secret = "another long enough shared secret";
-    let (mut nodes, _) = cluster(&bed, &[secret, secret, secret]);
-    let files: Vec<(String, u64)> = (0..6)
-        .map(|i| (format!("ds/part-{i}"), 4 * BLOCK + i))
+    let (mut nodes, addrs) = cluster(&bed, &[secret, secret, secret]);
+    // Six files, the last three owned by node 2 (the one that will die).
+    let root = bed.backing.display().to_string();
+    let owner = |rel: &str| {
+        shardcache_daemon::peer::file_owner(addrs.iter().map(String::as_str), &root, rel)
+            .unwrap()
+            .to_owned()
+    };
+    let mut names: Vec<String> = (0..100)
+        .map(|i| format!("ds/part-{i}"))
+        .filter(|p| owner(p) != addrs[2])
+        .take(3)
+        .collect();
+    names.extend(
+        (100..200)
+            .map(|i| format!("ds/part-{i}"))
+            .filter(|p| owner(p) == addrs[2])
+            .take(3),
+    );
+    assert_eq!(names.len(), 6);
+    let files: Vec<(String, u64)> = names
+        .into_iter()
+        .enumerate()
+        .map(|(i, p)| (p, 4 * BLOCK + i as u64))
         .collect();
     for (i, (p, len)) in files.iter().enumerate() {
         write_file(&bed.path(p), 10 + i as u64, *len);
     }
-    // Node 0 reads half, node 2 dies, node 0 reads the rest and node 1 everything.
+    // Node 0 reads the first three, node 2 dies, node 0 reads all and node 1 too.
     for (i, (p, len)) in files.iter().enumerate().take(3) {
         let (got, _) = read_all(&bed.node_client(0), &bed.path(p)).unwrap();
         assert!(got == content(10 + i as u64, *len));
@@ -139,4 +165,64 @@ fn a_killed_node_costs_no_read_and_the_cluster_converges_when_it_returns() {
     }
     let st = nodes[2].status();
     assert_eq!(st.peers.len(), 3);
+}
+
+/// A distributed shuffle over 3 nodes (one rank each), 4 epochs, each node's cache half
+/// the dataset (the aggregate holds 1.5 times it): after the first epoch the shared file
+/// system is hardly read again, and every read is right.
+#[test]
+fn a_distributed_shuffle_reads_the_backing_store_once_per_cluster() {
+    let bed = Bed::new();
+    let secret = "shuffle cluster shared secret";
+    let n = 120u64;
+    let file = 2 * BLOCK;
+    for i in 0..n {
+        write_file(&bed.path(&format!("ds/s{i:03}")), i, file);
+    }
+    let cap = format!("{}", n / 2 * file);
+    let (nodes, _) = cluster_with(
+        &bed,
+        &[secret, secret, secret],
+        &["--capacity", &cap, "--min-free", "0"],
+    );
+    let files: Vec<String> = (0..n).map(|i| format!("s{i:03}")).collect();
+    let epochs = 4u64;
+    for rank in 0..3u64 {
+        let m = serde_json::json!({
+            "version": 1, "job": format!("train.r{rank}"), "root": bed.path("ds"), "files": files,
+            "immutable": true,
+            "plan": {"kind": "shuffle", "algorithm": "pcg64-fisher-yates/v1", "seed": 11,
+                     "epochs": epochs, "world_size": 3, "ranks": [rank]}
+        });
+        bed.node_client(rank as usize)
+            .register(&m.to_string())
+            .unwrap();
+    }
+    for epoch in 0..epochs {
+        let before = total(&nodes, |c| c.backing_bytes + c.fallback_bytes);
+        let local_before = total(&nodes, |c| c.opens_full);
+        for rank in 0..3u64 {
+            let client = bed.node_client(rank as usize);
+            for i in shardcache_plan::shuffle::rank_order(n, 11, epoch, 3, rank, false) {
+                let (got, _) = read_all(&client, &bed.path(&format!("ds/s{i:03}"))).unwrap();
+                assert!(
+                    got == content(i, file),
+                    "rank {rank}, epoch {epoch}, file {i}"
+                );
+            }
+            client.status().unwrap(); // deliver the read report
+        }
+        let backing = total(&nodes, |c| c.backing_bytes + c.fallback_bytes) - before;
+        let local = total(&nodes, |c| c.opens_full) - local_before;
+        let share = backing as f64 / (n * file) as f64;
+        eprintln!(
+            "epoch {epoch}: backing {share:.3} of the dataset; {local} of {n} opens found the file local"
+        );
+        if epoch > 0 {
+            assert!(
+                share <= 0.01,
+                "epoch {epoch}: the backing store read {share:.3} of the dataset"
+            );
+        }
+    }
 }

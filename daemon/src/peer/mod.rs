@@ -26,7 +26,7 @@ use crate::backing::Stat;
 use crate::fill::Filler;
 use crate::meta::Meta;
 use crate::stats::{Stats, add, inc};
-use crate::store::{Key, Store};
+use crate::store::Store;
 use membership::Membership;
 
 /// The generated gRPC code.
@@ -62,6 +62,24 @@ pub struct PeerConfig {
 /// Where the peer service finds the fill engine once it exists (the fill engine also
 /// uses the peers, so one of the two is handed over late).
 pub type FillerCell = Arc<OnceLock<Arc<Filler>>>;
+
+/// The owner of file `path` under `root` among `members` (what every node computes).
+pub fn file_owner<'a>(
+    members: impl IntoIterator<Item = &'a str>,
+    root: &str,
+    path: &str,
+) -> Option<&'a str> {
+    ring::owner(members, &file_id(root, path))
+}
+
+/// A file's identity for ownership: its root and canonical path.
+fn file_id(root: &str, path: &str) -> Vec<u8> {
+    let mut id = Vec::with_capacity(root.len() + path.len() + 1);
+    id.extend_from_slice(root.as_bytes());
+    id.push(0);
+    id.extend_from_slice(path.as_bytes());
+    id
+}
 
 /// This node's side of sharing: the service other nodes call, and the client fills use.
 pub struct Peers {
@@ -202,6 +220,18 @@ impl Peers {
         }
     }
 
+    /// A test of "this node owns the file", over the members healthy now (one lookup of
+    /// the member list for many files). Files, not blocks, have owners: a shard is read
+    /// whole from one node, and a file keeps its owner across versions.
+    pub fn owner_test(&self) -> impl Fn(&str, &str) -> bool + use<> {
+        let healthy = self.membership.healthy();
+        let me = self.membership.me().to_owned();
+        move |root: &str, path: &str| {
+            ring::owner(healthy.iter().map(String::as_str), &file_id(root, path))
+                .is_some_and(|o| o == me)
+        }
+    }
+
     /// Block `index` of the file version `stat` under `root`, from its owner when that is
     /// another node: `None` when this node owns it, or the owner failed (the caller
     /// reads the backing store).
@@ -213,11 +243,12 @@ impl Peers {
         block_size: u32,
         len: usize,
     ) -> Option<Vec<u8>> {
-        let key = Key::of(root, &stat.path, &stat.version);
-        let mut id = key.hex().into_bytes();
-        id.extend_from_slice(&(index as u64).to_le_bytes());
         let healthy = self.membership.healthy();
-        let owner = ring::owner(healthy.iter().map(String::as_str), &id)?.to_owned();
+        let owner = ring::owner(
+            healthy.iter().map(String::as_str),
+            &file_id(root, &stat.path),
+        )?
+        .to_owned();
         if owner == self.membership.me() {
             return None;
         }

@@ -281,6 +281,8 @@ pub struct Planner {
 /// Candidates taken from each job's eviction index before the exact comparison (a file
 /// several jobs read can be far for one and near for another).
 const CANDIDATES_PER_JOB: usize = 16;
+/// Most entries of one index examined for one eviction choice.
+const SCAN: usize = 4096;
 
 impl Planner {
     /// An empty planner.
@@ -429,13 +431,15 @@ impl Planner {
     /// resident files whenever each job's 16 farthest accepted files include the answer
     /// (always, for a file only one job reads), at O(jobs · log n) instead of O(n).
     pub fn victim_indexed(&mut self, ok: &dyn Fn(&FileRef) -> bool) -> Option<FileRef> {
-        if let Some((_, f)) = self.unplanned.iter().find(|(_, f)| ok(f)) {
+        // Bounded scans: `ok` may turn down many files in a row (files this node owns
+        // for the cluster, when looking for a local copy to evict first).
+        if let Some((_, f)) = self.unplanned.iter().take(SCAN).find(|(_, f)| ok(f)) {
             return Some(f.clone());
         }
         let mut candidates: Vec<FileRef> = Vec::new();
         for job in &self.jobs {
             let mut taken = 0;
-            for &(_, i) in job.ranked.iter().rev() {
+            for &(_, i) in job.ranked.iter().rev().take(SCAN) {
                 let f = &job.files[i as usize];
                 if ok(f) {
                     candidates.push(f.clone());
