@@ -142,7 +142,32 @@ fn a_killed_node_costs_no_read_and_the_cluster_converges_when_it_returns() {
         let (got, _) = read_all(&bed.node_client(0), &bed.path(p)).unwrap();
         assert!(got == content(10 + i as u64, *len));
     }
+    // Node 1 keeps reading everything while node 2 is killed under it.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let reader = {
+        let (stop, files, client) = (stop.clone(), files.clone(), bed.node_client(1));
+        let paths: Vec<_> = files.iter().map(|(p, _)| bed.path(p)).collect();
+        std::thread::spawn(move || {
+            let mut reads = 0;
+            for _ in 0..50 {
+                for (i, ((_, len), path)) in files.iter().zip(&paths).enumerate() {
+                    let (got, _) = read_all(&client, path).unwrap();
+                    assert!(got == content(10 + i as u64, *len), "{path:?}: wrong bytes");
+                    reads += 1;
+                }
+                if stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    break;
+                }
+            }
+            reads
+        })
+    };
+    std::thread::sleep(std::time::Duration::from_millis(50));
     nodes[2].kill9();
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let reads = reader.join().expect("no read failed while node 2 died");
+    assert!(reads >= 6);
     for node in [0, 1] {
         for (i, (p, len)) in files.iter().enumerate() {
             let (got, _) = read_all(&bed.node_client(node), &bed.path(p)).unwrap();
@@ -165,6 +190,33 @@ fn a_killed_node_costs_no_read_and_the_cluster_converges_when_it_returns() {
     }
     let st = nodes[2].status();
     assert_eq!(st.peers.len(), 3);
+    // The others take it back once its backoff ends (5 s): a new file it owns is then
+    // fetched from it again (bounded wait).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while !nodes[0]
+        .status()
+        .peers
+        .iter()
+        .any(|p| p.id == addrs[2] && p.healthy)
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "node 2 never healthy again"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    let fresh = (200..400)
+        .map(|i| format!("ds/part-{i}"))
+        .find(|p| owner(p) == addrs[2])
+        .unwrap();
+    write_file(&bed.path(&fresh), 77, 3 * BLOCK);
+    let served = nodes[2].counters().peer_blocks_out;
+    let (got, _) = read_all(&bed.node_client(0), &bed.path(&fresh)).unwrap();
+    assert!(got == content(77, 3 * BLOCK));
+    assert!(
+        nodes[2].counters().peer_blocks_out >= served + 3,
+        "the returned node serves its files again"
+    );
 }
 
 /// A distributed shuffle over 3 nodes (one rank each), 4 epochs, each node's cache half
