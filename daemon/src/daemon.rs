@@ -152,6 +152,11 @@ impl Daemon {
         })
     }
 
+    /// The peers, when this node shares with others (benchmarks drive them directly).
+    pub fn peers(&self) -> Option<&Arc<Peers>> {
+        self.peers.as_ref()
+    }
+
     /// What the request handlers share: [`server::handle_request`] serves a request with
     /// it exactly as a connection thread does, without the socket.
     pub fn ctx(&self) -> &Arc<Ctx> {

@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use shardcache_client::{Client, ClientConfig, proto as pb};
 
 pub mod live;
+pub mod peerbench;
 pub mod policy;
 
 /// Path of a workspace binary next to the running executable.

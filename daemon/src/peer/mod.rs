@@ -41,6 +41,11 @@ pub const SECRET_HEADER: &str = "x-shardcache-secret";
 const MAX_BLOCK: usize = 64 << 20;
 /// Bytes per streamed chunk.
 const CHUNK: usize = 1 << 20;
+/// HTTP/2 flow-control window: HTTP/2's default (64 KiB) would cost a round trip per
+/// 64 KiB of a block.
+const WINDOW: u32 = 16 << 20;
+/// HTTP/2 frame size (the default, 16 KiB, costs a frame header and a wake-up per 16 KiB).
+const FRAME: u32 = 1 << 20;
 
 /// How this node takes part.
 #[derive(Debug, Clone)]
@@ -166,6 +171,10 @@ impl Peers {
                 }
             };
             let server = tonic::transport::Server::builder()
+                .initial_stream_window_size(WINDOW)
+                .initial_connection_window_size(2 * WINDOW)
+                .max_frame_size(FRAME)
+                .tcp_nodelay(true)
                 .add_service(proto::peer_server::PeerServer::with_interceptor(svc, auth))
                 .serve_with_incoming_shutdown(
                     tokio_stream::wrappers::TcpListenerStream::new(listener),
@@ -302,6 +311,9 @@ impl Peers {
         let ep = Endpoint::from_shared(format!("http://{peer}"))
             .map_err(|e| e.to_string())?
             .connect_timeout(self.timeout)
+            .initial_stream_window_size(WINDOW)
+            .initial_connection_window_size(2 * WINDOW)
+            .max_frame_size(FRAME)
             .tcp_nodelay(true);
         let c = ep.connect_lazy();
         chans.insert(peer.to_owned(), c.clone());

@@ -35,6 +35,19 @@ enum Cmd {
     /// The planner's retention and prefetch against LRU: in a simulated node, then in the
     /// real daemon over a throttled in-memory backing store.
     Policy(PolicyArgs),
+    /// Peers: block transfer ÷ raw TCP, and placement across nodes (real daemons on
+    /// loopback addresses, in this process).
+    Peers {
+        /// Directory for the data and the caches.
+        #[arg(long, default_value_os_t = std::env::temp_dir())]
+        dir: PathBuf,
+        /// MiB transferred per measurement.
+        #[arg(long, default_value_t = 256)]
+        mib: u64,
+        /// Alternating rounds.
+        #[arg(long, default_value_t = 5)]
+        rounds: usize,
+    },
     /// The planner's eviction index against an exhaustive search, at scale.
     PlannerScale {
         /// Files in the dataset (half of them cached).
@@ -375,6 +388,9 @@ fn main() {
         Cmd::Foundation(a) => foundation(&a),
         Cmd::Policy(a) => policy(&a),
         Cmd::PlannerScale { files } => planner_scale(files),
+        Cmd::Peers { dir, mib, rounds } => {
+            shardcache_tests::peerbench::run(&dir, mib, rounds).expect("peers benchmark")
+        }
     }
 }
 
