@@ -20,7 +20,7 @@ use std::time::Duration;
 
 use tonic::metadata::AsciiMetadataValue;
 use tonic::transport::{Channel, Endpoint};
-use xxhash_rust::xxh3::xxh3_64;
+use xxhash_rust::xxh3::Xxh3;
 
 use crate::backing::Stat;
 use crate::fill::Filler;
@@ -335,6 +335,7 @@ impl Peers {
             .into_inner();
         let mut data = Vec::new();
         let mut want: Option<(usize, u64)> = None;
+        let mut hash = Xxh3::new();
         while let Some(chunk) = stream.message().await.map_err(|s| s.to_string())? {
             if want.is_none() {
                 let len = chunk.length as usize;
@@ -344,16 +345,18 @@ impl Peers {
                 data.reserve_exact(len);
                 want = Some((len, chunk.xxh3));
             }
-            data.extend_from_slice(&chunk.data);
-            if want.is_some_and(|(len, _)| data.len() > len) {
+            if want.is_some_and(|(len, _)| data.len() + chunk.data.len() > len) {
                 return Err("more bytes than announced".into());
             }
+            // Checked while it streams in, each chunk still in cache.
+            hash.update(&chunk.data);
+            data.extend_from_slice(&chunk.data);
         }
         let (len, sum) = want.ok_or("empty reply")?;
         if data.len() != len {
             return Err(format!("{} of {len} bytes", data.len()));
         }
-        if xxh3_64(&data) != sum {
+        if hash.digest() != sum {
             return Err("checksum mismatch: bytes dropped".into());
         }
         Ok(data)

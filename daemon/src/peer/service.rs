@@ -47,13 +47,14 @@ impl proto::peer_server::Peer for Service {
         inc(&self.stats.peer_blocks_out);
         add(&self.stats.peer_bytes_out, data.len() as u64);
         let len = data.len() as u64;
-        let mut chunks: Vec<Result<Chunk, Status>> = data
-            .chunks(CHUNK)
-            .map(|c| {
+        let data = bytes::Bytes::from(data);
+        let mut chunks: Vec<Result<Chunk, Status>> = (0..data.len())
+            .step_by(CHUNK)
+            .map(|at| {
                 Ok(Chunk {
                     length: 0,
                     xxh3: 0,
-                    data: c.to_vec(),
+                    data: data.slice(at..(at + CHUNK).min(data.len())),
                 })
             })
             .collect();
