@@ -86,10 +86,19 @@ fn three_nodes_read_the_backing_store_once_per_block() {
 fn a_node_without_the_secret_gets_nothing_and_still_reads_right() {
     let bed = Bed::new();
     let good = "the cluster's real shared secret";
-    let (nodes, _) = cluster(&bed, &[good, good, "an impostor's wrong secret!"]);
+    let (nodes, addrs) = cluster(&bed, &[good, good, "an impostor's wrong secret!"]);
+    // A file an honest node owns, so that the impostor has to ask for it.
+    let root = bed.backing.display().to_string();
+    let rel = (0..100)
+        .map(|i| format!("ds/f{i}"))
+        .find(|p| {
+            shardcache_daemon::peer::file_owner(addrs.iter().map(String::as_str), &root, p)
+                != Some(addrs[2].as_str())
+        })
+        .unwrap();
     let len = 12 * BLOCK;
-    write_file(&bed.path("ds/f"), 2, len);
-    let (got, _) = read_all(&bed.node_client(2), &bed.path("ds/f")).unwrap();
+    write_file(&bed.path(&rel), 2, len);
+    let (got, _) = read_all(&bed.node_client(2), &bed.path(&rel)).unwrap();
     assert!(
         got == content(2, len),
         "the impostor's own client still reads right"
