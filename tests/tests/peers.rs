@@ -287,3 +287,19 @@ fn a_distributed_shuffle_reads_the_backing_store_once_per_cluster() {
         }
     }
 }
+
+#[test]
+fn a_node_with_peers_stops_cleanly() {
+    let bed = Bed::new();
+    let secret = "stop cleanly shared secret";
+    let (mut nodes, _) = cluster(&bed, &[secret, secret]);
+    write_file(&bed.path("ds/x"), 5, 3 * BLOCK);
+    for i in 0..2 {
+        let (got, _) = read_all(&bed.node_client(i), &bed.path("ds/x")).unwrap();
+        assert!(got == content(5, 3 * BLOCK));
+    }
+    for (i, d) in nodes.iter_mut().enumerate() {
+        assert!(d.stop(), "node {i} did not stop cleanly:\n{}", d.log_text());
+        assert!(!d.log_text().contains("panicked"), "{}", d.log_text());
+    }
+}
