@@ -88,7 +88,11 @@ fn file_id(root: &str, path: &str) -> Vec<u8> {
 
 /// This node's side of sharing: the service other nodes call, and the client fills use.
 pub struct Peers {
-    rt: tokio::runtime::Runtime,
+    /// The runtime of the service and the client; taken and shut down by
+    /// [`Peers::close`] on the caller's thread (a runtime must not be dropped inside one).
+    rt: Mutex<Option<tokio::runtime::Runtime>>,
+    handle: tokio::runtime::Handle,
+    closed: std::sync::atomic::AtomicBool,
     membership: Arc<Membership>,
     secret: AsciiMetadataValue,
     channels: Mutex<HashMap<String, Channel>>,
@@ -204,7 +208,9 @@ impl Peers {
         tracing::info!(listen = %cfg.listen, me = %cfg.advertise, "peer service ready");
         Ok((
             Arc::new(Self {
-                rt,
+                handle: rt.handle().clone(),
+                rt: Mutex::new(Some(rt)),
+                closed: std::sync::atomic::AtomicBool::new(false),
                 membership,
                 secret,
                 channels: Mutex::new(HashMap::new()),
@@ -221,11 +227,15 @@ impl Peers {
         &self.membership
     }
 
-    /// Stops serving peers (fills stop asking them too: the runtime ends with this
-    /// object).
+    /// Stops serving peers, and fills stop asking them (they read the backing store).
     pub fn close(&self) {
+        self.closed
+            .store(true, std::sync::atomic::Ordering::Release);
         if let Some(tx) = self.stop.lock().unwrap_or_else(|e| e.into_inner()).take() {
             let _ = tx.send(());
+        }
+        if let Some(rt) = self.rt.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            rt.shutdown_timeout(Duration::from_secs(2));
         }
     }
 
@@ -274,7 +284,10 @@ impl Peers {
             block_size,
             fill: true,
         };
-        let got = self.rt.handle().block_on(async {
+        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+            return None;
+        }
+        let got = self.handle.block_on(async {
             tokio::time::timeout(self.timeout, self.fetch_from(&owner, req))
                 .await
                 .unwrap_or_else(|_| Err("timed out".into()))
