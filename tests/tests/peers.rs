@@ -303,3 +303,68 @@ fn a_node_with_peers_stops_cleanly() {
         assert!(!d.log_text().contains("panicked"), "{}", d.log_text());
     }
 }
+
+/// A node with no room for a file another node owns still reads it from the cluster (a
+/// transient copy handed to the reader), not from the shared file system.
+#[test]
+fn a_full_node_reads_files_others_own_from_them_not_from_the_backing_store() {
+    let bed = Bed::new();
+    let secret = "transient copies shared secret";
+    // Node 1's cache holds one block; node 0's is large.
+    let ports = [free_port(), free_port()];
+    let addrs: Vec<String> = ports.iter().map(|p| format!("127.0.0.1:{p}")).collect();
+    let file = bed.tmp.path().join("secret");
+    std::fs::write(&file, secret).unwrap();
+    let caps = ["64MiB", "64KiB"];
+    let nodes: Vec<Daemon> = (0..2)
+        .map(|i| {
+            let args = [
+                "--block-size",
+                "64KiB",
+                "--capacity",
+                caps[i],
+                "--min-free",
+                "0",
+                "--peer-listen",
+                &addrs[i],
+                "--peer",
+                &addrs[1 - i],
+                "--peer-secret-file",
+                file.to_str().unwrap(),
+            ];
+            bed.start_node(i, &args)
+        })
+        .collect();
+    let root = bed.backing.display().to_string();
+    let rel = (0..100)
+        .map(|i| format!("ds/t{i}"))
+        .find(|p| {
+            shardcache_daemon::peer::file_owner(addrs.iter().map(String::as_str), &root, p)
+                == Some(addrs[0].as_str())
+        })
+        .unwrap();
+    let len = 8 * BLOCK + 5;
+    write_file(&bed.path(&rel), 4, len);
+    let client = bed.node_client(1);
+    for _ in 0..2 {
+        let (got, _) = read_all(&client, &bed.path(&rel)).unwrap();
+        assert!(got == content(4, len), "wrong bytes");
+    }
+    client.status().unwrap(); // deliver the read report
+    let c1 = nodes[1].counters();
+    eprintln!(
+        "node 1: backing reads {}, client fallback bytes {}, blocks from peers {}",
+        c1.backing_reads, c1.fallback_bytes, c1.peer_blocks_in
+    );
+    assert_eq!(
+        c1.backing_reads, 0,
+        "node 1 never read the shared file system"
+    );
+    assert_eq!(c1.fallback_bytes, 0, "nor did its client");
+    assert!(c1.peer_blocks_in >= 9, "the blocks came from node 0");
+    assert_eq!(
+        nodes[0].counters().backing_reads,
+        9,
+        "node 0 read each block once"
+    );
+}

@@ -603,6 +603,18 @@ fn wait(ctx: &Ctx, creds: &Creds, w: &pb::WaitRequest) -> (pb::wait_reply::Resul
         Ok(v) => v,
         Err(e) => return refuse(refuse_store(&ctx.stats, e)),
     };
+    if declined
+        && (first..end).any(|i| !is_set(&view.present, i))
+        && let Some(peers) = &ctx.peers
+        && let Some((file, present)) = transient(ctx, peers, &root_name, &stat, first, end)
+    {
+        let waited = pb::Waited {
+            present,
+            data_gen: TRANSIENT_GEN | NEXT_TRANSIENT.fetch_add(1, Ordering::Relaxed),
+            declined: false,
+        };
+        return (pb::wait_reply::Result::Waited(waited), Some(file));
+    }
     if view.npresent == view.nblocks {
         // The reader gets (or has) a descriptor holding every block: eviction from now
         // on unlinks a file it keeps reading.
@@ -619,6 +631,48 @@ fn wait(ctx: &Ctx, creds: &Creds, w: &pb::WaitRequest) -> (pb::wait_reply::Resul
         declined,
     };
     (pb::wait_reply::Result::Waited(waited), fd)
+}
+
+/// Generations of transient copies (see [`transient`]): never those of a data file.
+const TRANSIENT_GEN: u64 = 1 << 63;
+static NEXT_TRANSIENT: AtomicU64 = AtomicU64::new(1);
+
+/// Blocks `first..end` of a file this node declined to cache (no room worth making),
+/// fetched from the node that owns it into an unlinked temporary file: the reader gets
+/// them from the cluster instead of the shared file system, and nothing is kept. `None`
+/// when this node owns the file, or a peer cannot supply every block (the reader then
+/// reads the backing store).
+fn transient(
+    ctx: &Ctx,
+    peers: &crate::peer::Peers,
+    root: &str,
+    stat: &Stat,
+    first: usize,
+    end: usize,
+) -> Option<(File, Vec<u8>)> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    let bs = ctx.store.block_size() as u64;
+    let size = stat.version.size;
+    let nblocks = size.div_ceil(bs) as usize;
+    let tmp = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_TMPFILE)
+        .mode(0o600)
+        .open(&ctx.cache_dir)
+        .ok()?;
+    tmp.set_len(size).ok()?;
+    let mut present = vec![0u8; nblocks.div_ceil(8)];
+    for i in first..end {
+        let len = (size - i as u64 * bs).min(bs) as usize;
+        let data = peers.fetch(root, stat, i, bs as u32, len)?;
+        tmp.write_all_at(&data, i as u64 * bs).ok()?;
+        present[i / 8] |= 1 << (i % 8);
+    }
+    // The reader gets a read-only descriptor of it.
+    let ro = File::open(format!("/proc/self/fd/{}", tmp.as_raw_fd())).ok()?;
+    Some((ro, present))
 }
 
 fn status(ctx: &Ctx) -> pb::StatusReply {
