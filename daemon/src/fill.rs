@@ -303,32 +303,17 @@ impl Filler {
         if inner.store.is_present(&target.key, index) {
             return true;
         }
-        let id = (target.key, index);
-        let mine = {
+        let theirs = {
             let mut flights = lock(&inner.flights);
-            match flights.get(&id) {
-                Some(f) => Err(f.clone()),
-                None => {
-                    let f = Arc::new(Flight::default());
-                    flights.insert(id, f.clone());
-                    Ok(f)
-                }
+            let theirs = flights.get(&(target.key, index)).cloned();
+            if theirs.is_none() {
+                flights.insert((target.key, index), Arc::new(Flight::default()));
             }
+            theirs
         };
-        match mine {
-            Err(theirs) => theirs.wait_until(deadline).unwrap_or(false),
-            Ok(f) => {
-                let ok = match fill(inner, target, index, false) {
-                    Ok(()) => true,
-                    Err(e) => {
-                        tracing::debug!(path = %target.stat.path, block = index, error = %e, "fill for a peer failed");
-                        false
-                    }
-                };
-                lock(&inner.flights).remove(&id);
-                f.finish(ok);
-                ok
-            }
+        match theirs {
+            Some(f) => f.wait_until(deadline).unwrap_or(false),
+            None => fill_and_land(inner, target, index, false),
         }
     }
 
@@ -387,29 +372,35 @@ fn worker(inner: &Inner) {
                 }
             }
         };
-        let ok = match fill(
+        fill_and_land(
             inner,
             &job.target,
             job.index,
             job.prio == Priority::Prefetch,
-        ) {
-            Ok(()) => true,
-            Err(e) => {
-                if !matches!(
-                    e,
-                    FillError::Store(StoreError::NoSpace) | FillError::Store(StoreError::Gone)
-                ) {
-                    inc(&inner.stats.fill_errors);
-                }
-                tracing::debug!(path = %job.target.stat.path, block = job.index, error = %e, "fill failed");
-                false
-            }
-        };
-        let f = lock(&inner.flights).remove(&(job.target.key, job.index));
-        if let Some(f) = f {
-            f.finish(ok);
-        }
+        );
     }
+}
+
+/// Fills one block whose flight is registered, counts a failure, and ends the flight
+/// (releasing its waiters). True when the block landed.
+fn fill_and_land(inner: &Inner, target: &Target, index: usize, prefetch: bool) -> bool {
+    let ok = match fill(inner, target, index, prefetch) {
+        Ok(()) => true,
+        Err(e) => {
+            if !matches!(
+                e,
+                FillError::Store(StoreError::NoSpace) | FillError::Store(StoreError::Gone)
+            ) {
+                inc(&inner.stats.fill_errors);
+            }
+            tracing::debug!(path = %target.stat.path, block = index, error = %e, "fill failed");
+            false
+        }
+    };
+    if let Some(f) = lock(&inner.flights).remove(&(target.key, index)) {
+        f.finish(ok);
+    }
+    ok
 }
 
 #[derive(Debug, thiserror::Error)]
