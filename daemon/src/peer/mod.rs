@@ -246,8 +246,7 @@ impl Peers {
         let healthy = self.membership.healthy();
         let me = self.membership.me().to_owned();
         move |root: &str, path: &str| {
-            ring::owner(healthy.iter().map(String::as_str), &file_id(root, path))
-                .is_some_and(|o| o == me)
+            file_owner(healthy.iter().map(String::as_str), root, path) == Some(me.as_str())
         }
     }
 
@@ -263,11 +262,7 @@ impl Peers {
         len: usize,
     ) -> Option<Vec<u8>> {
         let healthy = self.membership.healthy();
-        let owner = ring::owner(
-            healthy.iter().map(String::as_str),
-            &file_id(root, &stat.path),
-        )?
-        .to_owned();
+        let owner = file_owner(healthy.iter().map(String::as_str), root, &stat.path)?.to_owned();
         if owner == self.membership.me() {
             return None;
         }
