@@ -304,10 +304,15 @@ impl Jobs {
         Ok(found)
     }
 
+    /// True when some job is registered.
+    fn any(&self) -> bool {
+        !lock(&self.info).is_empty()
+    }
+
     /// A client opened `rel` under root `root` (`hit`: cached whole). Returns the tag of
     /// the job whose plan the read follows (0: none).
     pub fn on_open(&self, root: usize, rel: &str, hit: bool) -> u64 {
-        if lock(&self.info).is_empty() {
+        if !self.any() {
             return 0;
         }
         let job = lock(&self.planner)
@@ -506,7 +511,7 @@ impl Jobs {
                 }
                 *woken = false;
             }
-            if lock(&self.info).is_empty() {
+            if !self.any() {
                 flights.clear();
                 ahead.clear();
                 self.prefetching.store(0, Ordering::Relaxed);
@@ -724,10 +729,6 @@ impl PlannedPolicy {
         }
     }
 
-    fn planned(&self) -> bool {
-        !lock(&self.jobs.info).is_empty()
-    }
-
     /// "This node owns the file for the cluster", when peers are on.
     fn owner_test(&self) -> Option<impl Fn(&FileRef) -> bool + use<>> {
         let test = self.jobs.peers.get()?.owner_test();
@@ -807,7 +808,7 @@ impl EvictionPolicy for PlannedPolicy {
                 (true, true) => {}
             }
         }
-        if !self.planned() {
+        if !self.jobs.any() {
             return true;
         }
         let mut p = lock(&self.jobs.planner);
@@ -838,7 +839,7 @@ fn choose(
     jobs: &Jobs,
     ok: &dyn Fn(&Key) -> bool,
 ) -> Option<Key> {
-    if lock(&jobs.info).is_empty() {
+    if !jobs.any() {
         return lru.victim(ok);
     }
     let v = lock(&jobs.planner).victim_indexed(&|f| keys.get(f).is_some_and(ok));
