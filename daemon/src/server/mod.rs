@@ -504,12 +504,12 @@ fn open(ctx: &Ctx, creds: &Creds, path: &str) -> (pb::open_reply::Result, Option
     // Only now (the descriptor is in hand, or the file pinned below) may the job's
     // position move past this file; before, the file would be the one needed farthest
     // in the future, and a prefetch could evict it under this very open.
+    let hit = view.as_ref().is_ok_and(|v| v.npresent == v.nblocks);
     if let Ok(v) = &view
-        && v.npresent != v.nblocks
+        && !hit
     {
         ctx.store.pin(&v.key, Instant::now() + PIN);
     }
-    let hit = view.as_ref().is_ok_and(|v| v.npresent == v.nblocks);
     let job_tag = ctx.jobs.on_open(root, &rel, hit);
     let mut view = match view {
         Ok(v) => v,
@@ -520,7 +520,7 @@ fn open(ctx: &Ctx, creds: &Creds, path: &str) -> (pb::open_reply::Result, Option
             );
         }
     };
-    if view.npresent == view.nblocks {
+    if hit {
         inc(&ctx.stats.opens_full);
     } else {
         if view.npresent > 0 {
