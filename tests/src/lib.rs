@@ -146,27 +146,25 @@ impl Bed {
 
     /// A client of daemon `node`.
     pub fn node_client(&self, node: usize) -> Client {
-        Client::with_config(ClientConfig {
-            socket: self.node_socket(node),
-            timeout: Duration::from_secs(5),
-            wait_timeout: Duration::from_secs(60),
-            retry_after: Duration::from_millis(200),
-            pool: 4,
-            ..ClientConfig::default()
-        })
+        client_at(&self.node_socket(node))
     }
 
     /// A client for this bed's socket with short timeouts.
     pub fn client(&self) -> Client {
-        Client::with_config(ClientConfig {
-            socket: self.socket.clone(),
-            timeout: Duration::from_secs(5),
-            wait_timeout: Duration::from_secs(60),
-            retry_after: Duration::from_millis(200),
-            pool: 4,
-            ..ClientConfig::default()
-        })
+        client_at(&self.socket)
     }
+}
+
+/// A client of the daemon at `socket`, with the tests' timeouts.
+fn client_at(socket: &Path) -> Client {
+    Client::with_config(ClientConfig {
+        socket: socket.to_owned(),
+        timeout: Duration::from_secs(5),
+        wait_timeout: Duration::from_secs(60),
+        retry_after: Duration::from_millis(200),
+        pool: 4,
+        ..ClientConfig::default()
+    })
 }
 
 impl Default for Bed {
