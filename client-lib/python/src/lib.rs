@@ -46,6 +46,43 @@ fn fill(r: &Reader, dst: &mut [u8], offset: u64) -> io::Result<usize> {
     Ok(done)
 }
 
+/// Reads up to `len` bytes at `offset` into a new `bytes` object: made uninitialised and
+/// read straight into (a zeroed one, as `PyBytes::new_with` makes, costs a memset; a
+/// buffer copied into it, a copy), with the GIL released during the read.
+fn read_bytes<'py>(
+    py: Python<'py>,
+    r: &Reader,
+    len: usize,
+    offset: u64,
+) -> PyResult<Bound<'py, PyBytes>> {
+    // SAFETY: PyBytes_FromStringAndSize(NULL, len) returns a new, uniquely owned bytes
+    // object of `len` uninitialised bytes (or NULL with an exception set, which
+    // from_owned_ptr_or_err turns into an error); nothing else can see it until we
+    // return it, so writing its contents here is allowed.
+    let obj = unsafe {
+        Bound::from_owned_ptr_or_err(
+            py,
+            pyo3::ffi::PyBytes_FromStringAndSize(std::ptr::null(), len as pyo3::ffi::Py_ssize_t),
+        )?
+    };
+    // SAFETY: `obj` is the bytes object just created; PyBytes_AsString gives its buffer
+    // of `len` bytes.
+    let ptr = unsafe { pyo3::ffi::PyBytes_AsString(obj.as_ptr()) } as usize;
+    let n = py.detach(|| {
+        // SAFETY: the buffer is `len` bytes, owned by `obj` (alive for this call), and
+        // nobody else holds a reference to `obj` yet.
+        let dst = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
+        fill(r, dst, offset)
+    });
+    let n = closed_after(n)?;
+    let obj = obj.cast_into::<PyBytes>()?;
+    if n < len {
+        // The file ended early (it shrank under a reader of the backing store).
+        return Ok(PyBytes::new(py, &obj.as_bytes()[..n]));
+    }
+    Ok(obj)
+}
+
 #[pymethods]
 impl PyReader {
     /// Size of the file (of the version being read), in bytes.
@@ -75,10 +112,7 @@ impl PyReader {
         offset: u64,
     ) -> PyResult<Bound<'py, PyBytes>> {
         let size = size.min(self.inner.len().saturating_sub(offset) as usize);
-        let mut buf = vec![0u8; size];
-        let n = py.detach(|| fill(&self.inner, &mut buf, offset));
-        let n = closed_after(n)?;
-        Ok(PyBytes::new(py, &buf[..n]))
+        read_bytes(py, &self.inner, size, offset)
     }
 
     /// Reads into a writable, C-contiguous buffer at `offset`; returns the bytes read.
@@ -111,37 +145,7 @@ impl PyReader {
     /// allocation of the exact size, no copy).
     fn read_to_end<'py>(&self, py: Python<'py>, offset: u64) -> PyResult<Bound<'py, PyBytes>> {
         let len = self.inner.len().saturating_sub(offset) as usize;
-        // Build the bytes object uninitialised and read straight into it: a zeroed one
-        // (PyBytes::new_with) costs a memset of the whole file.
-        // SAFETY: PyBytes_FromStringAndSize(NULL, len) returns a new, uniquely owned bytes
-        // object of `len` uninitialised bytes (or NULL with an exception set, which
-        // assume_owned_or_err turns into an error); nothing else can see it until we
-        // return it, so writing its contents here is allowed.
-        let obj = unsafe {
-            Bound::from_owned_ptr_or_err(
-                py,
-                pyo3::ffi::PyBytes_FromStringAndSize(
-                    std::ptr::null(),
-                    len as pyo3::ffi::Py_ssize_t,
-                ),
-            )?
-        };
-        // SAFETY: `obj` is the bytes object just created; PyBytes_AsString gives its
-        // buffer of `len` bytes.
-        let ptr = unsafe { pyo3::ffi::PyBytes_AsString(obj.as_ptr()) } as usize;
-        let n = py.detach(|| {
-            // SAFETY: the buffer is `len` bytes, owned by `obj` (alive for this call),
-            // and nobody else holds a reference to `obj` yet.
-            let dst = unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) };
-            fill(&self.inner, dst, offset)
-        });
-        let n = closed_after(n)?;
-        let obj = obj.cast_into::<PyBytes>()?;
-        if n < len {
-            // The file ended early (it shrank under a reader of the backing store).
-            return Ok(PyBytes::new(py, &obj.as_bytes()[..n]));
-        }
-        Ok(obj)
+        read_bytes(py, &self.inner, len, offset)
     }
 
     /// The path of the node-local copy holding every byte of the file, after waiting
