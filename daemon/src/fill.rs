@@ -420,8 +420,14 @@ fn fill(inner: &Inner, t: &Target, index: usize, prefetch: bool) -> Result<(), F
     };
     if t.peer_ok
         && let Some(peers) = inner.peers.get()
-        && let Some(data) =
-            peers.fetch(root, &t.stat, index, inner.store.block_size(), permit.len())
+        && let Some(data) = peers.fetch(
+            root,
+            &t.stat,
+            index,
+            inner.store.block_size(),
+            permit.len(),
+            true,
+        )
     {
         inner.store.commit_fill(permit, &data)?;
         inc(&inner.stats.blocks_filled);

@@ -124,9 +124,20 @@ impl Jobs {
         }
     }
 
-    /// Makes eviction aware of which files this node owns for the cluster.
-    pub fn set_peers(&self, peers: Arc<crate::peer::Peers>) {
+    /// Makes eviction aware of the cluster: which files this node owns for it, and
+    /// (cluster mode, [`Planner::set_cluster`]) which files other nodes' ranks read next;
+    /// and lets the peers ask the plans who read a file last.
+    pub fn set_peers(self: &Arc<Self>, peers: Arc<crate::peer::Peers>) {
+        lock(&self.planner).set_cluster(true);
+        peers.use_plans(Arc::new(Hooks(Arc::downgrade(self))));
         let _ = self.peers.set(peers);
+    }
+
+    fn file_ref(&self, root: &str, path: &str) -> Option<FileRef> {
+        self.root_index.get(root).map(|&r| FileRef {
+            root: r,
+            path: path.to_owned(),
+        })
     }
 
     fn poke(&self) {
@@ -636,6 +647,46 @@ impl Jobs {
     }
 }
 
+/// The plans as the peer layer sees them (weakly: the peers outlive nothing).
+struct Hooks(std::sync::Weak<Jobs>);
+
+impl crate::peer::PlanHooks for Hooks {
+    fn shuffles(&self) -> Vec<(String, u64, Vec<u64>)> {
+        self.0
+            .upgrade()
+            .map(|j| lock(&j.planner).shuffles())
+            .unwrap_or_default()
+    }
+
+    fn holders(&self, root: &str, path: &str) -> Vec<(String, u64)> {
+        let Some(jobs) = self.0.upgrade() else {
+            return Vec::new();
+        };
+        let Some(f) = jobs.file_ref(root, path) else {
+            return Vec::new();
+        };
+        lock(&jobs.planner).holders(&f)
+    }
+
+    fn owner(&self, root: &str, path: &str, members: &[String]) -> Option<String> {
+        let jobs = self.0.upgrade()?;
+        let f = jobs.file_ref(root, path)?;
+        let roots = jobs.roots.clone();
+        let id = |f: &FileRef| crate::peer::file_id(&roots.get(f.root).name, &f.path);
+        lock(&jobs.planner)
+            .plan_owner(&f, members, &id)
+            .map(str::to_owned)
+    }
+
+    fn handed(&self, root: &str, path: &str) {
+        if let Some(jobs) = self.0.upgrade()
+            && let Some(f) = jobs.file_ref(root, path)
+        {
+            lock(&jobs.planner).set_handed(&f);
+        }
+    }
+}
+
 /// A token bucket (over bytes, or over files): prefetch may start a file while the
 /// bucket is not in debt, and the file's cost is then charged (so one large file may
 /// overdraw it).
@@ -729,11 +780,23 @@ impl PlannedPolicy {
         }
     }
 
-    /// "This node owns the file for the cluster", when peers are on.
-    fn owner_test(&self) -> Option<impl Fn(&FileRef) -> bool + use<>> {
-        let test = self.jobs.peers.get()?.owner_test();
+    /// "This node owns the file for the cluster", when peers are on. Files a shuffle
+    /// plans are placed by the plan instead (cluster mode: kept while any node's rank
+    /// needs them soon, wherever it runs), so they are never "owned" here.
+    fn owner_test(&self) -> Option<impl Fn(&Planner, &FileRef) -> bool + use<>> {
+        let (healthy, me) = self.jobs.peers.get()?.view();
         let roots = self.jobs.roots.clone();
-        Some(move |f: &FileRef| test(&roots.get(f.root).name, &f.path))
+        Some(move |p: &Planner, f: &FileRef| {
+            let root = &roots.get(f.root).name;
+            let id = |f: &FileRef| crate::peer::file_id(&roots.get(f.root).name, &f.path);
+            match p.plan_owner(f, &healthy, &id) {
+                Some(o) => o == me,
+                None => {
+                    crate::peer::file_owner(healthy.iter().map(String::as_str), root, &f.path)
+                        == Some(me.as_str())
+                }
+            }
+        })
     }
 }
 
@@ -765,6 +828,7 @@ impl EvictionPolicy for PlannedPolicy {
         {
             // (Another version of the same path may have taken its place already.)
             self.keys.remove(&f);
+
             lock(&self.jobs.planner).set_resident(&f, false);
         }
     }
@@ -780,12 +844,13 @@ impl EvictionPolicy for PlannedPolicy {
             jobs,
         } = self;
         if let Some(owned) = owned {
-            let local = |k: &Key| evictable(k) && files.get(k).is_none_or(|f| !owned(f));
+            let local =
+                |p: &Planner, k: &Key| evictable(k) && files.get(k).is_none_or(|f| !owned(p, f));
             if let Some(v) = choose(lru, keys, jobs, &local) {
                 return Some(v);
             }
         }
-        choose(lru, keys, jobs, evictable)
+        choose(lru, keys, jobs, &|_, k| evictable(k))
     }
 
     fn admits(&mut self, root: &str, path: &str, victim: &Key, prefetch: bool) -> bool {
@@ -797,7 +862,11 @@ impl EvictionPolicy for PlannedPolicy {
             path: path.to_owned(),
         };
         if let Some(owned) = self.owner_test() {
-            match (owned(&f), owned(v)) {
+            let (incoming, victim) = {
+                let p = lock(&self.jobs.planner);
+                (owned(&p, &f), owned(&p, v))
+            };
+            match (incoming, victim) {
                 // A local copy never displaces the cluster's copy of another file.
                 (false, true) => return false,
                 // The cluster's copy displaces a local copy; and a local copy displaces
@@ -837,15 +906,16 @@ fn choose(
     lru: &mut Lru,
     keys: &HashMap<FileRef, Key>,
     jobs: &Jobs,
-    ok: &dyn Fn(&Key) -> bool,
+    ok: &dyn Fn(&Planner, &Key) -> bool,
 ) -> Option<Key> {
-    if !jobs.any() {
-        return lru.victim(ok);
+    let any = jobs.any();
+    let mut p = lock(&jobs.planner);
+    if !any {
+        return lru.victim(&|k| ok(&p, k));
     }
-    let v = lock(&jobs.planner).victim_indexed(&|f| keys.get(f).is_some_and(ok));
-    match v {
+    match p.victim_indexed_with(&|p, f| keys.get(f).is_some_and(|k| ok(p, k))) {
         Some(f) => keys.get(&f).copied(),
         // Entries the planner cannot name (none in practice): least recently used.
-        None => lru.victim(ok),
+        None => lru.victim(&|k| ok(&p, k)),
     }
 }

@@ -112,7 +112,8 @@ pub fn transfer(dir: &Path, mib: u64, rounds: usize) -> anyhow::Result<(f64, f64
                                 return;
                             }
                             let want = (len - i as u64 * block).min(block) as usize;
-                            if let Some(d) = peers.fetch(&root, &stat, i, block as u32, want) {
+                            if let Some(d) = peers.fetch(&root, &stat, i, block as u32, want, true)
+                            {
                                 got.fetch_add(d.len() as u64, std::sync::atomic::Ordering::Relaxed);
                             }
                         }
@@ -194,7 +195,7 @@ pub fn placement(
     let clients: Vec<Client> = sockets.iter().map(Client::at).collect();
     for (rank, c) in clients.iter().enumerate() {
         let manifest = serde_json::json!({
-            "version": 1, "job": format!("bench.r{rank}"), "root": backing.join("ds"),
+            "version": 1, "job": "bench", "root": backing.join("ds"),
             "files": names, "immutable": true,
             "plan": {"kind": "shuffle", "algorithm": "pcg64-fisher-yates/v1", "seed": 3,
                      "epochs": epochs + 1, "world_size": m, "ranks": [rank]}
@@ -228,6 +229,21 @@ pub fn placement(
             c.status()?; // deliver the read reports
         }
         let after = counters()?;
+        if std::env::var_os("SHARDCACHE_BENCH_VERBOSE").is_some() {
+            for (i, (b, x)) in before.iter().zip(&after).enumerate() {
+                eprintln!(
+                    "a={a} epoch {epoch} node {i}: backing_reads {} peer_in {} peer_out {} peer_errors {} opens_full {}/{} evicted {} fallback_bytes {}",
+                    x.backing_reads - b.backing_reads,
+                    x.peer_blocks_in - b.peer_blocks_in,
+                    x.peer_blocks_out - b.peer_blocks_out,
+                    x.peer_errors - b.peer_errors,
+                    x.opens_full - b.opens_full,
+                    x.opens - b.opens,
+                    x.evicted_files - b.evicted_files,
+                    x.fallback_bytes - b.fallback_bytes,
+                );
+            }
+        }
         if epoch > 0 {
             for (b, x) in before.iter().zip(&after) {
                 backing_bytes +=
@@ -244,14 +260,16 @@ pub fn placement(
 
 /// Prints the benchmark.
 pub fn run(dir: &Path, mib: u64, rounds: usize) -> anyhow::Result<()> {
-    let (peer, raw) = transfer(dir, mib, rounds)?;
-    println!(
-        "transfer: {mib} MiB in 4 MiB blocks, node to node over loopback, {rounds} alternating rounds (medians)"
-    );
-    println!(
-        "  peer fetch (gRPC, checksums both ends, 4 in flight as the fill engine does) {peer:.0} MiB/s; raw TCP stream {raw:.0} MiB/s; ratio {:.2} (goal ≥ 0.9)",
-        peer / raw
-    );
+    if rounds > 0 {
+        let (peer, raw) = transfer(dir, mib, rounds)?;
+        println!(
+            "transfer: {mib} MiB in 4 MiB blocks, node to node over loopback, {rounds} alternating rounds (medians)"
+        );
+        println!(
+            "  peer fetch (gRPC, checksums both ends, 4 in flight as the fill engine does) {peer:.0} MiB/s; raw TCP stream {raw:.0} MiB/s; ratio {:.2} (goal ≥ 0.9)",
+            peer / raw
+        );
+    }
     let (m, files, kib, epochs) = (4usize, 240u64, 128u64, 4u64);
     println!(
         "placement: {m} nodes, distributed shuffle (one rank each), {files} files of {kib} KiB, {epochs} epochs (first not counted)"

@@ -68,6 +68,31 @@ pub struct PeerConfig {
 /// uses the peers, so one of the two is handed over late).
 pub type FillerCell = Arc<OnceLock<Arc<Filler>>>;
 
+/// What the peer layer asks of this node's registered plans (the jobs, which are
+/// created after the peers and handed over through [`Peers::use_plans`]).
+pub trait PlanHooks: Send + Sync {
+    /// Every registered shuffle: (job id, world size, the ranks this node runs).
+    fn shuffles(&self) -> Vec<(String, u64, Vec<u64>)>;
+    /// The (job, rank)s likely to hold `path` under backing root `root` now, by the
+    /// plans, most likely first.
+    fn holders(&self, root: &str, path: &str) -> Vec<(String, u64)>;
+    /// Another node fetched every block of the file to keep it.
+    fn handed(&self, root: &str, path: &str);
+    /// The file's owner among `members` (healthy, sorted) when a plan places it.
+    fn owner(&self, root: &str, path: &str, members: &[String]) -> Option<String>;
+}
+
+/// Where the peer layer finds the plans once they exist.
+pub type PlansCell = Arc<OnceLock<Arc<dyn PlanHooks>>>;
+
+/// How often the rank map is checked: peers are asked again at once while a registered
+/// shuffle has ranks no node is known to run (a job starting on every node), and every
+/// [`RANKS_REFRESH`] anyway (a job that moved, a node that left).
+const RANKS_CHECK: Duration = Duration::from_millis(100);
+const RANKS_REFRESH: Duration = Duration::from_secs(5);
+/// Nodes asked for a block before its owner (each "not here" costs a round trip).
+const MAX_HOLDERS: usize = 3;
+
 /// The owner of file `path` under `root` among `members` (what every node computes).
 pub fn file_owner<'a>(
     members: impl IntoIterator<Item = &'a str>,
@@ -78,7 +103,7 @@ pub fn file_owner<'a>(
 }
 
 /// A file's identity for ownership: its root and canonical path.
-fn file_id(root: &str, path: &str) -> Vec<u8> {
+pub(crate) fn file_id(root: &str, path: &str) -> Vec<u8> {
     let mut id = Vec::with_capacity(root.len() + path.len() + 1);
     id.extend_from_slice(root.as_bytes());
     id.push(0);
@@ -99,6 +124,9 @@ pub struct Peers {
     timeout: Duration,
     stats: Arc<Stats>,
     stop: Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
+    plans: PlansCell,
+    /// (job, rank) → the node that runs it, from every healthy peer's `Ranks`.
+    ranks: Mutex<HashMap<(String, u64), String>>,
 }
 
 impl std::fmt::Debug for Peers {
@@ -142,12 +170,15 @@ impl Peers {
             tracing::warn!(error = %e, "peer list: first lookup failed; will retry");
         }
         let filler = Arc::new(OnceLock::new());
+        let plans: PlansCell = Arc::new(OnceLock::new());
         let svc = service::Service {
             store,
             meta,
             filler: filler.clone(),
             stats: stats.clone(),
             timeout: cfg.timeout,
+            plans: plans.clone(),
+            handoffs: Mutex::new(HashMap::new()),
         };
         let (tx, rx) = tokio::sync::oneshot::channel();
         let expected = cfg.secret.clone();
@@ -206,20 +237,115 @@ impl Peers {
             }
         });
         tracing::info!(listen = %cfg.listen, me = %cfg.advertise, "peer service ready");
-        Ok((
-            Arc::new(Self {
-                handle: rt.handle().clone(),
-                rt: Mutex::new(Some(rt)),
-                closed: std::sync::atomic::AtomicBool::new(false),
-                membership,
-                secret,
-                channels: Mutex::new(HashMap::new()),
-                timeout: cfg.timeout,
-                stats,
-                stop: Mutex::new(Some(tx)),
-            }),
-            filler,
-        ))
+        let peers = Arc::new(Self {
+            handle: rt.handle().clone(),
+            membership,
+            secret,
+            channels: Mutex::new(HashMap::new()),
+            timeout: cfg.timeout,
+            stats,
+            stop: Mutex::new(Some(tx)),
+            plans,
+            ranks: Mutex::new(HashMap::new()),
+            closed: std::sync::atomic::AtomicBool::new(false),
+            rt: Mutex::new(None),
+        });
+        // Learns which node runs which rank (a weak reference: the task ends with them).
+        let weak = Arc::downgrade(&peers);
+        rt.spawn(async move {
+            let mut tick = tokio::time::interval(RANKS_CHECK);
+            let mut last = tokio::time::Instant::now();
+            loop {
+                tick.tick().await;
+                let Some(p) = weak.upgrade() else { return };
+                if p.ranks_incomplete() || last.elapsed() >= RANKS_REFRESH {
+                    p.refresh_ranks().await;
+                    last = tokio::time::Instant::now();
+                }
+            }
+        });
+        *peers.rt.lock().unwrap_or_else(|e| e.into_inner()) = Some(rt);
+        Ok((peers, filler))
+    }
+
+    /// Lets the peer layer consult this node's plans (see [`PlanHooks`]).
+    pub fn use_plans(&self, plans: Arc<dyn PlanHooks>) {
+        let _ = self.plans.set(plans);
+    }
+
+    /// True when a shuffle registered here has a rank no node is known to run.
+    fn ranks_incomplete(&self) -> bool {
+        let Some(plans) = self.plans.get() else {
+            return false;
+        };
+        let map = self.ranks.lock().unwrap_or_else(|e| e.into_inner());
+        plans.shuffles().into_iter().any(|(job, world, _)| {
+            (0..world.min(4096)).any(|r| !map.contains_key(&(job.clone(), r)))
+        })
+    }
+
+    /// Asks every healthy peer which ranks it runs, and replaces the rank map.
+    async fn refresh_ranks(&self) {
+        let local = self.plans.get().map(|p| p.shuffles()).unwrap_or_default();
+        if local.is_empty() {
+            return; // nothing to place by plan here
+        }
+        let me = self.membership.me().to_owned();
+        let mut map = HashMap::new();
+        for (job, _, ranks) in local {
+            for r in ranks {
+                map.insert((job.clone(), r), me.clone());
+            }
+        }
+        for peer in self.membership.healthy() {
+            if peer == me {
+                continue;
+            }
+            let ask = async {
+                let mut client = proto::peer_client::PeerClient::new(self.channel(&peer)?);
+                let mut r = tonic::Request::new(proto::RanksRequest {});
+                r.metadata_mut().insert(SECRET_HEADER, self.secret.clone());
+                client
+                    .ranks(r)
+                    .await
+                    .map(tonic::Response::into_inner)
+                    .map_err(|s| s.to_string())
+            };
+            match tokio::time::timeout(self.timeout, ask).await {
+                Ok(Ok(reply)) => {
+                    for j in reply.jobs {
+                        for r in j.ranks {
+                            map.insert((j.job.clone(), r), peer.clone());
+                        }
+                    }
+                }
+                Ok(Err(e)) => tracing::debug!(peer = %peer, error = %e, "peer ranks: no answer"),
+                Err(_) => tracing::debug!(peer = %peer, "peer ranks: timed out"),
+            }
+        }
+        *self.ranks.lock().unwrap_or_else(|e| e.into_inner()) = map;
+    }
+
+    /// The other healthy nodes likely to hold the file now, most likely first: those
+    /// running the ranks that read it last or read it next (see [`PlanHooks::holders`]).
+    fn holders(&self, root: &str, path: &str, healthy: &[String]) -> Vec<String> {
+        let Some(plans) = self.plans.get() else {
+            return Vec::new();
+        };
+        let ranks = plans.holders(root, path);
+        let map = self.ranks.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out: Vec<String> = Vec::new();
+        for key in ranks {
+            if let Some(node) = map.get(&key)
+                && node != self.membership.me()
+                && healthy.contains(node)
+                && !out.contains(node)
+            {
+                out.push(node.clone());
+            }
+        }
+        out.truncate(MAX_HOLDERS);
+        out
     }
 
     /// The members and their health.
@@ -239,20 +365,32 @@ impl Peers {
         }
     }
 
-    /// A test of "this node owns the file", over the members healthy now (one lookup of
-    /// the member list for many files). Files, not blocks, have owners: a shard is read
-    /// whole from one node, and a file keeps its owner across versions.
-    pub fn owner_test(&self) -> impl Fn(&str, &str) -> bool + use<> {
-        let healthy = self.membership.healthy();
-        let me = self.membership.me().to_owned();
-        move |root: &str, path: &str| {
-            file_owner(healthy.iter().map(String::as_str), root, path) == Some(me.as_str())
-        }
+    /// The healthy members, sorted (the list every node computes owners over), and this
+    /// node's id.
+    pub fn view(&self) -> (Vec<String>, String) {
+        let mut healthy = self.membership.healthy();
+        healthy.sort_unstable();
+        (healthy, self.membership.me().to_owned())
     }
 
-    /// Block `index` of the file version `stat` under `root`, from its owner when that is
-    /// another node: `None` when this node owns it, or the owner failed (the caller
-    /// reads the backing store).
+    /// The owner of a file among `healthy` (sorted): by the plan that places it, else by
+    /// rendezvous hashing. Files, not blocks, have owners: a shard is read whole from one
+    /// node, and a file keeps its owner across versions.
+    fn owner(&self, root: &str, path: &str, healthy: &[String]) -> Option<String> {
+        self.plans
+            .get()
+            .and_then(|p| p.owner(root, path, healthy))
+            .or_else(|| {
+                file_owner(healthy.iter().map(String::as_str), root, path).map(str::to_owned)
+            })
+    }
+
+    /// Block `index` of the file version `stat` under `root`, from the cluster: first
+    /// from the node the plan says read the file last (it likely holds it), then from
+    /// the file's owner, which fills it from the backing store if no node has it (once
+    /// for the cluster). `None` when this node owns it and no other node read it last,
+    /// or the peers failed (the caller reads the backing store). `keep`: the caller
+    /// stores the block in its cache (the sender's copy may then go).
     pub fn fetch(
         &self,
         root: &str,
@@ -260,14 +398,13 @@ impl Peers {
         index: usize,
         block_size: u32,
         len: usize,
+        keep: bool,
     ) -> Option<Vec<u8>> {
-        let healthy = self.membership.healthy();
-        let owner = file_owner(healthy.iter().map(String::as_str), root, &stat.path)?.to_owned();
-        if owner == self.membership.me() {
+        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
             return None;
         }
         let v = &stat.version;
-        let req = proto::FetchRequest {
+        let req = |fill: bool| proto::FetchRequest {
             root: root.to_owned(),
             path: stat.path.clone(),
             size: v.size,
@@ -277,35 +414,49 @@ impl Peers {
             dev: v.dev,
             index: index as u64,
             block_size,
-            fill: true,
+            fill,
+            keep,
         };
-        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
-            return None;
+        let (healthy, me) = self.view();
+        let owner = self.owner(root, &stat.path, &healthy).filter(|o| *o != me);
+        for holder in self.holders(root, &stat.path, &healthy) {
+            if Some(&holder) != owner.as_ref()
+                && let Some(data) = self.fetch_one(&holder, req(false), len)
+            {
+                return Some(data);
+            }
         }
+        self.fetch_one(&owner?, req(true), len)
+    }
+
+    /// One block from one peer, checked; counted, and the peer's health reported.
+    fn fetch_one(&self, peer: &str, req: proto::FetchRequest, len: usize) -> Option<Vec<u8>> {
         let got = self.handle.block_on(async {
-            tokio::time::timeout(self.timeout, self.fetch_from(&owner, req))
+            tokio::time::timeout(self.timeout, self.fetch_from(peer, req))
                 .await
                 .unwrap_or_else(|_| Err("timed out".into()))
         });
         match got {
             Ok(data) if data.len() == len => {
-                self.membership.report(&owner, true);
+                self.membership.report(peer, true);
                 inc(&self.stats.peer_blocks_in);
                 add(&self.stats.peer_bytes_in, len as u64);
                 Some(data)
             }
             Ok(data) => {
-                tracing::warn!(peer = %owner, got = data.len(), want = len, "peer sent a block of the wrong length");
+                tracing::warn!(peer = %peer, got = data.len(), want = len, "peer sent a block of the wrong length");
                 inc(&self.stats.peer_errors);
                 None
             }
             Err(e) => {
-                tracing::debug!(peer = %owner, error = %e, "peer fetch failed; reading the backing store");
                 // A peer that answers "not here" is healthy; one that fails is not.
-                if !e.starts_with("not found") {
-                    self.membership.report(&owner, false);
+                if e.starts_with("not found") {
+                    tracing::debug!(peer = %peer, error = %e, "peer does not hold the block");
+                } else {
+                    tracing::debug!(peer = %peer, error = %e, "peer fetch failed; trying the next source");
+                    self.membership.report(peer, false);
+                    inc(&self.stats.peer_errors);
                 }
-                inc(&self.stats.peer_errors);
                 None
             }
         }

@@ -1,14 +1,15 @@
 //! The peer service: serves blocks this node holds (or, as a block's owner, fetches
 //! them from the backing store first), checked against their checksums before sending.
 
+use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use tonic::{Request, Response, Status};
 
-use super::CHUNK;
 use super::proto::{self, Chunk, FetchRequest};
+use super::{CHUNK, PlansCell};
 use crate::backing::Version;
 use crate::fill::{Filler, Target};
 use crate::meta::Meta;
@@ -21,7 +22,15 @@ pub(super) struct Service {
     pub(super) filler: Arc<OnceLock<Arc<Filler>>>,
     pub(super) stats: Arc<Stats>,
     pub(super) timeout: Duration,
+    pub(super) plans: PlansCell,
+    /// Which blocks of each file were served to peers that keep them, until all were.
+    pub(super) handoffs: Mutex<HashMap<Key, Vec<bool>>>,
 }
+
+/// Files being handed to a keeping peer, tracked at most (a peer that gave up half way
+/// leaves an entry; past this many the oldest state is dropped — a missed handoff only
+/// keeps a copy longer).
+const HANDOFFS: usize = 4096;
 
 /// Compares secrets in time independent of where they differ.
 pub(super) fn same_secret(given: &[u8], expected: &[u8]) -> bool {
@@ -37,13 +46,26 @@ impl proto::peer_server::Peer for Service {
 
     async fn fetch(&self, req: Request<FetchRequest>) -> Result<Response<ChunkStream>, Status> {
         let r = req.into_inner();
+        let handoff = r.keep.then(|| {
+            (
+                r.root.clone(),
+                r.path.clone(),
+                r.size,
+                r.block_size,
+                r.index,
+            )
+        });
         let (store, meta) = (self.store.clone(), self.meta.clone());
         let (filler, timeout) = (self.filler.clone(), self.timeout);
-        let (data, sum) = tokio::task::spawn_blocking(move || {
+        let (data, sum, key) = tokio::task::spawn_blocking(move || {
             serve_block(&store, &meta, filler.get(), &r, timeout)
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))??;
+        if let Some((root, path, size, bs, index)) = handoff {
+            let nblocks = size.div_ceil(bs.max(1) as u64).max(1);
+            self.count_handoff(key, &root, &path, index, nblocks);
+        }
         inc(&self.stats.peer_blocks_out);
         add(&self.stats.peer_bytes_out, data.len() as u64);
         let len = data.len() as u64;
@@ -67,6 +89,52 @@ impl proto::peer_server::Peer for Service {
         }
         Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
     }
+
+    async fn ranks(
+        &self,
+        _req: Request<proto::RanksRequest>,
+    ) -> Result<Response<proto::RanksReply>, Status> {
+        let jobs = self
+            .plans
+            .get()
+            .map(|p| p.shuffles())
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(job, world_size, ranks)| proto::JobRanks {
+                job,
+                world_size,
+                ranks,
+            })
+            .collect();
+        Ok(Response::new(proto::RanksReply { jobs }))
+    }
+}
+
+impl Service {
+    /// Counts a block served to a peer that keeps it; when it has had every block of
+    /// the file, this node's copy is handed over (see `PlanHooks::handed`).
+    fn count_handoff(&self, key: Key, root: &str, path: &str, index: u64, nblocks: u64) {
+        let done = {
+            let mut h = self.handoffs.lock().unwrap_or_else(|e| e.into_inner());
+            if h.len() >= HANDOFFS {
+                h.clear();
+            }
+            let served = h
+                .entry(key)
+                .or_insert_with(|| vec![false; nblocks as usize]);
+            if let Some(b) = served.get_mut(index as usize) {
+                *b = true;
+            }
+            let done = served.iter().all(|&b| b);
+            if done {
+                h.remove(&key);
+            }
+            done
+        };
+        if done && let Some(p) = self.plans.get() {
+            p.handed(root, path);
+        }
+    }
 }
 
 /// The block a peer asks for, from this node's cache, filled first when asked to.
@@ -76,7 +144,7 @@ fn serve_block(
     filler: Option<&Arc<Filler>>,
     r: &FetchRequest,
     timeout: Duration,
-) -> Result<(Vec<u8>, u64), Status> {
+) -> Result<(Vec<u8>, u64, Key), Status> {
     if r.block_size != store.block_size() {
         return Err(Status::failed_precondition(format!(
             "block size {} here, {} there: peers must use the same block_size",
@@ -103,8 +171,8 @@ fn serve_block(
         return Err(Status::invalid_argument("no such block"));
     }
     let key = Key::of(&r.root, &r.path, &version);
-    if let Some(b) = store.read_block(&key, index) {
-        return Ok(b);
+    if let Some((b, sum)) = store.read_block(&key, index) {
+        return Ok((b, sum, key));
     }
     if !r.fill {
         return Err(Status::not_found("not cached here"));
@@ -129,5 +197,6 @@ fn serve_block(
     filler.fill_here(&target, index, Instant::now() + timeout);
     store
         .read_block(&key, index)
+        .map(|(b, sum)| (b, sum, key))
         .ok_or_else(|| Status::not_found("could not cache it here"))
 }

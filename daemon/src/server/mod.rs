@@ -666,7 +666,7 @@ fn transient(
     let mut present = vec![0u8; nblocks.div_ceil(8)];
     for i in first..end {
         let len = (size - i as u64 * bs).min(bs) as usize;
-        let data = peers.fetch(root, stat, i, bs as u32, len)?;
+        let data = peers.fetch(root, stat, i, bs as u32, len, false)?;
         tmp.write_all_at(&data, i as u64 * bs).ok()?;
         present[i / 8] |= 1 << (i % 8);
     }
