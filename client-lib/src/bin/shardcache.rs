@@ -99,6 +99,9 @@ fn print_status(s: &pb::StatusReply) {
         s.daemon_version, s.uptime_seconds
     );
     println!("{:<12}{}", "cache dir", s.cache_dir);
+    if !s.metrics_addr.is_empty() {
+        println!("{:<12}http://{}/metrics", "metrics", s.metrics_addr);
+    }
     println!("{:<12}{}", "roots", s.backing_roots.join(", "));
     println!(
         "{:<12}{} of {} ({pct:.1}%), file system free {} (floor {})",

@@ -74,6 +74,8 @@ pub struct Ctx {
     /// Connection threads polling right now; at most [`MAX_SPINNERS`] do, so that busy
     /// clients never cost the node more than that many cores of polling.
     pub spinners: AtomicUsize,
+    /// The bound address of the metrics endpoint (for status), when it is on.
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 /// A running server.
@@ -85,6 +87,8 @@ pub struct Server {
     conns: Arc<Mutex<HashMap<u64, UnixStream>>>,
     active: Arc<AtomicUsize>,
     accept: Option<JoinHandle<()>>,
+    /// False once the accept thread has ended.
+    accepting: Arc<AtomicBool>,
 }
 
 /// Binds the socket at `path` with `mode`, replacing a stale socket but refusing to take
@@ -134,6 +138,7 @@ impl Server {
         let stop = Arc::new(AtomicBool::new(false));
         let conns: Arc<Mutex<HashMap<u64, UnixStream>>> = Arc::default();
         let active = Arc::new(AtomicUsize::new(0));
+        let accepting = Arc::new(AtomicBool::new(true));
         let accept = {
             let (listener, stop, conns, active) = (
                 listener.clone(),
@@ -141,7 +146,9 @@ impl Server {
                 conns.clone(),
                 active.clone(),
             );
+            let alive = crate::daemon::Alive::new(accepting.clone());
             std::thread::Builder::new().name("sc-accept".into()).spawn(move || {
+                let _alive = alive;
                 let next_id = AtomicU64::new(0);
                 for conn in listener.incoming() {
                     if stop.load(Ordering::Acquire) {
@@ -195,7 +202,13 @@ impl Server {
             conns,
             active,
             accept: Some(accept),
+            accepting,
         })
+    }
+
+    /// A flag that is true while the accept thread runs (for the liveness probe).
+    pub fn accepting(&self) -> Arc<AtomicBool> {
+        self.accepting.clone()
     }
 
     /// Stops accepting, disconnects every client and waits (bounded) for their threads.
@@ -675,7 +688,8 @@ fn transient(
     Some((ro, present))
 }
 
-fn status(ctx: &Ctx) -> pb::StatusReply {
+/// The daemon's status: what `shardcache status` shows and the metrics endpoint renders.
+pub fn status(ctx: &Ctx) -> pb::StatusReply {
     let names: Vec<String> = ctx
         .meta
         .roots()
@@ -702,12 +716,15 @@ fn status(ctx: &Ctx) -> pb::StatusReply {
         capacity_bytes: s.capacity,
         used_bytes: s.used,
         fs_free_bytes: s.fs_free,
+        fs_size_bytes: s.fs_size,
         min_free_bytes: s.min_free,
         files: s.files,
         blocks: s.blocks,
         block_size: ctx.store.block_size(),
         unverified_blocks: s.unverified,
         counters: Some(ctx.stats.snapshot()),
+        fallbacks: ctx.stats.fallbacks(),
+        metrics_addr: ctx.metrics_addr.map(|a| a.to_string()).unwrap_or_default(),
         jobs,
         peer_id: ctx
             .peers
