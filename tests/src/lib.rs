@@ -196,6 +196,10 @@ impl Daemon {
         if !extra.contains(&"--log") {
             args.extend(["--log".into(), "info,shardcache_daemon=debug".into()]);
         }
+        // Never the default port: tests run side by side (the bound one is in status).
+        if !extra.contains(&"--metrics-listen") {
+            args.extend(["--metrics-listen".into(), "127.0.0.1:0".into()]);
+        }
         args.extend(extra.iter().map(|s| s.to_string()));
         let mut d = Self {
             child: None,
@@ -316,6 +320,12 @@ impl Daemon {
     /// The daemon's status (panics if it does not answer).
     pub fn status(&self) -> pb::StatusReply {
         Client::at(&self.socket).status().expect("status")
+    }
+
+    /// The bound address of the daemon's metrics endpoint (`None` when it is off).
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        let a = self.status().metrics_addr;
+        (!a.is_empty()).then(|| a.parse().expect("metrics_addr is an address"))
     }
 
     /// The daemon's counters.
