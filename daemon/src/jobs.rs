@@ -325,7 +325,11 @@ impl Jobs {
         if let Some(old) = lock(&self.info).remove(job) {
             self.release(&old);
         }
-        lock(&self.planner).unregister(job)
+        let found = lock(&self.planner).unregister(job);
+        if found {
+            tracing::info!(job, "prefetch manifest unregistered");
+        }
+        found
     }
 
     fn release(&self, job: &JobInfo) {

@@ -150,6 +150,9 @@ impl Server {
             std::thread::Builder::new().name("sc-accept".into()).spawn(move || {
                 let _alive = alive;
                 let next_id = AtomicU64::new(0);
+                // A storm of failed accepts or refused clients is one warning per
+                // period, with how many it stands for, not one line per connection.
+                let (mut accept_errors, mut refused) = (Throttle::default(), Throttle::default());
                 for conn in listener.incoming() {
                     if stop.load(Ordering::Acquire) {
                         break;
@@ -157,13 +160,17 @@ impl Server {
                     let conn = match conn {
                         Ok(c) => c,
                         Err(e) => {
-                            tracing::warn!(error = %e, "accept failed");
+                            if let Some(n) = accept_errors.hit() {
+                                tracing::warn!(error = %e, count = n, "accept failed");
+                            }
                             std::thread::sleep(Duration::from_millis(10));
                             continue;
                         }
                     };
                     if active.load(Ordering::Acquire) >= max_conns {
-                        tracing::warn!(max_conns, "connection limit reached; refusing a client (it reads the backing store)");
+                        if let Some(n) = refused.hit() {
+                            tracing::warn!(max_conns, refused = n, "connection limit reached; refusing clients (they read the backing store)");
+                        }
                         continue;
                     }
                     let creds = match creds::peer(&conn) {
@@ -239,6 +246,28 @@ impl Server {
             std::thread::sleep(Duration::from_millis(5));
         }
         self.active.load(Ordering::Acquire)
+    }
+}
+
+/// Counts events and says when to log them: at most once per [`Throttle::PERIOD`],
+/// with the number of events since the last line.
+#[derive(Debug, Default)]
+struct Throttle {
+    last: Option<Instant>,
+    count: u64,
+}
+
+impl Throttle {
+    const PERIOD: Duration = Duration::from_secs(10);
+
+    /// Counts one event; `Some(events since the last line)` when a line is due.
+    fn hit(&mut self) -> Option<u64> {
+        self.count += 1;
+        if self.last.is_some_and(|t| t.elapsed() < Self::PERIOD) {
+            return None;
+        }
+        self.last = Some(Instant::now());
+        Some(std::mem::take(&mut self.count))
     }
 }
 
