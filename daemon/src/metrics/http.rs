@@ -148,9 +148,9 @@ async fn serve(
                 .header_read_timeout(HEAD_TIMEOUT)
                 .max_buf_size(MAX_HEAD)
                 .serve_connection(TokioIo::new(stream), service);
-            match tokio::time::timeout(MAX_CONNECTION_LIFE, conn).await {
-                Ok(Err(e)) => tracing::debug!(%peer, error = %e, "metrics connection ended"),
-                Ok(Ok(())) | Err(_) => {}
+            // Past its lifetime the connection is dropped (closed); the scraper reconnects.
+            if let Ok(Err(e)) = tokio::time::timeout(MAX_CONNECTION_LIFE, conn).await {
+                tracing::debug!(%peer, error = %e, "metrics connection ended");
             }
             drop(slot);
         });
