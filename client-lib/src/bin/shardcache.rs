@@ -137,6 +137,25 @@ fn print_status(s: &pb::StatusReply) {
         "{:<12}{} (complete {}, partial {}, empty {}); direct opens by clients {}",
         "opens", c.opens, c.opens_full, c.opens_partial, c.opens_empty, c.fallback_opens
     );
+    let fallbacks: Vec<String> = s
+        .fallbacks
+        .iter()
+        .filter(|f| f.opens + f.reads > 0)
+        .map(|f| {
+            // The same names as the metric's `reason` label.
+            let why = match pb::FallbackReason::try_from(f.reason) {
+                Ok(pb::FallbackReason::Unspecified) | Err(_) => "unknown".to_owned(),
+                Ok(r) => r
+                    .as_str_name()
+                    .trim_start_matches("FALLBACK_REASON_")
+                    .to_ascii_lowercase(),
+            };
+            format!("{why} {} opens {} reads", f.opens, f.reads)
+        })
+        .collect();
+    if !fallbacks.is_empty() {
+        println!("{:<12}{}", "fallbacks", fallbacks.join(", "));
+    }
     println!(
         "{:<12}denied {}, bad path {}, not found {}, other {}",
         "refused", c.refused_denied, c.refused_path, c.refused_not_found, c.refused_other
