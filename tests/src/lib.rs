@@ -355,6 +355,28 @@ pub fn read_all(
     Ok((v, r.stats()))
 }
 
+/// `GET path` from an HTTP endpoint on `addr` (the daemon's metrics endpoint): the status
+/// code and the body.
+pub fn http_get(addr: std::net::SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    use std::io::Read;
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: shardcache\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut r = String::new();
+    s.read_to_string(&mut r)?;
+    let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "not an HTTP response");
+    let code = r
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(bad)?;
+    let body = r.split_once("\r\n\r\n").ok_or_else(bad)?.1.to_owned();
+    Ok((code, body))
+}
+
 /// Drops a file's pages from the page cache, so that the next read comes from disk.
 pub fn drop_page_cache(path: &Path) -> std::io::Result<()> {
     let f = File::open(path)?;

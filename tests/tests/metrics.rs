@@ -3,36 +3,15 @@
 //! daemon's counters. (A real Prometheus scraping it: tests/ops.)
 #![allow(clippy::unwrap_used)] // a test that cannot unwrap has failed
 
-use std::io::{Read, Write};
-use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::net::{SocketAddr, TcpListener};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
 use shardcache_client::proto::FallbackReason;
-use shardcache_tests::{Bed, bin, content, read_all, write_file};
+use shardcache_tests::{Bed, bin, content, http_get, read_all, write_file};
 
-/// (status code, body) of `GET path`.
 fn get(addr: SocketAddr, path: &str) -> (u16, String) {
-    let mut s = TcpStream::connect(addr).expect("connect");
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut r = String::new();
-    s.read_to_string(&mut r).expect("response");
-    let code = r
-        .split(' ')
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .expect("status line");
-    let body = r
-        .split_once("\r\n\r\n")
-        .map(|x| x.1)
-        .unwrap_or("")
-        .to_owned();
-    (code, body)
+    http_get(addr, path).unwrap()
 }
 
 /// The value of the series `series` (name and labels exactly as rendered).
