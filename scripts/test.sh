@@ -29,3 +29,8 @@ PYENV=target/pyenv
 "$PYENV/bin/pip" install --quiet --disable-pip-version-check pytest ./client-lib/python
 SHARDCACHED_BIN="$PWD/target/debug/shardcached" PYTHONPATH=tests/python \
     "$PYENV/bin/python" -m pytest -q -p no:cacheprovider tests/python
+
+echo "== operations: metrics (a real Prometheus scraping a real daemon, promtool, the dashboard)"
+./scripts/ops-deps.sh
+SHARDCACHED_BIN="$PWD/target/debug/shardcached" PYTHONPATH=tests/ops \
+    "$PYENV/bin/python" -m pytest -q -p no:cacheprovider tests/ops

@@ -331,6 +331,19 @@ impl Filler {
         })
     }
 
+    /// Fill worker threads still running (all of them, unless one died).
+    pub fn workers_alive(&self) -> usize {
+        lock(&self.workers)
+            .iter()
+            .filter(|h| !h.is_finished())
+            .count()
+    }
+
+    /// The number of fill worker threads started.
+    pub fn workers(&self) -> usize {
+        self.inner.workers
+    }
+
     /// Stops the workers after their current fill; queued fills end unfinished (their
     /// waiters are released and fall back).
     pub fn close(&self) {

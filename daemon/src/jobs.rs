@@ -18,6 +18,7 @@ use shardcache_proto::local::v1 as pb;
 
 use crate::fill::{Filler, Flight, Priority, Scheduled, Target};
 use crate::meta::{Meta, Roots};
+use crate::metrics::PrefetchInstruments;
 use crate::planner::prefetch::{self, CacheView, Pace};
 use crate::planner::{FileRef, Need, Planner, Source};
 use crate::store::evict::{EvictionPolicy, Lru};
@@ -33,6 +34,18 @@ const STATUS_WINDOW: usize = 4096;
 const RATE_PERIOD: Duration = Duration::from_millis(500);
 /// How long a prefetch the store declined (no room worth making) is not retried.
 const DECLINED_BACKOFF: Duration = Duration::from_secs(1);
+/// Most prefetched files remembered until their first open (for the lead time); past it
+/// the record is cleared (files prefetched and evicted unread would pile up otherwise).
+const MAX_PREFETCHED: usize = 1 << 16;
+
+/// A prefetched file not yet opened by its job.
+#[derive(Debug, Clone, Copy)]
+enum Prefetched {
+    /// Its blocks are being fetched.
+    InFlight,
+    /// Every block became resident at this time.
+    Resident(Instant),
+}
 
 /// How the prefetcher runs (from the daemon's configuration).
 #[derive(Debug, Clone, Copy)]
@@ -94,6 +107,12 @@ pub struct Jobs {
     /// node owns for the cluster before its local copies of files others own.
     peers: std::sync::OnceLock<Arc<crate::peer::Peers>>,
     wake: (Mutex<bool>, Condvar),
+    /// Files the prefetcher fetched, until their first open: the open then records the
+    /// prefetch lead time (or a late prefetch).
+    prefetched: Mutex<HashMap<FileRef, Prefetched>>,
+    instruments: PrefetchInstruments,
+    /// False once the prefetch thread has ended (for the liveness probe).
+    prefetcher_alive: Arc<AtomicBool>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -101,8 +120,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Jobs {
-    /// No jobs yet.
-    pub fn new(meta: Arc<Meta>) -> Self {
+    /// No jobs yet; the prefetcher records its lead times into `instruments`.
+    pub fn new(meta: Arc<Meta>, instruments: PrefetchInstruments) -> Self {
         let roots = meta.roots().clone();
         let root_index = roots
             .all()
@@ -121,6 +140,26 @@ impl Jobs {
             sizes: Mutex::new(HashMap::new()),
             peers: std::sync::OnceLock::new(),
             wake: (Mutex::new(false), Condvar::new()),
+            prefetched: Mutex::new(HashMap::new()),
+            instruments,
+            prefetcher_alive: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// False when the prefetcher was started and its thread has ended since.
+    pub fn prefetcher_alive(&self) -> bool {
+        self.prefetcher_alive.load(Ordering::Acquire)
+    }
+
+    /// A job opened `f`: if the prefetcher fetched it, record how long before the open it
+    /// became resident, or that the prefetch was late.
+    fn record_lead(&self, f: &FileRef) {
+        match lock(&self.prefetched).remove(f) {
+            Some(Prefetched::Resident(at)) => {
+                self.instruments.lead.record(at.elapsed().as_secs_f64());
+            }
+            Some(Prefetched::InFlight) => self.instruments.late.increment(1),
+            None => {}
         }
     }
 
@@ -297,7 +336,11 @@ impl Jobs {
         if let Some(old) = lock(&self.info).remove(job) {
             self.release(&old);
         }
-        lock(&self.planner).unregister(job)
+        let found = lock(&self.planner).unregister(job);
+        if found {
+            tracing::info!(job, "prefetch manifest unregistered");
+        }
+        found
     }
 
     fn release(&self, job: &JobInfo) {
@@ -326,17 +369,16 @@ impl Jobs {
         if !self.any() {
             return 0;
         }
+        let f = FileRef {
+            root,
+            path: rel.to_owned(),
+        };
         let job = lock(&self.planner)
-            .on_access(
-                &FileRef {
-                    root,
-                    path: rel.to_owned(),
-                },
-                READ_WINDOW,
-            )
+            .on_access(&f, READ_WINDOW)
             .map(str::to_owned);
         self.poke();
         let Some(job) = job else { return 0 };
+        self.record_lead(&f);
         let mut info = lock(&self.info);
         let Some(j) = info.get_mut(&job) else {
             return 0;
@@ -477,10 +519,21 @@ impl Jobs {
     ) -> std::io::Result<(Arc<AtomicBool>, JoinHandle<()>)> {
         let stop = Arc::new(AtomicBool::new(false));
         let (jobs, s) = (self.clone(), stop.clone());
+        self.prefetcher_alive.store(true, Ordering::Release);
+        let alive = crate::daemon::Alive::new(self.prefetcher_alive.clone());
         let h = std::thread::Builder::new()
             .name("sc-prefetch".into())
-            .spawn(move || jobs.prefetch_loop(&store, &filler, &meta, &s, cfg))?;
-        Ok((stop, h))
+            .spawn(move || {
+                let _alive = alive;
+                jobs.prefetch_loop(&store, &filler, &meta, &s, cfg);
+            });
+        match h {
+            Ok(h) => Ok((stop, h)),
+            Err(e) => {
+                self.prefetcher_alive.store(false, Ordering::Release);
+                Err(e)
+            }
+        }
     }
 
     /// Wakes the prefetch thread so that it sees `stop`.
@@ -525,6 +578,7 @@ impl Jobs {
             if !self.any() {
                 flights.clear();
                 ahead.clear();
+                lock(&self.prefetched).clear();
                 self.prefetching.store(0, Ordering::Relaxed);
                 continue;
             }
@@ -534,8 +588,15 @@ impl Jobs {
                 if outcomes.iter().any(Option::is_none) {
                     return true;
                 }
+                let mut prefetched = lock(&self.prefetched);
                 if outcomes.contains(&Some(false)) {
                     declined.insert(f.clone(), Instant::now());
+                    prefetched.remove(f);
+                } else if let Some(p) = prefetched.get_mut(f) {
+                    // Resident now (seen within a round, 20 ms at most, of the last
+                    // block landing). Not when the job already opened it: that open
+                    // counted a late prefetch.
+                    *p = Prefetched::Resident(Instant::now());
                 }
                 false
             });
@@ -640,6 +701,12 @@ impl Jobs {
                     }
                 }
                 if !fl.is_empty() {
+                    let mut prefetched = lock(&self.prefetched);
+                    if prefetched.len() >= MAX_PREFETCHED {
+                        prefetched.clear();
+                    }
+                    prefetched.insert(f.clone(), Prefetched::InFlight);
+                    drop(prefetched);
                     flights.insert(f, fl);
                 }
             }

@@ -92,6 +92,10 @@ struct Args {
     /// Longest fetch from a peer before reading the backing store, e.g. 2s [default: 2s].
     #[arg(long, env = "SHARDCACHED_PEER_TIMEOUT", value_parser = config::parse_duration)]
     peer_timeout: Option<std::time::Duration>,
+    /// Address of the HTTP endpoint for /metrics, /healthz and /readyz, e.g.
+    /// 0.0.0.0:9477; port 0 picks a free port; `off` disables it [default: 127.0.0.1:9477].
+    #[arg(long, env = "SHARDCACHED_METRICS_LISTEN")]
+    metrics_listen: Option<config::MetricsListen>,
     /// Log filter (tracing EnvFilter syntax) [default: info].
     #[arg(long, env = "SHARDCACHED_LOG", default_value = "info")]
     log: String,
@@ -125,7 +129,8 @@ fn load(args: &Args) -> anyhow::Result<Config> {
         spin,
         prefetch_ahead,
         prefetch_concurrency,
-        peer_timeout
+        peer_timeout,
+        metrics_listen
     );
     if args.peer_listen.is_some() {
         cfg.peer_listen = args.peer_listen;
@@ -197,11 +202,14 @@ mod tests {
             "50%",
             "--block-size",
             "1MiB",
+            "--metrics-listen",
+            "off",
         ]);
         let cfg = load(&args).unwrap();
         assert_eq!(cfg.backing_roots, [PathBuf::from("/a")]);
         assert_eq!(cfg.capacity, SizeSpec::Percent(50.0));
         assert_eq!(cfg.block_size, 1 << 20);
         assert_eq!(cfg.readahead_blocks, 3);
+        assert_eq!(cfg.metrics_listen, config::MetricsListen::Off);
     }
 }

@@ -59,6 +59,7 @@ fn cluster(
                 .map(|(_, a)| a.clone())
                 .collect(),
             peer_secret_file: Some(secret.clone()),
+            metrics_listen: shardcache_daemon::config::MetricsListen::Off,
             ..Config::default()
         };
         nodes.push(Daemon::start(&cfg).with_context(|| format!("node {i}"))?);

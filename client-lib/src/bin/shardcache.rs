@@ -99,6 +99,9 @@ fn print_status(s: &pb::StatusReply) {
         s.daemon_version, s.uptime_seconds
     );
     println!("{:<12}{}", "cache dir", s.cache_dir);
+    if !s.metrics_addr.is_empty() {
+        println!("{:<12}http://{}/metrics", "metrics", s.metrics_addr);
+    }
     println!("{:<12}{}", "roots", s.backing_roots.join(", "));
     println!(
         "{:<12}{} of {} ({pct:.1}%), file system free {} (floor {})",
@@ -134,6 +137,25 @@ fn print_status(s: &pb::StatusReply) {
         "{:<12}{} (complete {}, partial {}, empty {}); direct opens by clients {}",
         "opens", c.opens, c.opens_full, c.opens_partial, c.opens_empty, c.fallback_opens
     );
+    let fallbacks: Vec<String> = s
+        .fallbacks
+        .iter()
+        .filter(|f| f.opens + f.reads > 0)
+        .map(|f| {
+            // The same names as the metric's `reason` label.
+            let why = match pb::FallbackReason::try_from(f.reason) {
+                Ok(pb::FallbackReason::Unspecified) | Err(_) => "unknown".to_owned(),
+                Ok(r) => r
+                    .as_str_name()
+                    .trim_start_matches("FALLBACK_REASON_")
+                    .to_ascii_lowercase(),
+            };
+            format!("{why} {} opens {} reads", f.opens, f.reads)
+        })
+        .collect();
+    if !fallbacks.is_empty() {
+        println!("{:<12}{}", "fallbacks", fallbacks.join(", "));
+    }
     println!(
         "{:<12}denied {}, bad path {}, not found {}, other {}",
         "refused", c.refused_denied, c.refused_path, c.refused_not_found, c.refused_other
