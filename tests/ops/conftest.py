@@ -46,13 +46,15 @@ def daemon_flags() -> str:
 class Daemon:
     """A real shardcached on temporary directories, stopped by its pid."""
 
-    def __init__(self, tmp: pathlib.Path, root: pathlib.Path, extra=()):
+    def __init__(self, tmp: pathlib.Path, root: pathlib.Path, extra=(), wrap=()):
+        """`wrap`: a command that runs the daemon (e.g. setpriv with a capability set)."""
         self.tmp = tmp
         self.root = root
         self.socket = tmp / "run" / "shardcached.sock"
         self.socket.parent.mkdir(parents=True, exist_ok=True)
         self.log = tmp / "daemon.log"
         args = [
+            *wrap,
             str(debug_bin("shardcached")),
             "--backing-root", str(root),
             "--cache-dir", str(tmp / "cache"),
