@@ -2,7 +2,8 @@
 # Installs what the packaging tests (tests/ops) need, and only what is missing, so a
 # second run costs a few seconds:
 #   - Debian: rpm (rpmbuild, rpm -qip/-qlp) with rpm2cpio, and cpio, to build and open
-#     the RPM; dpkg-deb and systemd-analyze come with the base system.
+#     the RPM; dpkg-deb, systemd-analyze, readelf (binutils) and setpriv (util-linux)
+#     come with the base system and are installed only if absent.
 #   - PyPI, into the test virtual environment (target/pyenv, which scripts/test.sh also
 #     uses): pytest; helm-python-sdk (Helm v4's Go SDK as a shared library: `helm
 #     template` and `helm lint` without a helm binary); kubernetes-validate (the
@@ -19,6 +20,8 @@ command -v rpm2cpio >/dev/null 2>&1 || missing+=(rpm2cpio)
 command -v cpio >/dev/null 2>&1 || missing+=(cpio)
 command -v systemd-analyze >/dev/null 2>&1 || missing+=(systemd)
 command -v dpkg-deb >/dev/null 2>&1 || missing+=(dpkg)
+command -v readelf >/dev/null 2>&1 || missing+=(binutils)
+command -v setpriv >/dev/null 2>&1 || missing+=(util-linux)
 if [ ${#missing[@]} -gt 0 ]; then
     echo "ops-deps: apt-get install ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive

@@ -59,7 +59,10 @@ if [ "$what" = deb ] || [ "$what" = all ]; then
         install -m0644 "$f" "$root/usr/share/doc/shardcache/"
     done
     install -d -m0755 "$root/DEBIAN"
-    sed -e "s/@VERSION@/$version/" -e "s/@ARCH@/$arch/" packaging/deb/control >"$root/DEBIAN/control"
+    # The newest glibc symbol version the binaries use (what dpkg-shlibdeps would find).
+    glibc=$(readelf -W --version-info "${bins[@]}" | grep -o 'GLIBC_[0-9.]*' | sed 's/GLIBC_//' | sort -uV | tail -n1)
+    sed -e "s/@VERSION@/$version/" -e "s/@ARCH@/$arch/" -e "s/@GLIBC@/$glibc/" \
+        packaging/deb/control >"$root/DEBIAN/control"
     echo "Installed-Size: $(du -sk --exclude=DEBIAN "$root" | cut -f1)" >>"$root/DEBIAN/control"
     install -m0644 packaging/deb/conffiles "$root/DEBIAN/conffiles"
     install -m0755 packaging/deb/postinst packaging/deb/prerm packaging/deb/postrm "$root/DEBIAN/"

@@ -209,6 +209,12 @@ def test_deb(packages, tmp_path):
     info = run("dpkg-deb", "--info", str(deb)).stdout.decode()
     assert re.search(r"^ Package: shardcache$", info, re.M)
     assert re.search(rf"^ Version: {re.escape(VERSION)}$", info, re.M)
+    # Depends on at least the glibc the binaries were linked against.
+    m = re.search(r"^ Depends: libc6 \(>= (2\.\d+)\), libgcc-s1, ", info, re.M)
+    assert m, info
+    needed = run("readelf", "-W", "--version-info", str(REPO / "target/release/shardcached")).stdout.decode()
+    newest = max(tuple(map(int, v.split("."))) for v in re.findall(r"GLIBC_(\d+\.\d+)\b", needed))
+    assert tuple(map(int, m.group(1).split("."))) >= newest
     for script in ("postinst", "prerm", "postrm", "conffiles"):
         assert re.search(rf"^\s+\d+ bytes,\s+\d+ lines\s+\*?\s*{script}\b", info, re.M), (script, info)
     contents = run("dpkg-deb", "--contents", str(deb)).stdout.decode()
