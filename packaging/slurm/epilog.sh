@@ -8,7 +8,7 @@
 # restarts (registrations live in its memory).
 set -u
 here=$(dirname "$(readlink -f "$0")")
-# shellcheck source=common.sh
+# shellcheck source-path=SCRIPTDIR source=common.sh
 . "$here/common.sh"
 
 job=$(shardcache_job_id)

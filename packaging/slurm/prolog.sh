@@ -14,7 +14,7 @@
 # system directly). README.md has the details.
 set -u
 here=$(dirname "$(readlink -f "$0")")
-# shellcheck source=common.sh
+# shellcheck source-path=SCRIPTDIR source=common.sh
 . "$here/common.sh"
 
 # The manifest named by the job, if any: the first shardcache=PATH token.
