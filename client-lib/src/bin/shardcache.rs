@@ -41,6 +41,10 @@ enum Cmd {
     Prefetch {
         /// The manifest (JSON file).
         manifest: PathBuf,
+        /// Register under this job id instead of the manifest's `job` (e.g. a scheduler's
+        /// job id, so that two runs of one manifest on a node stay apart).
+        #[arg(long)]
+        job: Option<String>,
         /// Then wait until this fraction (0–1) of the bytes of the job's next epoch (as
         /// far as the cache holds it) is cached.
         #[arg(long)]
@@ -309,11 +313,16 @@ fn run(cli: Cli) -> Result<(), String> {
         }
         Cmd::Prefetch {
             manifest,
+            job,
             wait,
             timeout,
         } => {
-            let text = std::fs::read_to_string(&manifest)
+            let mut text = std::fs::read_to_string(&manifest)
                 .map_err(|e| format!("{}: {e}", manifest.display()))?;
+            if let Some(id) = job {
+                text =
+                    with_job_id(&text, id).map_err(|e| format!("{}: {e}", manifest.display()))?;
+            }
             let r = client.register(&text).map_err(|e| match e.kind() {
                 io::ErrorKind::InvalidInput => format!("{}: {e}", manifest.display()),
                 _ => unreachable_hint(&cli.socket, &e),
@@ -343,6 +352,16 @@ fn run(cli: Cli) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// The manifest `text` with its `job` field set to `id` (the daemon validates the rest).
+fn with_job_id(text: &str, id: String) -> Result<String, String> {
+    let mut v: serde_json::Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
+    let obj = v
+        .as_object_mut()
+        .ok_or("a manifest is a JSON object (docs/MANIFEST.md)")?;
+    obj.insert("job".into(), serde_json::Value::String(id));
+    Ok(v.to_string())
 }
 
 /// Waits until `fraction` of the bytes of the job's readiness window is cached, drawing
@@ -394,5 +413,23 @@ fn main() -> ExitCode {
             eprintln!("shardcache: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn job_replaces_the_manifests_id_and_keeps_the_rest() {
+        let t = super::with_job_id(
+            r#"{"version": 1, "job": "resnet", "root": "/d"}"#,
+            "slurm-7".into(),
+        )
+        .unwrap();
+        let v: serde_json::Value = serde_json::from_str(&t).unwrap();
+        assert_eq!(v["job"], "slurm-7");
+        assert_eq!(v["root"], "/d");
+        assert_eq!(v["version"], 1);
+        assert!(super::with_job_id("[1]", "x".into()).is_err());
+        assert!(super::with_job_id("{", "x".into()).is_err());
     }
 }
