@@ -380,6 +380,30 @@ impl Client {
         }
     }
 
+    /// What the cache holds: with `job` and `path` empty, the datasets (registered jobs,
+    /// and per backing root the cached files no job plans); with either, a page of its
+    /// files. A caller other than root or the daemon's user sees only what it may read.
+    /// Errors: `NotFound` (no such job or path), `InvalidInput`, `PermissionDenied`,
+    /// with the daemon's message.
+    pub fn list(&self, req: pb::ListRequest, timeout: Duration) -> io::Result<pb::ListReply> {
+        match self.inner.call(request::Kind::List(req), timeout)? {
+            (response::Kind::List(r), _) => Ok(r),
+            (response::Kind::Error(e), _) => Err(daemon_error(e)),
+            (other, _) => Err(unexpected(&other)),
+        }
+    }
+
+    /// Drops cached copies (never anything on the backing store): of `paths` (files, or
+    /// everything under directories), of a registered job's files, or everything. Only
+    /// root and the daemon's user may; others get `PermissionDenied`.
+    pub fn evict(&self, req: pb::EvictRequest, timeout: Duration) -> io::Result<pb::EvictReply> {
+        match self.inner.call(request::Kind::Evict(req), timeout)? {
+            (response::Kind::Evict(r), _) => Ok(r),
+            (response::Kind::Error(e), _) => Err(daemon_error(e)),
+            (other, _) => Err(unexpected(&other)),
+        }
+    }
+
     /// Asks the daemon to re-check every cached block's checksum (may take long).
     pub fn verify(&self, timeout: Duration) -> io::Result<pb::VerifyReply> {
         match self
@@ -390,6 +414,17 @@ impl Client {
             (other, _) => Err(unexpected(&other)),
         }
     }
+}
+
+/// The daemon's refusal as an error of the matching kind, with its message.
+fn daemon_error(e: pb::ErrorReply) -> io::Error {
+    let kind = match pb::ErrorCode::try_from(e.code) {
+        Ok(pb::ErrorCode::NotFound) => io::ErrorKind::NotFound,
+        Ok(pb::ErrorCode::PermissionDenied) => io::ErrorKind::PermissionDenied,
+        Ok(pb::ErrorCode::Invalid) => io::ErrorKind::InvalidInput,
+        Ok(pb::ErrorCode::Unspecified) | Err(_) => io::ErrorKind::Other,
+    };
+    io::Error::new(kind, e.message)
 }
 
 pub(crate) fn unexpected(k: &response::Kind) -> io::Error {

@@ -63,6 +63,12 @@ pub fn check(stat: &Stat, creds: &Creds) -> Decision {
     }
 }
 
+/// Decides whether `creds` may list a directory owned as `dir` (read permission on it;
+/// search on the directories above is the caller's to check).
+pub fn may_list(dir: &Owner, creds: &Creds) -> Decision {
+    may(dir, creds, READ)
+}
+
 fn may(o: &Owner, c: &Creds, want: u32) -> Decision {
     if o.acl {
         return Decision::Uncertain;

@@ -358,6 +358,28 @@ impl Jobs {
         Ok(found)
     }
 
+    /// The ids of the registered jobs, sorted.
+    pub fn ids(&self) -> Vec<String> {
+        lock(&self.info).keys().cloned().collect()
+    }
+
+    /// The files of job `id`, in manifest order; `None` when no such job is registered.
+    pub fn files_of(&self, id: &str) -> Option<Arc<Vec<FileRef>>> {
+        lock(&self.planner).job_files(id)
+    }
+
+    /// The size of `f` when a manifest declared it or the daemon stat'ed it since
+    /// (never goes to the backing store).
+    pub fn known_size(&self, f: &FileRef) -> Option<u64> {
+        lock(&self.sizes).get(f).copied()
+    }
+
+    /// Which of `files` some registered job plans (one planner lock for all).
+    pub fn planned(&self, files: &[FileRef]) -> Vec<bool> {
+        let p = lock(&self.planner);
+        files.iter().map(|f| p.is_planned(f)).collect()
+    }
+
     /// True when some job is registered.
     fn any(&self) -> bool {
         !lock(&self.info).is_empty()

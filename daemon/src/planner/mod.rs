@@ -128,7 +128,7 @@ impl EpochIndex {
 #[derive(Debug)]
 struct Job {
     id: String,
-    files: Vec<FileRef>,
+    files: Arc<Vec<FileRef>>,
     source: Source,
     epoch: u64,
     step: u64,
@@ -495,7 +495,7 @@ impl Planner {
         };
         self.jobs.push(Job {
             id: id.to_owned(),
-            files,
+            files: Arc::new(files),
             source,
             epoch: first,
             step: 0,
@@ -660,6 +660,20 @@ impl Planner {
         members
             .get(*owners.get(i as usize)? as usize)
             .map(String::as_str)
+    }
+
+    /// The files of job `id`, in manifest order (shared: cloning is cheap, so callers
+    /// walk them without the planner lock).
+    pub fn job_files(&self, id: &str) -> Option<Arc<Vec<FileRef>>> {
+        self.jobs
+            .iter()
+            .find(|j| j.id == id)
+            .map(|j| j.files.clone())
+    }
+
+    /// True when some registered job reads `f`.
+    pub fn is_planned(&self, f: &FileRef) -> bool {
+        self.files.contains_key(f)
     }
 
     /// True when a shuffle plan reads `f` (every node can then tell who reads it when).

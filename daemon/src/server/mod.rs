@@ -10,6 +10,7 @@
 //! `open(2)`, and a blocking thread answers it with the fewest wake-ups. Connections are
 //! few (a pool per training process) and bounded by `max_connections`.
 
+pub mod admin;
 mod creds;
 
 use std::collections::HashMap;
@@ -342,7 +343,10 @@ fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::K
             if m.paths.len() > wire::MAX_FDS {
                 let message = format!("open_many: at most {} paths per request", wire::MAX_FDS);
                 return (
-                    response::Kind::Error(pb::ErrorReply { message }),
+                    response::Kind::Error(pb::ErrorReply {
+                        message,
+                        code: pb::ErrorCode::Invalid as i32,
+                    }),
                     Vec::new(),
                 );
             }
@@ -372,7 +376,10 @@ fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::K
                 Vec::new(),
             ),
             Err(message) => (
-                response::Kind::Error(pb::ErrorReply { message }),
+                response::Kind::Error(pb::ErrorReply {
+                        message,
+                        code: pb::ErrorCode::Invalid as i32,
+                    }),
                 Vec::new(),
             ),
         },
@@ -388,6 +395,7 @@ fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::K
                 Ok(found) => response::Kind::Progress(pb::ProgressReply { found }),
                 Err(e) => response::Kind::Error(pb::ErrorReply {
                     message: format!("progress: {e}"),
+                    code: pb::ErrorCode::Invalid as i32,
                 }),
             };
             (kind, Vec::new())
@@ -398,13 +406,20 @@ fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::K
                 blocks_checked: r.checked,
                 corrupt_blocks: r.corrupt,
                 missing_files: r.missing_files,
+                files_checked: r.files,
+                bytes_checked: r.bytes,
             };
             (response::Kind::Verify(reply), Vec::new())
         }
+        Some(request::Kind::List(l)) => (admin::list(ctx, creds, &l), Vec::new()),
+        Some(request::Kind::Evict(e)) => (admin::evict(ctx, creds, &e), Vec::new()),
         None => {
             let message = "empty request".to_owned();
             (
-                response::Kind::Error(pb::ErrorReply { message }),
+                response::Kind::Error(pb::ErrorReply {
+                        message,
+                        code: pb::ErrorCode::Invalid as i32,
+                    }),
                 Vec::new(),
             )
         }

@@ -247,6 +247,41 @@ pub struct VerifyReport {
     pub corrupt: u64,
     /// Entries whose data file had disappeared (dropped).
     pub missing_files: u64,
+    /// Cached files with blocks to check.
+    pub files: u64,
+    /// Bytes of the blocks checked.
+    pub bytes: u64,
+}
+
+/// How much of the current version of one path the cache holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Residency {
+    /// Size of the cached version.
+    pub size: u64,
+    /// Bytes of its blocks present in the cache.
+    pub resident_bytes: u64,
+}
+
+/// One cached file, for listings.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CachedEntry {
+    /// The backing root's name.
+    pub root: String,
+    /// Canonical path under it.
+    pub path: String,
+    /// Residency of its current version.
+    pub residency: Residency,
+}
+
+/// What an explicit eviction ([`Store::evict_matching`]) did.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct EvictOutcome {
+    /// Files dropped that held bytes.
+    pub files: u64,
+    /// Their bytes.
+    pub bytes: u64,
+    /// Matching files left in place because a fill of them is running.
+    pub busy: u64,
 }
 
 /// Space and contents, for status.
@@ -554,6 +589,78 @@ impl Store {
             .get(&path_key(root, path))
             .and_then(|k| idx.files.get(k))
             .is_some_and(|e| e.blocks.iter().all(Option::is_some))
+    }
+
+    /// The residency of the current version of `path` under `root`, when any of it has an
+    /// entry.
+    pub fn residency(&self, root: &str, path: &str) -> Option<Residency> {
+        let idx = self.lock();
+        residency_locked(&idx, root, path)
+    }
+
+    /// [`Store::residency`] of many paths, taking the index lock once per few thousand
+    /// (a listing of a large job must not hold up opens for long).
+    pub fn residency_many(&self, files: &[(&str, &str)]) -> Vec<Option<Residency>> {
+        let mut out = Vec::with_capacity(files.len());
+        for chunk in files.chunks(4096) {
+            let idx = self.lock();
+            out.extend(chunk.iter().map(|(r, p)| residency_locked(&idx, r, p)));
+        }
+        out
+    }
+
+    /// Every current entry holding at least one block (superseded versions are left
+    /// out), for listings. Costs a pass over the index.
+    pub fn entries(&self) -> Vec<CachedEntry> {
+        let idx = self.lock();
+        idx.files
+            .values()
+            .filter(|e| e.bytes > 0 && !e.doomed)
+            .map(|e| CachedEntry {
+                root: e.root.clone(),
+                path: e.path.clone(),
+                residency: Residency {
+                    size: e.version.size,
+                    resident_bytes: e.bytes,
+                },
+            })
+            .collect()
+    }
+
+    /// Drops every entry whose (root name, path) `matches` accepts, as eviction for room
+    /// does: the index forgets it first, then its data file is unlinked, so that a
+    /// reader holding a descriptor keeps reading the same bytes and every later open
+    /// finds it uncached. Pins are overridden (an operator asked); entries with a fill
+    /// running are left alone and counted as busy. `matches` runs under the index lock:
+    /// it must not call back into the store or the planner.
+    pub fn evict_matching(&self, matches: &dyn Fn(&str, &str) -> bool) -> EvictOutcome {
+        let mut out = EvictOutcome::default();
+        let mut evicted = Vec::new();
+        {
+            let mut idx = self.lock();
+            let keys: Vec<Key> = idx
+                .files
+                .iter()
+                .filter(|(_, e)| matches(&e.root, &e.path))
+                .map(|(k, _)| *k)
+                .collect();
+            for k in keys {
+                if idx.files.get(&k).is_some_and(|e| e.filling > 0) {
+                    out.busy += 1;
+                    continue;
+                }
+                idx.pins.remove(&k);
+                if let Some(ev) = evict_locked(&mut idx, &k) {
+                    if ev.bytes > 0 {
+                        out.files += 1;
+                        out.bytes += ev.bytes;
+                    }
+                    evicted.push(ev);
+                }
+            }
+        }
+        self.finish_evictions(evicted);
+        out
     }
 
     /// Bytes that can be admitted without evicting anything.
@@ -964,6 +1071,8 @@ impl Store {
             if durable && !self.data_path(&key, generation).exists() {
                 total.missing_files += 1;
             }
+            total.files += 1;
+            total.bytes += blocks.iter().map(|(_, b)| b.len as u64).sum::<u64>();
             let r = self.verify_blocks(&key, generation, &blocks);
             total.checked += r.checked;
             total.corrupt += r.corrupt;
@@ -1082,6 +1191,14 @@ fn retire_other_versions(
             }
         }
     }
+}
+
+fn residency_locked(idx: &Index, root: &str, path: &str) -> Option<Residency> {
+    let e = idx.files.get(idx.by_path.get(&path_key(root, path))?)?;
+    Some(Residency {
+        size: e.version.size,
+        resident_bytes: e.bytes,
+    })
 }
 
 fn evict_locked(idx: &mut Index, key: &Key) -> Option<Evicted> {
