@@ -451,8 +451,9 @@ impl Jobs {
         }
     }
 
-    /// The size of planned file `f`: known, or stat'ed now (not under the planner lock).
-    fn size_of(&self, f: &FileRef) -> Option<u64> {
+    /// The size of planned file `f`: known, or stat'ed now (not under the planner lock)
+    /// and remembered.
+    pub fn size_of(&self, f: &FileRef) -> Option<u64> {
         if let Some(&s) = lock(&self.sizes).get(f) {
             return Some(s);
         }

@@ -207,7 +207,10 @@ fn a_corrupt_cache_block_is_detected_not_served_and_refetched() {
         String::from_utf8_lossy(&out.stderr)
     );
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(text.contains("checked 4 blocks: 1 corrupt"), "{text}");
+    assert!(
+        text.contains("checked 4 blocks (4.0 MiB) of 1 cached files: 1 corrupt"),
+        "{text}"
+    );
     let before = d.counters().backing_reads;
     let (got, _) = read_all(&bed.client(), &p).unwrap();
     assert_eq!(got, content(11, 4 * MIB), "corrupt block not served");

@@ -237,7 +237,10 @@ fn list_job(
     offset: usize,
     limit: usize,
 ) -> Result<pb::ListReply, response::Kind> {
-    let files = ctx.jobs.files_of(job).ok_or_else(|| unknown_job(ctx, job))?;
+    let files = ctx
+        .jobs
+        .files_of(job)
+        .ok_or_else(|| unknown_job(ctx, job))?;
     let roots = ctx.meta.roots();
     let operator = is_operator(creds);
     let page = files.iter().skip(offset).take(limit);
@@ -252,12 +255,9 @@ fn list_job(
             continue;
         }
         let resident = ctx.store.residency(root, &f.path);
-        // Sizes the daemon knows first; a stat (through the metadata cache) only for the
-        // rest of this page.
-        let size = resident
-            .map(|r| r.size)
-            .or_else(|| ctx.jobs.known_size(f))
-            .or_else(|| ctx.meta.stat(f.root, &f.path).ok().map(|s| s.version.size));
+        // Sizes the daemon knows first; a stat (through the metadata cache, and then
+        // remembered for the datasets view) only for the rest of this page.
+        let size = resident.map(|r| r.size).or_else(|| ctx.jobs.size_of(f));
         out.push(pb::FileEntry {
             path: absolute(root, &f.path),
             size: size.unwrap_or(0),
@@ -391,8 +391,9 @@ pub fn evict(ctx: &Ctx, creds: &Creds, req: &pb::EvictRequest) -> response::Kind
             ),
         );
     }
-    let selectors =
-        usize::from(!req.paths.is_empty()) + usize::from(!req.job.is_empty()) + usize::from(req.all);
+    let selectors = usize::from(!req.paths.is_empty())
+        + usize::from(!req.job.is_empty())
+        + usize::from(req.all);
     if selectors != 1 {
         return invalid("evict: name paths, a job, or all (exactly one of them)".into());
     }

@@ -377,9 +377,9 @@ fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::K
             ),
             Err(message) => (
                 response::Kind::Error(pb::ErrorReply {
-                        message,
-                        code: pb::ErrorCode::Invalid as i32,
-                    }),
+                    message,
+                    code: pb::ErrorCode::Invalid as i32,
+                }),
                 Vec::new(),
             ),
         },
@@ -417,9 +417,9 @@ fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::K
             let message = "empty request".to_owned();
             (
                 response::Kind::Error(pb::ErrorReply {
-                        message,
-                        code: pb::ErrorCode::Invalid as i32,
-                    }),
+                    message,
+                    code: pb::ErrorCode::Invalid as i32,
+                }),
                 Vec::new(),
             )
         }

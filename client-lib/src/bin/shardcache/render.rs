@@ -1,0 +1,224 @@
+//! Text rendering for the CLI: sizes, fractions, durations and aligned tables. Pure
+//! functions of their input, so that the output is tested without a daemon.
+
+/// A size in bytes with a binary unit: `512 B`, `1.5 MiB`.
+pub fn bytes(b: u64) -> String {
+    const U: [&str; 7] = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < U.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", U[i])
+    }
+}
+
+/// `n / d` as a percentage with one decimal, or `-` when `d` is 0.
+pub fn percent(n: u64, d: u64) -> String {
+    if d == 0 {
+        return "-".into();
+    }
+    // Never round a partial amount up to 100 % (nor a nonzero one down to 0 %): "is it
+    // all there" is what an operator reads from this.
+    let p = 100.0 * n as f64 / d as f64;
+    let p = if n < d { p.min(99.9) } else { p };
+    let p = if n > 0 { p.max(0.1) } else { p };
+    format!("{p:.1}%")
+}
+
+/// Seconds as the two largest units: `42s`, `5m 03s`, `1h 02m`, `3d 04h`.
+pub fn duration(secs: u64) -> String {
+    let (d, h, m, s) = (secs / 86400, secs / 3600 % 24, secs / 60 % 60, secs % 60);
+    if d > 0 {
+        format!("{d}d {h:02}h")
+    } else if h > 0 {
+        format!("{h}h {m:02}m")
+    } else if m > 0 {
+        format!("{m}m {s:02}s")
+    } else {
+        format!("{s}s")
+    }
+}
+
+/// How a column's cells are aligned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Align {
+    /// Text.
+    Left,
+    /// Numbers.
+    Right,
+}
+
+/// A table with a header row, rendered with columns padded to their widest cell and two
+/// spaces between columns. The last column is never padded (no trailing blanks).
+#[derive(Debug)]
+pub struct Table {
+    columns: Vec<(String, Align)>,
+    rows: Vec<Vec<String>>,
+    indent: usize,
+}
+
+impl Table {
+    /// A table with these (header, alignment) columns.
+    pub fn new(columns: &[(&str, Align)]) -> Self {
+        Self {
+            columns: columns.iter().map(|(h, a)| ((*h).to_owned(), *a)).collect(),
+            rows: Vec::new(),
+            indent: 0,
+        }
+    }
+
+    /// Indents every line by `n` spaces.
+    pub fn indent(mut self, n: usize) -> Self {
+        self.indent = n;
+        self
+    }
+
+    /// Adds a row (missing cells are empty, extra ones dropped).
+    pub fn row(&mut self, cells: Vec<String>) {
+        let mut cells = cells;
+        cells.resize(self.columns.len(), String::new());
+        self.rows.push(cells);
+    }
+
+    /// True when no row was added.
+    pub fn is_empty(&self) -> bool {
+        self.rows.is_empty()
+    }
+
+    /// The rendered lines, each ending in a newline.
+    pub fn render(&self) -> String {
+        let width = |i: usize| {
+            self.rows
+                .iter()
+                .map(|r| r[i].chars().count())
+                .chain(std::iter::once(self.columns[i].0.chars().count()))
+                .max()
+                .unwrap_or(0)
+        };
+        let widths: Vec<usize> = (0..self.columns.len()).map(width).collect();
+        let header: Vec<String> = self.columns.iter().map(|(h, _)| h.clone()).collect();
+        let mut out = String::new();
+        for cells in std::iter::once(&header).chain(&self.rows) {
+            let mut line = " ".repeat(self.indent);
+            for (i, cell) in cells.iter().enumerate() {
+                if i > 0 {
+                    line.push_str("  ");
+                }
+                let pad = widths[i].saturating_sub(cell.chars().count());
+                let last = i + 1 == cells.len();
+                match self.columns[i].1 {
+                    Align::Right => {
+                        line.push_str(&" ".repeat(pad));
+                        line.push_str(cell);
+                    }
+                    Align::Left => {
+                        line.push_str(cell);
+                        if !last {
+                            line.push_str(&" ".repeat(pad));
+                        }
+                    }
+                }
+            }
+            out.push_str(line.trim_end());
+            out.push('\n');
+        }
+        out
+    }
+}
+
+/// Lines of `label  value` pairs with the values aligned, indented by `indent`.
+pub fn pairs(indent: usize, items: &[(&str, String)]) -> String {
+    let w = items.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    let mut out = String::new();
+    for (k, v) in items {
+        out.push_str(
+            &format!("{}{k:<w$}  {v}", " ".repeat(indent))
+                .trim_end()
+                .to_owned(),
+        );
+        out.push('\n');
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn sizes_use_binary_units_with_one_decimal() {
+        assert_eq!(bytes(0), "0 B");
+        assert_eq!(bytes(1023), "1023 B");
+        assert_eq!(bytes(1024), "1.0 KiB");
+        assert_eq!(bytes(1536 << 10), "1.5 MiB");
+        assert_eq!(bytes(5 << 30), "5.0 GiB");
+        assert_eq!(bytes(u64::MAX), "16.0 EiB");
+    }
+
+    #[test]
+    fn percentages_never_round_to_all_or_nothing_falsely() {
+        assert_eq!(percent(1, 0), "-");
+        assert_eq!(percent(0, 10), "0.0%");
+        assert_eq!(percent(5, 10), "50.0%");
+        assert_eq!(percent(10, 10), "100.0%");
+        assert_eq!(percent(999_999, 1_000_000), "99.9%", "not all there");
+        assert_eq!(percent(1, 1_000_000), "0.1%", "not nothing");
+    }
+
+    #[test]
+    fn durations_show_the_two_largest_units() {
+        assert_eq!(duration(0), "0s");
+        assert_eq!(duration(59), "59s");
+        assert_eq!(duration(61), "1m 01s");
+        assert_eq!(duration(3 * 3600 + 120), "3h 02m");
+        assert_eq!(duration(2 * 86400 + 5 * 3600 + 7), "2d 05h");
+    }
+
+    #[test]
+    fn tables_align_columns_and_leave_no_trailing_blanks() {
+        let mut t = Table::new(&[
+            ("NAME", Align::Left),
+            ("SIZE", Align::Right),
+            ("PATH", Align::Left),
+        ])
+        .indent(2);
+        t.row(vec!["a".into(), "1.0 MiB".into(), "/x".into()]);
+        t.row(vec!["longer".into(), "7 B".into(), "/a/b/c".into()]);
+        t.row(vec!["short".into()]);
+        let text = t.render();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(
+            lines,
+            [
+                "  NAME       SIZE  PATH",
+                "  a       1.0 MiB  /x",
+                "  longer      7 B  /a/b/c",
+                "  short",
+            ]
+        );
+        // Every right-aligned cell ends in the same column.
+        let end = |l: &str, cell: &str| l.find(cell).unwrap() + cell.len();
+        assert_eq!(end(lines[1], "1.0 MiB"), end(lines[2], "7 B"));
+        assert_eq!(end(lines[0], "SIZE"), end(lines[2], "7 B"));
+        assert!(!t.is_empty());
+    }
+
+    #[test]
+    fn pairs_align_their_values() {
+        let text = pairs(
+            2,
+            &[
+                ("a", "1".into()),
+                ("longer", "2".into()),
+                ("e", String::new()),
+            ],
+        );
+        assert_eq!(text, "  a       1\n  longer  2\n  e\n");
+    }
+}
