@@ -6,7 +6,7 @@
 //! entries (never recursively) and the metadata of the page of them it returns, through
 //! the metadata cache. Anyone may list, but a caller other than root and the daemon's
 //! own user sees only the files it may read, judged as an open judges them
-//! ([`crate::access::check`]), and no subdirectory names.
+//! ([`crate::access::check`]), and no subdirectory or link names.
 //!
 //! Eviction is for operators only (root and the daemon's user). It drops entries from
 //! the store the way eviction for room does ([`Store::evict_matching`]): a reader that
@@ -317,12 +317,9 @@ fn list_path(
         e => invalid(e.to_string()),
     })?;
     // Operators see directories and files (symlinks are followed when stat'ed); others
-    // see the regular files they may read, in a directory they may list.
-    entries.retain(|e| match e.kind {
-        EntryKind::File => true,
-        EntryKind::Dir | EntryKind::Symlink => operator,
-        EntryKind::Other => false,
-    });
+    // see the regular files they may read, in a directory they may list, and a count of
+    // the rest.
+    entries.retain(|e| e.kind != EntryKind::Other);
     entries.sort_by(|a, b| a.name.cmp(&b.name));
     let dir_rel = rel.trim_matches('/');
     let child = |name: &str| {
@@ -335,6 +332,10 @@ fn list_path(
     let (mut out, mut hidden) = (Vec::new(), 0);
     for e in entries.iter().skip(offset).take(limit) {
         let rel = child(&e.name);
+        if !operator && e.kind != EntryKind::File {
+            hidden += 1;
+            continue;
+        }
         if e.kind == EntryKind::Dir {
             out.push(pb::FileEntry {
                 path: absolute(&root_name, &rel),
