@@ -38,18 +38,20 @@ pub fn is_operator(creds: &Creds) -> bool {
     creds.uid == 0 || creds.uid == rustix::process::geteuid().as_raw()
 }
 
-fn error(code: pb::ErrorCode, message: String) -> response::Kind {
-    response::Kind::Error(pb::ErrorReply {
+/// A refusal. Handlers return it as their error (it is small; a whole reply is not) and
+/// it becomes the reply at the top.
+fn error(code: pb::ErrorCode, message: String) -> pb::ErrorReply {
+    pb::ErrorReply {
         message,
         code: code as i32,
-    })
+    }
 }
 
-fn invalid(message: String) -> response::Kind {
+fn invalid(message: String) -> pb::ErrorReply {
     error(pb::ErrorCode::Invalid, message)
 }
 
-fn unknown_job(ctx: &Ctx, job: &str) -> response::Kind {
+fn unknown_job(ctx: &Ctx, job: &str) -> pb::ErrorReply {
     let ids = ctx.jobs.ids();
     let known = if ids.is_empty() {
         "no job is registered".to_owned()
@@ -64,7 +66,7 @@ fn unknown_job(ctx: &Ctx, job: &str) -> response::Kind {
 
 /// The root containing `abs` (the root itself included, unlike [`crate::meta::Roots::resolve`])
 /// and the path inside it.
-fn locate<'a>(ctx: &Ctx, abs: &'a str) -> Result<(usize, &'a str), response::Kind> {
+fn locate<'a>(ctx: &Ctx, abs: &'a str) -> Result<(usize, &'a str), pb::ErrorReply> {
     if abs.len() > MAX_PATH {
         return Err(invalid(format!("path longer than {MAX_PATH} bytes")));
     }
@@ -118,7 +120,7 @@ pub fn list(ctx: &Ctx, creds: &Creds, req: &pb::ListRequest) -> response::Kind {
     };
     match reply {
         Ok(r) => response::Kind::List(r),
-        Err(e) => e,
+        Err(e) => response::Kind::Error(e),
     }
 }
 
@@ -236,7 +238,7 @@ fn list_job(
     job: &str,
     offset: usize,
     limit: usize,
-) -> Result<pb::ListReply, response::Kind> {
+) -> Result<pb::ListReply, pb::ErrorReply> {
     let files = ctx
         .jobs
         .files_of(job)
@@ -280,7 +282,7 @@ fn list_path(
     path: &str,
     offset: usize,
     limit: usize,
-) -> Result<pb::ListReply, response::Kind> {
+) -> Result<pb::ListReply, pb::ErrorReply> {
     let (root, rel) = locate(ctx, path)?;
     let root_name = ctx.meta.roots().get(root).name.clone();
     let operator = is_operator(creds);
@@ -384,25 +386,27 @@ fn list_path(
 pub fn evict(ctx: &Ctx, creds: &Creds, req: &pb::EvictRequest) -> response::Kind {
     if !is_operator(creds) {
         let me = rustix::process::geteuid().as_raw();
-        return error(
+        return response::Kind::Error(error(
             pb::ErrorCode::PermissionDenied,
             format!(
                 "evict: only root or the daemon's user (uid {me}) may drop cached copies, not uid {}; run it as one of them (e.g. sudo)",
                 creds.uid
             ),
-        );
+        ));
     }
     let selectors = usize::from(!req.paths.is_empty())
         + usize::from(!req.job.is_empty())
         + usize::from(req.all);
     if selectors != 1 {
-        return invalid("evict: name paths, a job, or all (exactly one of them)".into());
+        return response::Kind::Error(invalid(
+            "evict: name paths, a job, or all (exactly one of them)".into(),
+        ));
     }
     let (outcome, unmatched) = if req.all {
         (ctx.store.evict_matching(&|_, _| true), Vec::new())
     } else if !req.job.is_empty() {
         let Some(files) = ctx.jobs.files_of(&req.job) else {
-            return unknown_job(ctx, &req.job);
+            return response::Kind::Error(unknown_job(ctx, &req.job));
         };
         let roots = ctx.meta.roots();
         let mut by_root: HashMap<&str, std::collections::HashSet<&str>> = HashMap::new();
@@ -419,7 +423,7 @@ pub fn evict(ctx: &Ctx, creds: &Creds, req: &pb::EvictRequest) -> response::Kind
     } else {
         match evict_paths(ctx, &req.paths) {
             Ok(x) => x,
-            Err(e) => return e,
+            Err(e) => return response::Kind::Error(e),
         }
     };
     tracing::info!(
@@ -442,7 +446,7 @@ pub fn evict(ctx: &Ctx, creds: &Creds, req: &pb::EvictRequest) -> response::Kind
 fn evict_paths(
     ctx: &Ctx,
     paths: &[String],
-) -> Result<(crate::store::EvictOutcome, Vec<String>), response::Kind> {
+) -> Result<(crate::store::EvictOutcome, Vec<String>), pb::ErrorReply> {
     // root name → canonical relative path → the targets naming it.
     let mut targets: HashMap<String, HashMap<String, Vec<usize>>> = HashMap::new();
     for (i, p) in paths.iter().enumerate() {

@@ -415,3 +415,60 @@ fn files_opened_but_never_filled_take_no_memory() {
         "no entry kept for files that were never cached"
     );
 }
+
+#[test]
+fn evict_matching_drops_what_matches_keeps_readers_whole_and_survives_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    let stats = Arc::new(Stats::default());
+    let s = Store::open(&cfg(dir.path(), 1 << 30), stats.clone()).unwrap();
+    let a = stat("d/a", 2 * BS as u64, 1);
+    let b = stat("d/b", BS as u64 + 1, 1);
+    let c = stat("c", BS as u64, 1);
+    for (st, n) in [(&a, 2), (&b, 2), (&c, 1)] {
+        for i in 0..n {
+            fill(&s, st, i).unwrap();
+        }
+    }
+    let res = s.residency("/r", "d/b").unwrap();
+    assert_eq!(
+        (res.size, res.resident_bytes),
+        (BS as u64 + 1, BS as u64 + 1)
+    );
+    assert_eq!(s.residency("/r", "nope"), None);
+    assert_eq!(s.residency_many(&[("/r", "c"), ("/x", "c")]).len(), 2);
+    assert_eq!(s.entries().len(), 3);
+
+    // A reader holding a descriptor keeps the bytes it was promised.
+    let held = s.view("/r", &a).unwrap().data.unwrap();
+    let out = s.evict_matching(&|root, path| root == "/r" && path.starts_with("d/"));
+    assert_eq!(
+        out,
+        EvictOutcome {
+            files: 2,
+            bytes: 3 * BS as u64 + 1,
+            busy: 0
+        }
+    );
+    let mut buf = vec![0u8; 2 * BS as usize];
+    held.read_exact_at(&mut buf, 0).unwrap();
+    assert_eq!(buf, content(&a));
+    assert_eq!(check(&s, &a), 0, "evicted: nothing present");
+    assert_eq!(s.status().used, BS as u64);
+    assert_eq!(stats.snapshot().evicted_files, 2);
+
+    // A file being filled is left alone and counted.
+    let p = s.begin_fill("/r", &a, 0, false).unwrap().unwrap();
+    let out = s.evict_matching(&|_, _| true);
+    assert_eq!((out.files, out.bytes, out.busy), (1, BS as u64, 1));
+    s.commit_fill(p, &content(&a)[..BS as usize]).unwrap();
+    assert_eq!(check(&s, &a), 1);
+
+    // The removals are durable: a reopened store has only what was filled since.
+    drop(held);
+    s.close().unwrap();
+    drop(s);
+    let s = Store::open(&cfg(dir.path(), 1 << 30), Arc::default()).unwrap();
+    assert_eq!(s.status().used, BS as u64);
+    assert_eq!(check(&s, &b), 0);
+    assert_eq!(check(&s, &c), 0);
+}

@@ -136,11 +136,7 @@ pub fn pairs(indent: usize, items: &[(&str, String)]) -> String {
     let w = items.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
     let mut out = String::new();
     for (k, v) in items {
-        out.push_str(
-            &format!("{}{k:<w$}  {v}", " ".repeat(indent))
-                .trim_end()
-                .to_owned(),
-        );
+        out.push_str(format!("{}{k:<w$}  {v}", " ".repeat(indent)).trim_end());
         out.push('\n');
     }
     out
