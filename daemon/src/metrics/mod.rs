@@ -130,7 +130,7 @@ defs! {
     CORRUPT_BLOCKS: Counter "shardcache_corrupt_blocks_total" COUNT, [],
         "Blocks that failed their checksum (dropped, fetched again on next use).";
     EVICTED_FILES: Counter "shardcache_evicted_files_total" COUNT, [],
-        "Files evicted to respect capacity or min_free.";
+        "Files evicted to respect capacity or min_free, or by shardcache evict.";
     EVICTED_BYTES: Counter "shardcache_evicted_bytes_total" BYTES, [],
         "Bytes of the files evicted.";
 
