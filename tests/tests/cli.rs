@@ -342,6 +342,17 @@ fn other_users_may_not_evict_and_see_only_what_they_may_read() {
     let v = json(s, &["ls", "--json", &p(&bed, "")]);
     assert_eq!(v[0]["files"].as_array().unwrap().len(), 3);
     assert_eq!(v[0]["hidden"], 0);
+
+    // A socket this user may not connect to is told apart from a daemon that is down.
+    std::fs::set_permissions(s, PermissionsExt::from_mode(0o600)).unwrap();
+    let o = cli_as(s, true, &["status"]);
+    assert_eq!(o.status.code(), Some(1), "{o:?}");
+    let e = stderr(&o);
+    assert!(
+        e.contains("permission denied") && e.contains("keeps this user out"),
+        "{e}"
+    );
+    assert!(!e.contains("is the daemon running"), "{e}");
 }
 
 #[test]
