@@ -106,13 +106,15 @@ pub fn transfer(dir: &Path, mib: u64, rounds: usize) -> anyhow::Result<(f64, f64
             std::thread::scope(|s| {
                 for _ in 0..4 {
                     s.spawn(|| {
+                        // Each fill worker keeps one block buffer.
+                        let mut d = Vec::new();
                         loop {
                             let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                             if i >= nblocks {
                                 return;
                             }
                             let want = (len - i as u64 * block).min(block) as usize;
-                            if let Some(d) = peers.fetch(&root, &stat, i, block as u32, want) {
+                            if peers.fetch(&root, &stat, i, block as u32, want, &mut d) {
                                 got.fetch_add(d.len() as u64, std::sync::atomic::Ordering::Relaxed);
                             }
                         }
