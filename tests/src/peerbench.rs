@@ -333,7 +333,7 @@ pub fn run(dir: &Path, mib: u64, rounds: usize) -> anyhow::Result<()> {
         "transfer: {mib} MiB in 4 MiB blocks, node to node over loopback, {rounds} rounds in rotating order (medians)"
     );
     println!(
-        "  peer fetch (block stream: HMAC-authenticated TCP, sender checks xxh3 then sendfile, receiver checks xxh3; {IN_FLIGHT} in flight as the fill engine does) {:.0} MiB/s",
+        "  peer fetch (block stream: HMAC-authenticated TCP, sender reads and checks xxh3 then writes, receiver checks xxh3; {IN_FLIGHT} in flight as the fill engine does) {:.0} MiB/s",
         t.peer
     );
     println!(

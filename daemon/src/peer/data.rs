@@ -3,16 +3,16 @@
 //! One listener serves both: [`accept`] reads each new connection's first 8 bytes and
 //! hands it to gRPC (with those bytes put back in front, [`Prefixed`]) or, when they are
 //! [`wire::MAGIC`], to a block-stream thread. A block-stream connection runs on a thread
-//! of its own with blocking I/O, as the Unix-socket server does: a block is read through
-//! a small buffer for its checksum check, then sent from the page cache with `sendfile`
-//! (the same bytes, no copy through this process), with no runtime hand-offs between. The handshake (the caller proves the shared secret) comes first
+//! of its own with blocking I/O, as the Unix-socket server does: a block is one `pread`
+//! into a buffer, a checksum check and one `write` of it to the socket, with no runtime
+//! hand-offs in between. The handshake (the caller proves the shared secret) comes first
 //! and is bounded by the peer timeout; at most [`MAX_CONNS`] such connections are open at
 //! once (more are closed at once: their callers read the backing store), so that callers
 //! without the secret cannot hold more than that many threads, each for at most the
 //! timeout.
 
 use std::collections::HashMap;
-use std::io;
+use std::io::{self, Write};
 use std::net::TcpStream;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -258,7 +258,7 @@ impl DataServer {
                 return;
             }
         }
-        // The buffer blocks are checked through, for the connection's life.
+        // One block buffer for the connection's life.
         let mut buf = Vec::new();
         loop {
             if s.set_read_timeout(Some(IDLE)).is_err() {
@@ -279,22 +279,28 @@ impl DataServer {
         }
     }
 
-    fn answer(
-        &self,
-        s: &mut TcpStream,
-        req: &FetchRequest,
-        scratch: &mut Vec<u8>,
-    ) -> io::Result<()> {
+    fn answer(&self, s: &mut TcpStream, req: &FetchRequest, data: &mut Vec<u8>) -> io::Result<()> {
         let got = serve_block(
             &self.store,
             &self.meta,
             self.filler.get(),
             req,
             self.timeout,
-            |k, i| self.store.check_block(k, i, scratch),
+            data,
         );
-        let b = match got {
-            Ok(b) => b,
+        match got {
+            Ok(sum) => {
+                let head = BlockHeader {
+                    code: 0,
+                    message: String::new(),
+                    length: data.len() as u64,
+                    xxh3: sum,
+                };
+                wire::write_frame(s, &head)?;
+                s.write_all(data)?;
+                inc(&self.stats.peer_blocks_out);
+                add(&self.stats.peer_bytes_out, data.len() as u64);
+            }
             Err(status) => {
                 let head = BlockHeader {
                     code: status.code() as u32,
@@ -302,30 +308,9 @@ impl DataServer {
                     length: 0,
                     xxh3: 0,
                 };
-                return wire::write_frame(s, &head);
-            }
-        };
-        let head = BlockHeader {
-            code: 0,
-            message: String::new(),
-            length: b.len as u64,
-            xxh3: b.xxh3,
-        };
-        wire::write_frame(s, &head)?;
-        // Straight from the page cache to the socket: the bytes just checked.
-        let mut off = b.offset;
-        let end = b.offset + b.len as u64;
-        while off < end {
-            let count = (end - off) as usize;
-            let n = rustix::fs::sendfile(&*s, &b.file, Some(&mut off), count)?;
-            if n == 0 {
-                // The data file is shorter than its index says: the peer sees a cut
-                // block and reads elsewhere.
-                return Err(io::ErrorKind::UnexpectedEof.into());
+                wire::write_frame(s, &head)?;
             }
         }
-        inc(&self.stats.peer_blocks_out);
-        add(&self.stats.peer_bytes_out, b.len as u64);
         Ok(())
     }
 

@@ -40,9 +40,8 @@ impl proto::peer_server::Peer for Service {
         let (store, meta) = (self.store.clone(), self.meta.clone());
         let (filler, timeout) = (self.filler.clone(), self.timeout);
         let (data, sum) = tokio::task::spawn_blocking(move || {
-            serve_block(&store, &meta, filler.get(), &r, timeout, |k, i| {
-                store.read_block(k, i)
-            })
+            let mut data = Vec::new();
+            serve_block(&store, &meta, filler.get(), &r, timeout, &mut data).map(|sum| (data, sum))
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))??;
@@ -71,17 +70,17 @@ impl proto::peer_server::Peer for Service {
     }
 }
 
-/// The block a peer asks for, from this node's cache, filled first when asked to, as
-/// `read` gives it (a checked read of the cached block: `None` when it is absent or
-/// failed its checksum). gRPC `Fetch` and the block stream serve the same way.
-pub(super) fn serve_block<T>(
+/// The block a peer asks for, from this node's cache, filled first when asked to, into
+/// `buf`; its xxh3-64 (checked against the one recorded). gRPC `Fetch` and the block
+/// stream serve the same way.
+pub(super) fn serve_block(
     store: &Store,
     meta: &Meta,
     filler: Option<&Arc<Filler>>,
     r: &FetchRequest,
     timeout: Duration,
-    mut read: impl FnMut(&Key, usize) -> Option<T>,
-) -> Result<T, Status> {
+    buf: &mut Vec<u8>,
+) -> Result<u64, Status> {
     if r.block_size != store.block_size() {
         return Err(Status::failed_precondition(format!(
             "block size {} here, {} there: peers must use the same block_size",
@@ -108,8 +107,8 @@ pub(super) fn serve_block<T>(
         return Err(Status::invalid_argument("no such block"));
     }
     let key = Key::of(&r.root, &r.path, &version);
-    if let Some(b) = read(&key, index) {
-        return Ok(b);
+    if let Some(sum) = store.read_block_into(&key, index, buf) {
+        return Ok(sum);
     }
     if !r.fill {
         return Err(Status::not_found("not cached here"));
@@ -132,5 +131,7 @@ pub(super) fn serve_block<T>(
         peer_ok: false,
     });
     filler.fill_here(&target, index, Instant::now() + timeout);
-    read(&key, index).ok_or_else(|| Status::not_found("could not cache it here"))
+    store
+        .read_block_into(&key, index, buf)
+        .ok_or_else(|| Status::not_found("could not cache it here"))
 }

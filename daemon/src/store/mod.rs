@@ -238,29 +238,6 @@ impl Permit {
     }
 }
 
-/// Bytes read at a time when a block is checked before it is handed out.
-const CHECK_PIECE: usize = 256 << 10;
-
-/// Where a block is: its data file's generation and its offset in it.
-#[derive(Debug, Clone, Copy)]
-struct BlockAt {
-    generation: u64,
-    offset: u64,
-}
-
-/// A block just checked against its checksum, to be sent from its data file.
-#[derive(Debug)]
-pub struct CheckedBlock {
-    /// The data file (a descriptor: eviction, which unlinks the file, does not affect it).
-    pub file: File,
-    /// Where the block starts in it.
-    pub offset: u64,
-    /// The block's length.
-    pub len: usize,
-    /// Its xxh3-64.
-    pub xxh3: u64,
-}
-
 /// Result of checking checksums.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct VerifyReport {
@@ -590,49 +567,17 @@ impl Store {
     /// recorded when the block was written (a block that fails the check is dropped, as
     /// `verify` would, and `None` returned). For serving peers: they check again.
     pub fn read_block(&self, key: &Key, i: usize) -> Option<(Vec<u8>, u64)> {
-        let (f, at, meta) = self.block_file(key, i)?;
-        let mut buf = vec![0u8; meta.len as usize];
-        // Hashed piece by piece, each piece still in the CPU's cache.
-        let mut hash = xxhash_rust::xxh3::Xxh3::new();
-        let mut off = at.offset;
-        for piece in buf.chunks_mut(CHECK_PIECE) {
-            f.read_exact_at(piece, off).ok()?;
-            hash.update(piece);
-            off += piece.len() as u64;
-        }
-        let sum = self.checked(key, i, at.generation, meta, hash.digest())?;
+        let mut buf = Vec::new();
+        let sum = self.read_block_into(key, i, &mut buf)?;
         Some((buf, sum))
     }
 
-    /// Block `i` of `key` checked against its recorded checksum (as
-    /// [`Store::read_block`], reading it through `scratch`, one piece at a time), left
-    /// in the page cache for the caller to send from the returned descriptor with
-    /// `sendfile`: what is sent is what was just checked (blocks are written once; a
-    /// block dropped and filled again gets the same bytes). `None` when absent or
-    /// corrupt (dropped).
-    pub fn check_block(&self, key: &Key, i: usize, scratch: &mut Vec<u8>) -> Option<CheckedBlock> {
-        let (file, at, meta) = self.block_file(key, i)?;
-        scratch.resize(CHECK_PIECE, 0);
-        let mut hash = xxhash_rust::xxh3::Xxh3::new();
-        let end = at.offset + meta.len as u64;
-        let mut off = at.offset;
-        while off < end {
-            let n = (end - off).min(CHECK_PIECE as u64) as usize;
-            file.read_exact_at(&mut scratch[..n], off).ok()?;
-            hash.update(&scratch[..n]);
-            off += n as u64;
-        }
-        let xxh3 = self.checked(key, i, at.generation, meta, hash.digest())?;
-        Some(CheckedBlock {
-            file,
-            offset: at.offset,
-            len: meta.len as usize,
-            xxh3,
-        })
-    }
-
-    /// The open data file of block `i` of `key`, where the block is in it, and its record.
-    fn block_file(&self, key: &Key, i: usize) -> Option<(File, BlockAt, BlockMeta)> {
+    /// [`Store::read_block`] into `buf` (resized to the block's length; a buffer kept
+    /// from one block to the next spares an allocation and its page faults per block).
+    /// The checksum is computed piece by piece as the block is read, each piece still in
+    /// the CPU's cache. `buf`'s contents are unspecified on `None`.
+    pub fn read_block_into(&self, key: &Key, i: usize, buf: &mut Vec<u8>) -> Option<u64> {
+        const PIECE: usize = 256 << 10;
         let (generation, bs, meta) = {
             let idx = self.lock();
             let e = idx.files.get(key)?;
@@ -640,22 +585,15 @@ impl Store {
             (e.generation, e.block_size, meta)
         };
         let f = self.open_data(key, generation).ok()?;
-        let at = BlockAt {
-            generation,
-            offset: i as u64 * bs as u64,
-        };
-        Some((f, at, meta))
-    }
-
-    /// `Some(sum)` when `sum` is the block's recorded checksum; drops the block otherwise.
-    fn checked(
-        &self,
-        key: &Key,
-        i: usize,
-        generation: u64,
-        meta: BlockMeta,
-        sum: u64,
-    ) -> Option<u64> {
+        // Every byte is overwritten by the reads below: only growth is zero-filled.
+        buf.resize(meta.len as usize, 0);
+        let base = i as u64 * bs as u64;
+        let mut hash = xxhash_rust::xxh3::Xxh3::new();
+        for (n, piece) in buf.chunks_mut(PIECE).enumerate() {
+            f.read_exact_at(piece, base + (n * PIECE) as u64).ok()?;
+            hash.update(piece);
+        }
+        let sum = hash.digest();
         if sum != meta.xxh3 {
             self.verify_blocks(key, generation, &[(i, meta)]);
             return None;
