@@ -29,3 +29,9 @@ PYENV=target/pyenv
 "$PYENV/bin/pip" install --quiet --disable-pip-version-check pytest ./client-lib/python
 SHARDCACHED_BIN="$PWD/target/debug/shardcached" PYTHONPATH=tests/python \
     "$PYENV/bin/python" -m pytest -q -p no:cacheprovider tests/python
+
+echo "== operations: metrics with a real Prometheus, the dashboard, Helm chart, RPM and .deb (release build), Slurm scripts (tests/ops)"
+scripts/ops-deps.sh
+SHARDCACHED_BIN="$PWD/target/debug/shardcached" SHARDCACHE_BIN="$PWD/target/debug/shardcache" \
+    PYTHONPATH=tests/ops \
+    "$PYENV/bin/python" -m pytest -q -p no:cacheprovider -p no:cloudcoil tests/ops

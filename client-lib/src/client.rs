@@ -19,6 +19,9 @@ use crate::reader::{OpenAhead, Reader};
 /// otherwise.
 pub const DEFAULT_SOCKET: &str = "/run/shardcache/shardcached.sock";
 
+/// Number of `FallbackReason` values (as the daemon counts them).
+const FALLBACK_REASONS: usize = pb::FallbackReason::Protocol as usize + 1;
+
 /// How a [`Client`] talks to the daemon.
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
@@ -79,6 +82,17 @@ pub(crate) enum CallError {
     Protocol(String),
 }
 
+impl CallError {
+    /// The fallback reason a reader records when this ends its exchange.
+    pub(crate) fn reason(&self) -> pb::FallbackReason {
+        match self {
+            CallError::Unavailable(_) => pb::FallbackReason::Unavailable,
+            CallError::Timeout => pb::FallbackReason::Timeout,
+            CallError::Protocol(_) => pb::FallbackReason::Protocol,
+        }
+    }
+}
+
 impl From<CallError> for io::Error {
     fn from(e: CallError) -> Self {
         match e {
@@ -115,6 +129,9 @@ pub(crate) struct Report {
     pub filled_reads: AtomicU64,
     pub fallback_reads: AtomicU64,
     pub fallback_opens: AtomicU64,
+    /// Fallback opens and reads by `FallbackReason` (indexed by its value).
+    fallback_opens_by: [AtomicU64; FALLBACK_REASONS],
+    fallback_reads_by: [AtomicU64; FALLBACK_REASONS],
     /// Per registered job (by tag), from dropped readers.
     jobs: Mutex<HashMap<u64, pb::JobUsage>>,
 }
@@ -129,11 +146,30 @@ impl Report {
             filled_reads: self.filled_reads.swap(0, Ordering::Relaxed),
             fallback_reads: self.fallback_reads.swap(0, Ordering::Relaxed),
             fallback_opens: self.fallback_opens.swap(0, Ordering::Relaxed),
+            fallbacks: (0..FALLBACK_REASONS)
+                .map(|i| pb::FallbackCount {
+                    reason: i as i32,
+                    opens: self.fallback_opens_by[i].swap(0, Ordering::Relaxed),
+                    reads: self.fallback_reads_by[i].swap(0, Ordering::Relaxed),
+                })
+                .filter(|f| f.opens + f.reads > 0)
+                .collect(),
             jobs: std::mem::take(&mut *self.jobs.lock().unwrap_or_else(|e| e.into_inner()))
                 .into_values()
                 .collect(),
         };
         (r != pb::ReadReport::default()).then_some(r)
+    }
+
+    /// Counts a fallback open (`open`) or read for `reason`.
+    pub(crate) fn add_fallback(&self, reason: pb::FallbackReason, open: bool) {
+        let i = (reason as usize).min(FALLBACK_REASONS - 1);
+        let by = if open {
+            &self.fallback_opens_by
+        } else {
+            &self.fallback_reads_by
+        };
+        by[i].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Adds a reader's totals to what is reported for job `tag`.
@@ -165,6 +201,13 @@ impl Report {
             .fetch_add(r.fallback_opens, Ordering::Relaxed);
         for u in &r.jobs {
             self.add_job(u.job_tag, u);
+        }
+        for f in &r.fallbacks {
+            let i = usize::try_from(f.reason)
+                .unwrap_or(0)
+                .min(FALLBACK_REASONS - 1);
+            self.fallback_opens_by[i].fetch_add(f.opens, Ordering::Relaxed);
+            self.fallback_reads_by[i].fetch_add(f.reads, Ordering::Relaxed);
         }
     }
 }

@@ -11,7 +11,9 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use shardcache_proto::local::v1 as pb;
-use shardcache_proto::local::v1::{open_reply, request, response, wait_reply};
+use shardcache_proto::local::v1::{
+    FallbackReason, Reason, open_reply, request, response, wait_reply,
+};
 
 use crate::client::{CallError, Client, Pending};
 
@@ -91,7 +93,7 @@ pub struct Reader {
     size: Mutex<u64>,
     state: Mutex<State>,
     stats: Mutex<ReaderStats>,
-    fallback_reason: Mutex<Option<String>>,
+    fallback_reason: Mutex<Option<(FallbackReason, String)>>,
     /// The registered job whose plan this read follows (0: none): the reader's totals
     /// are reported under it when it is dropped.
     job_tag: u64,
@@ -177,13 +179,13 @@ impl Reader {
     fn ask_open(client: &Client, path: &Path) -> io::Result<(std::path::PathBuf, Outcome)> {
         let path = std::path::absolute(path)?;
         let outcome = match path.to_str() {
-            None => Err("path is not UTF-8".to_owned()),
+            None => Err((FallbackReason::Refused, "path is not UTF-8".to_owned())),
             Some(p) => {
                 let req = request::Kind::Open(pb::OpenRequest { path: p.to_owned() });
                 match client.inner.call(req, client.inner.cfg.timeout) {
                     Ok((response::Kind::Open(reply), fds)) => outcome(reply, &mut fds.into_iter()),
-                    Ok(_) => Err("unexpected reply".into()),
-                    Err(e) => Err(e.to_string()),
+                    Ok(_) => Err((FallbackReason::Protocol, "unexpected reply".into())),
+                    Err(e) => Err((e.reason(), e.to_string())),
                 }
             }
         };
@@ -220,11 +222,10 @@ impl Reader {
             None => {
                 let f = File::open(&path)?;
                 let size = f.metadata()?.len();
-                client
-                    .inner
-                    .report
-                    .fallback_opens
-                    .fetch_add(1, Ordering::Relaxed);
+                let r = &client.inner.report;
+                r.fallback_opens.fetch_add(1, Ordering::Relaxed);
+                let why = reason.as_ref().map_or(FallbackReason::Unspecified, |r| r.0);
+                r.add_fallback(why, true);
                 (State::Direct(Arc::new(f)), size)
             }
         };
@@ -265,7 +266,14 @@ impl Reader {
 
     /// Why the cache was bypassed, when it was.
     pub fn fallback_reason(&self) -> Option<String> {
-        lock(&self.fallback_reason).clone()
+        lock(&self.fallback_reason).as_ref().map(|r| r.1.clone())
+    }
+
+    /// The reason last noted for reading the backing store (unspecified when none was).
+    fn reason(&self) -> FallbackReason {
+        lock(&self.fallback_reason)
+            .as_ref()
+            .map_or(FallbackReason::Unspecified, |r| r.0)
     }
 
     /// Bytes and reads so far, by source.
@@ -304,8 +312,8 @@ impl Reader {
         rr.fetch_add(1, Ordering::Relaxed);
     }
 
-    fn note(&self, reason: String) {
-        *lock(&self.fallback_reason) = Some(reason);
+    fn note(&self, why: FallbackReason, message: String) {
+        *lock(&self.fallback_reason) = Some((why, message));
     }
 
     /// Reads up to `buf.len()` bytes at `offset` (0 at end of file). Never fails because
@@ -348,12 +356,23 @@ impl Reader {
                         return Ok(n);
                     }
                     Err(e) => {
-                        self.note(format!("local read failed: {e}"));
+                        self.note(
+                            FallbackReason::LocalError,
+                            format!("local read failed: {e}"),
+                        );
                         break;
                     }
                 }
             }
-            if waited || c.refused {
+            if c.refused {
+                // Declined by the daemon (the reason was noted when it said so).
+                break;
+            }
+            if waited {
+                self.note(
+                    FallbackReason::WaitTimeout,
+                    "blocks still missing after a wait".into(),
+                );
                 break;
             }
             // Ask for the missing run this read covers (at least one block).
@@ -415,6 +434,7 @@ impl Reader {
                             None => {
                                 drop(st);
                                 self.note(
+                                    FallbackReason::Protocol,
                                     "daemon replaced the data file without a descriptor".into(),
                                 );
                                 return false;
@@ -423,6 +443,13 @@ impl Reader {
                     }
                     c.present = w.present;
                     c.refused = w.declined;
+                }
+                drop(st);
+                if w.declined {
+                    self.note(
+                        FallbackReason::Declined,
+                        "the daemon declined to fill blocks of this file".into(),
+                    );
                 }
                 true
             }
@@ -435,15 +462,19 @@ impl Reader {
                 if let State::Cached(c) = &mut *lock(&self.state) {
                     c.refused = true;
                 }
-                self.note(format!("wait refused: {}", r.message));
+                let why = match Reason::try_from(r.reason) {
+                    Ok(Reason::Stale) => FallbackReason::Stale,
+                    _ => FallbackReason::Declined,
+                };
+                self.note(why, format!("wait refused: {}", r.message));
                 false
             }
             Ok(_) => {
-                self.note("unexpected reply to wait".into());
+                self.note(FallbackReason::Protocol, "unexpected reply to wait".into());
                 false
             }
             Err(e) => {
-                self.note(e.to_string());
+                self.note(e.reason(), e.to_string());
                 false
             }
         }
@@ -515,6 +546,10 @@ impl Reader {
                             let f = Arc::new(f);
                             *st = State::Direct(f.clone());
                             drop(st);
+                            self.note(
+                                FallbackReason::Stale,
+                                "the file changed on the backing store".into(),
+                            );
                             if offset >= v.size {
                                 return Ok(0);
                             }
@@ -536,6 +571,7 @@ impl Reader {
         let n = pread_full(f, buf, offset)?;
         lock(&self.stats).fallback_time += started.elapsed();
         self.count(Kind::Fallback, n);
+        self.client.inner.report.add_fallback(self.reason(), false);
         Ok(n)
     }
 
@@ -599,7 +635,8 @@ struct Opened {
 }
 
 /// What the daemon said about one open: something to read through, or why not.
-type Outcome = Result<Opened, String>;
+/// (The reason is counted per fallback; the message is what `fallback_reason` shows.)
+type Outcome = Result<Opened, (FallbackReason, String)>;
 
 /// Most files per OpenMany request (the most descriptors one reply carries).
 const MAX_BATCH: usize = shardcache_proto::wire::MAX_FDS;
@@ -631,8 +668,8 @@ fn batch_outcomes(
                 .map(|r| outcome(r, &mut fds))
                 .collect()
         }
-        Ok(_) => failed(n, "unexpected reply"),
-        Err(e) => failed(n, &e.to_string()),
+        Ok(_) => failed(n, FallbackReason::Protocol, "unexpected reply"),
+        Err(e) => failed(n, e.reason(), &e.to_string()),
     }
 }
 
@@ -728,8 +765,31 @@ impl Iterator for OpenAhead {
     }
 }
 
-fn failed(n: usize, why: &str) -> Vec<Outcome> {
-    (0..n).map(|_| Err(why.to_owned())).collect()
+fn failed(n: usize, reason: FallbackReason, why: &str) -> Vec<Outcome> {
+    (0..n).map(|_| Err((reason, why.to_owned()))).collect()
+}
+
+/// The fallback reason for a refused open: the daemon will not serve the file at all
+/// (refused), cannot cache it now (declined), or it changed (stale). Exhaustive, so
+/// that a new refusal reason has to be placed here.
+fn refusal_reason(reason: i32) -> FallbackReason {
+    match Reason::try_from(reason) {
+        Ok(
+            Reason::NotUnderRoot
+            | Reason::EscapesRoot
+            | Reason::PermissionDenied
+            | Reason::NotFound
+            | Reason::NotAFile
+            | Reason::Invalid
+            | Reason::UncertainAccess,
+        ) => FallbackReason::Refused,
+        Ok(Reason::Stale) => FallbackReason::Stale,
+        Ok(Reason::Busy | Reason::NoSpace | Reason::BackingError | Reason::StoreError) => {
+            FallbackReason::Declined
+        }
+        Ok(Reason::Timeout) => FallbackReason::Timeout,
+        Ok(Reason::Unspecified) | Err(_) => FallbackReason::Unspecified,
+    }
 }
 
 /// Interprets one open reply, taking its descriptor (if it has one) from `fds`.
@@ -742,15 +802,23 @@ fn outcome(reply: pb::OpenReply, fds: &mut impl Iterator<Item = OwnedFd>) -> Out
                 None
             };
             if o.data_gen != 0 && data.is_none() {
-                return Err("daemon reply lacks the data descriptor".into());
+                return Err((
+                    FallbackReason::Protocol,
+                    "daemon reply lacks the data descriptor".into(),
+                ));
             }
             if o.version.is_none() || o.block_size == 0 {
-                return Err("daemon reply lacks the version".into());
+                return Err((
+                    FallbackReason::Protocol,
+                    "daemon reply lacks the version".into(),
+                ));
             }
             Ok(Opened { reply: o, data })
         }
-        Some(open_reply::Result::Refused(r)) => Err(format!("refused: {}", r.message)),
-        None => Err("empty reply".into()),
+        Some(open_reply::Result::Refused(r)) => {
+            Err((refusal_reason(r.reason), format!("refused: {}", r.message)))
+        }
+        None => Err((FallbackReason::Protocol, "empty reply".into())),
     }
 }
 

@@ -141,6 +141,48 @@ fn de_duration<'de, D: Deserializer<'de>>(d: D) -> Result<Duration, D::Error> {
     }
 }
 
+/// Where the metrics and probe endpoints (`/metrics`, `/healthz`, `/readyz`) listen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MetricsListen {
+    /// No HTTP endpoint (`off`).
+    Off,
+    /// A TCP address; port 0 picks a free port (the bound address is logged and shown by
+    /// `shardcache status`).
+    Addr(std::net::SocketAddr),
+}
+
+/// The default metrics address: loopback only, so that nothing is exposed off the node
+/// unless asked for (the Helm chart sets `0.0.0.0:9477`).
+pub const DEFAULT_METRICS_LISTEN: &str = "127.0.0.1:9477";
+
+impl FromStr for MetricsListen {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let t = s.trim();
+        if t.eq_ignore_ascii_case("off") {
+            return Ok(MetricsListen::Off);
+        }
+        t.parse().map(MetricsListen::Addr).map_err(|_| {
+            format!("`{s}` is not an address (expected host:port such as 127.0.0.1:9477, or off)")
+        })
+    }
+}
+
+impl fmt::Display for MetricsListen {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            MetricsListen::Off => f.write_str("off"),
+            MetricsListen::Addr(a) => write!(f, "{a}"),
+        }
+    }
+}
+
+fn de_metrics_listen<'de, D: Deserializer<'de>>(d: D) -> Result<MetricsListen, D::Error> {
+    String::deserialize(d)?
+        .parse()
+        .map_err(serde::de::Error::custom)
+}
+
 /// Default socket path for the local API.
 pub const DEFAULT_SOCKET: &str = "/run/shardcache/shardcached.sock";
 /// Default cache directory.
@@ -235,6 +277,11 @@ pub struct Config {
     /// How often `peer_dns` is resolved again. Default 30 s.
     #[serde(deserialize_with = "de_duration")]
     pub peer_refresh: Duration,
+    /// Where the HTTP endpoint for Prometheus (`/metrics`) and the probes (`/healthz`,
+    /// `/readyz`) listens: `host:port` (port 0 picks a free one), or `off`. Default
+    /// `127.0.0.1:9477`.
+    #[serde(deserialize_with = "de_metrics_listen")]
+    pub metrics_listen: MetricsListen,
 }
 
 impl Default for Config {
@@ -266,6 +313,7 @@ impl Default for Config {
             peer_secret_file: None,
             peer_timeout: Duration::from_secs(2),
             peer_refresh: Duration::from_secs(30),
+            metrics_listen: MetricsListen::Addr(std::net::SocketAddr::from(([127, 0, 0, 1], 9477))),
         }
     }
 }
@@ -380,6 +428,18 @@ mod tests {
     }
 
     #[test]
+    fn metrics_listen_is_an_address_or_off() {
+        let c: Config = toml::from_str("metrics_listen = \"off\"").unwrap();
+        assert_eq!(c.metrics_listen, MetricsListen::Off);
+        let c: Config = toml::from_str("metrics_listen = \"0.0.0.0:9477\"").unwrap();
+        assert_eq!(c.metrics_listen.to_string(), "0.0.0.0:9477");
+        let e = toml::from_str::<Config>("metrics_listen = \"localhost\"")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("metrics_listen"), "{e}");
+    }
+
+    #[test]
     fn validation_names_the_field() {
         let c = Config {
             backing_roots: vec!["/d".into()],
@@ -428,5 +488,10 @@ mod packaged {
         assert_eq!(c.peers, d.peers);
         assert_eq!(c.peer_timeout, d.peer_timeout);
         assert_eq!(c.peer_refresh, d.peer_refresh);
+        assert_eq!(c.metrics_listen, d.metrics_listen);
+        assert_eq!(
+            d.metrics_listen,
+            DEFAULT_METRICS_LISTEN.parse::<MetricsListen>().unwrap()
+        );
     }
 }

@@ -10,10 +10,12 @@ use anyhow::Context;
 use crate::backing::Backing;
 use crate::backing::posix::PosixBacking;
 use crate::backing::throttle::ThrottledBacking;
-use crate::config::Config;
+use crate::config::{Config, MetricsListen};
 use crate::fill::Filler;
 use crate::jobs::{Jobs, PlannedPolicy};
 use crate::meta::{Meta, Root, Roots};
+use crate::metrics::Metrics;
+use crate::metrics::http::{self, Endpoint, HttpServer};
 use crate::peer::membership::Source;
 use crate::peer::{PeerConfig, Peers};
 use crate::server::{self, Ctx, Server};
@@ -31,10 +33,81 @@ pub struct Daemon {
     scrub: Option<Scrub>,
     jobs: Arc<Jobs>,
     prefetch: Option<Scrub>,
+    http: Option<HttpServer>,
+    /// What the probes look at; `ready` is cleared when shutdown begins.
+    probes: Arc<Probes>,
 }
 
 /// The background verification after an unclean start: its stop flag and thread.
 type Scrub = (Arc<AtomicBool>, std::thread::JoinHandle<()>);
+
+/// Marks a long-running thread as alive for as long as it is held: its drop (the thread
+/// ending, by return or by panic) clears the flag the liveness probe reads.
+#[derive(Debug)]
+pub struct Alive(Arc<AtomicBool>);
+
+impl Alive {
+    /// Holds `flag` (already set by the caller) until dropped.
+    pub fn new(flag: Arc<AtomicBool>) -> Self {
+        Self(flag)
+    }
+}
+
+impl Drop for Alive {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
+    }
+}
+
+/// What `/metrics`, `/healthz` and `/readyz` answer from.
+#[derive(Debug)]
+struct Probes {
+    ctx: Arc<Ctx>,
+    metrics: Metrics,
+    socket: std::path::PathBuf,
+    accepting: Arc<AtomicBool>,
+    prefetch: bool,
+    /// Set once every part has started, cleared when shutdown begins.
+    ready: AtomicBool,
+}
+
+impl Endpoint for Probes {
+    fn render(&self) -> String {
+        self.metrics.render(&server::status(&self.ctx))
+    }
+
+    fn healthy(&self) -> Result<(), String> {
+        if !self.ready.load(Ordering::Acquire) {
+            // Shutting down: the loops stop on purpose (readiness already says so).
+            return Ok(());
+        }
+        if !self.accepting.load(Ordering::Acquire) {
+            return Err("the client accept loop has stopped".into());
+        }
+        let (alive, started) = (self.ctx.filler.workers_alive(), self.ctx.filler.workers());
+        if alive < started {
+            return Err(format!(
+                "{} of {started} fill workers have stopped",
+                started - alive
+            ));
+        }
+        if self.prefetch && !self.ctx.jobs.prefetcher_alive() {
+            return Err("the prefetch thread has stopped".into());
+        }
+        Ok(())
+    }
+
+    fn ready(&self) -> Result<(), String> {
+        if !self.ready.load(Ordering::Acquire) {
+            return Err("starting or shutting down".into());
+        }
+        // The socket accepts: a connection is taken (and closed at once; its thread sees
+        // the end of the stream and exits).
+        std::os::unix::net::UnixStream::connect(&self.socket)
+            .map(drop)
+            .map_err(|e| format!("the socket {} does not accept: {e}", self.socket.display()))
+    }
+}
 
 impl Daemon {
     /// Validates `cfg`, opens the store, binds the socket and starts serving.
@@ -66,6 +139,19 @@ impl Daemon {
     /// [`Daemon::start`] over the given backing roots instead of `cfg.backing_roots`
     /// (benchmarks drive the daemon over a throttled in-memory store this way).
     pub fn start_with_roots(cfg: &Config, roots: Vec<Root>) -> anyhow::Result<Self> {
+        // Bound first: a taken port stops the daemon before anything else starts.
+        let metrics_listener = match cfg.metrics_listen {
+            MetricsListen::Off => None,
+            MetricsListen::Addr(a) => Some(
+                http::bind(a).with_context(|| format!("metrics_listen: cannot listen on {a}"))?,
+            ),
+        };
+        let metrics_addr = metrics_listener
+            .as_ref()
+            .map(std::net::TcpListener::local_addr)
+            .transpose()
+            .context("metrics_listen")?;
+        let metrics = Metrics::new();
         let stats = Arc::new(Stats::default());
         let roots = Arc::new(Roots::new(roots));
         let meta = Arc::new(Meta::new(roots, cfg.metadata_ttl, 1 << 20, stats.clone()));
@@ -75,7 +161,7 @@ impl Daemon {
             min_free: cfg.min_free,
             block_size: u32::try_from(cfg.block_size).context("block_size")?,
         };
-        let jobs = Arc::new(Jobs::new(meta.clone()));
+        let jobs = Arc::new(Jobs::new(meta.clone(), metrics.prefetch()));
         let policy = Box::new(PlannedPolicy::new(jobs.clone()));
         let store = Arc::new(
             Store::open_with_policy(&store_cfg, stats.clone(), policy)
@@ -113,6 +199,7 @@ impl Daemon {
             cache_dir: cfg.cache_dir.clone(),
             spin: cfg.spin,
             spinners: Default::default(),
+            metrics_addr,
         });
         let server = Server::start(
             listener,
@@ -140,6 +227,24 @@ impl Daemon {
                 .context("starting the prefetcher")?,
             ),
         };
+        let probes = Arc::new(Probes {
+            ctx: ctx.clone(),
+            metrics,
+            socket: cfg.socket.clone(),
+            accepting: server.accepting(),
+            prefetch: prefetch.is_some(),
+            ready: AtomicBool::new(false),
+        });
+        let http = match metrics_listener {
+            Some(l) => {
+                let h = HttpServer::start(l, probes.clone())
+                    .context("metrics_listen: starting the endpoint")?;
+                tracing::info!(addr = %h.addr(), "metrics endpoint listening (/metrics, /healthz, /readyz)");
+                Some(h)
+            }
+            None => None,
+        };
+        probes.ready.store(true, Ordering::Release);
         Ok(Self {
             server,
             ctx,
@@ -149,7 +254,14 @@ impl Daemon {
             scrub,
             jobs,
             prefetch,
+            http,
+            probes,
         })
+    }
+
+    /// The bound address of the metrics endpoint, when it is on.
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        self.http.as_ref().map(HttpServer::addr)
     }
 
     /// The peers, when this node shares with others (benchmarks drive them directly).
@@ -240,6 +352,7 @@ impl Daemon {
     /// Orderly shutdown: clients are disconnected (they fall back to the backing store),
     /// fills stop, the journal is flushed and the store marked clean.
     pub fn close(mut self) -> anyhow::Result<()> {
+        self.probes.ready.store(false, Ordering::Release);
         self.server.close();
         if let Some(p) = &self.peers {
             p.close();
@@ -257,6 +370,9 @@ impl Daemon {
         let left = self.server.drain(Duration::from_secs(5));
         if left > 0 {
             tracing::warn!(left, "client threads still running at shutdown");
+        }
+        if let Some(h) = &mut self.http {
+            h.close();
         }
         self.store.close().context("closing the store")?;
         tracing::info!("shardcached stopped cleanly");

@@ -331,6 +331,19 @@ impl Filler {
         })
     }
 
+    /// Fill worker threads still running (all of them, unless one died).
+    pub fn workers_alive(&self) -> usize {
+        lock(&self.workers)
+            .iter()
+            .filter(|h| !h.is_finished())
+            .count()
+    }
+
+    /// The number of fill worker threads started.
+    pub fn workers(&self) -> usize {
+        self.inner.workers
+    }
+
     /// Stops the workers after their current fill; queued fills end unfinished (their
     /// waiters are released and fall back).
     pub fn close(&self) {
@@ -428,14 +441,7 @@ fn fill(inner: &Inner, t: &Target, index: usize, prefetch: bool) -> Result<(), F
     {
         // This thread's block buffer, kept from one peer fetch to the next.
         let mut buf = PEER_BUF.take();
-        let got = peers.fetch(
-            root,
-            &t.stat,
-            index,
-            inner.store.block_size(),
-            permit.len(),
-            &mut buf,
-        );
+        let got = peers.fetch(root, &t.stat, index, permit.len(), true, &mut buf);
         if got {
             let r = inner.store.commit_fill(permit, &buf);
             PEER_BUF.set(buf);

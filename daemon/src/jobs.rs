@@ -18,6 +18,7 @@ use shardcache_proto::local::v1 as pb;
 
 use crate::fill::{Filler, Flight, Priority, Scheduled, Target};
 use crate::meta::{Meta, Roots};
+use crate::metrics::PrefetchInstruments;
 use crate::planner::prefetch::{self, CacheView, Pace};
 use crate::planner::{FileRef, Need, Planner, Source};
 use crate::store::evict::{EvictionPolicy, Lru};
@@ -33,6 +34,18 @@ const STATUS_WINDOW: usize = 4096;
 const RATE_PERIOD: Duration = Duration::from_millis(500);
 /// How long a prefetch the store declined (no room worth making) is not retried.
 const DECLINED_BACKOFF: Duration = Duration::from_secs(1);
+/// Most prefetched files remembered until their first open (for the lead time); past it
+/// the record is cleared (files prefetched and evicted unread would pile up otherwise).
+const MAX_PREFETCHED: usize = 1 << 16;
+
+/// A prefetched file not yet opened by its job.
+#[derive(Debug, Clone, Copy)]
+enum Prefetched {
+    /// Its blocks are being fetched.
+    InFlight,
+    /// Every block became resident at this time.
+    Resident(Instant),
+}
 
 /// How the prefetcher runs (from the daemon's configuration).
 #[derive(Debug, Clone, Copy)]
@@ -94,6 +107,12 @@ pub struct Jobs {
     /// node owns for the cluster before its local copies of files others own.
     peers: std::sync::OnceLock<Arc<crate::peer::Peers>>,
     wake: (Mutex<bool>, Condvar),
+    /// Files the prefetcher fetched, until their first open: the open then records the
+    /// prefetch lead time (or a late prefetch).
+    prefetched: Mutex<HashMap<FileRef, Prefetched>>,
+    instruments: PrefetchInstruments,
+    /// False once the prefetch thread has ended (for the liveness probe).
+    prefetcher_alive: Arc<AtomicBool>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -101,8 +120,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Jobs {
-    /// No jobs yet.
-    pub fn new(meta: Arc<Meta>) -> Self {
+    /// No jobs yet; the prefetcher records its lead times into `instruments`.
+    pub fn new(meta: Arc<Meta>, instruments: PrefetchInstruments) -> Self {
         let roots = meta.roots().clone();
         let root_index = roots
             .all()
@@ -121,12 +140,43 @@ impl Jobs {
             sizes: Mutex::new(HashMap::new()),
             peers: std::sync::OnceLock::new(),
             wake: (Mutex::new(false), Condvar::new()),
+            prefetched: Mutex::new(HashMap::new()),
+            instruments,
+            prefetcher_alive: Arc::new(AtomicBool::new(false)),
         }
     }
 
-    /// Makes eviction aware of which files this node owns for the cluster.
-    pub fn set_peers(&self, peers: Arc<crate::peer::Peers>) {
+    /// False when the prefetcher was started and its thread has ended since.
+    pub fn prefetcher_alive(&self) -> bool {
+        self.prefetcher_alive.load(Ordering::Acquire)
+    }
+
+    /// A job opened `f`: if the prefetcher fetched it, record how long before the open it
+    /// became resident, or that the prefetch was late.
+    fn record_lead(&self, f: &FileRef) {
+        match lock(&self.prefetched).remove(f) {
+            Some(Prefetched::Resident(at)) => {
+                self.instruments.lead.record(at.elapsed().as_secs_f64());
+            }
+            Some(Prefetched::InFlight) => self.instruments.late.increment(1),
+            None => {}
+        }
+    }
+
+    /// Makes eviction aware of the cluster: which files this node owns for it, and
+    /// (cluster mode, [`Planner::set_cluster`]) which files other nodes' ranks read next;
+    /// and lets the peers ask the plans who read a file last.
+    pub fn set_peers(self: &Arc<Self>, peers: Arc<crate::peer::Peers>) {
+        lock(&self.planner).set_cluster(true);
+        peers.use_plans(Arc::new(Hooks(Arc::downgrade(self))));
         let _ = self.peers.set(peers);
+    }
+
+    fn file_ref(&self, root: &str, path: &str) -> Option<FileRef> {
+        self.root_index.get(root).map(|&r| FileRef {
+            root: r,
+            path: path.to_owned(),
+        })
     }
 
     fn poke(&self) {
@@ -286,7 +336,11 @@ impl Jobs {
         if let Some(old) = lock(&self.info).remove(job) {
             self.release(&old);
         }
-        lock(&self.planner).unregister(job)
+        let found = lock(&self.planner).unregister(job);
+        if found {
+            tracing::info!(job, "prefetch manifest unregistered");
+        }
+        found
     }
 
     fn release(&self, job: &JobInfo) {
@@ -315,17 +369,16 @@ impl Jobs {
         if !self.any() {
             return 0;
         }
+        let f = FileRef {
+            root,
+            path: rel.to_owned(),
+        };
         let job = lock(&self.planner)
-            .on_access(
-                &FileRef {
-                    root,
-                    path: rel.to_owned(),
-                },
-                READ_WINDOW,
-            )
+            .on_access(&f, READ_WINDOW)
             .map(str::to_owned);
         self.poke();
         let Some(job) = job else { return 0 };
+        self.record_lead(&f);
         let mut info = lock(&self.info);
         let Some(j) = info.get_mut(&job) else {
             return 0;
@@ -466,10 +519,21 @@ impl Jobs {
     ) -> std::io::Result<(Arc<AtomicBool>, JoinHandle<()>)> {
         let stop = Arc::new(AtomicBool::new(false));
         let (jobs, s) = (self.clone(), stop.clone());
+        self.prefetcher_alive.store(true, Ordering::Release);
+        let alive = crate::daemon::Alive::new(self.prefetcher_alive.clone());
         let h = std::thread::Builder::new()
             .name("sc-prefetch".into())
-            .spawn(move || jobs.prefetch_loop(&store, &filler, &meta, &s, cfg))?;
-        Ok((stop, h))
+            .spawn(move || {
+                let _alive = alive;
+                jobs.prefetch_loop(&store, &filler, &meta, &s, cfg);
+            });
+        match h {
+            Ok(h) => Ok((stop, h)),
+            Err(e) => {
+                self.prefetcher_alive.store(false, Ordering::Release);
+                Err(e)
+            }
+        }
     }
 
     /// Wakes the prefetch thread so that it sees `stop`.
@@ -514,6 +578,7 @@ impl Jobs {
             if !self.any() {
                 flights.clear();
                 ahead.clear();
+                lock(&self.prefetched).clear();
                 self.prefetching.store(0, Ordering::Relaxed);
                 continue;
             }
@@ -523,8 +588,15 @@ impl Jobs {
                 if outcomes.iter().any(Option::is_none) {
                     return true;
                 }
+                let mut prefetched = lock(&self.prefetched);
                 if outcomes.contains(&Some(false)) {
                     declined.insert(f.clone(), Instant::now());
+                    prefetched.remove(f);
+                } else if let Some(p) = prefetched.get_mut(f) {
+                    // Resident now (seen within a round, 20 ms at most, of the last
+                    // block landing). Not when the job already opened it: that open
+                    // counted a late prefetch.
+                    *p = Prefetched::Resident(Instant::now());
                 }
                 false
             });
@@ -629,9 +701,55 @@ impl Jobs {
                     }
                 }
                 if !fl.is_empty() {
+                    let mut prefetched = lock(&self.prefetched);
+                    if prefetched.len() >= MAX_PREFETCHED {
+                        prefetched.clear();
+                    }
+                    prefetched.insert(f.clone(), Prefetched::InFlight);
+                    drop(prefetched);
                     flights.insert(f, fl);
                 }
             }
+        }
+    }
+}
+
+/// The plans as the peer layer sees them (weakly: the peers outlive nothing).
+struct Hooks(std::sync::Weak<Jobs>);
+
+impl crate::peer::PlanHooks for Hooks {
+    fn shuffles(&self) -> Vec<(String, u64, Vec<u64>)> {
+        self.0
+            .upgrade()
+            .map(|j| lock(&j.planner).shuffles())
+            .unwrap_or_default()
+    }
+
+    fn holders(&self, root: &str, path: &str) -> Vec<(String, u64)> {
+        let Some(jobs) = self.0.upgrade() else {
+            return Vec::new();
+        };
+        let Some(f) = jobs.file_ref(root, path) else {
+            return Vec::new();
+        };
+        lock(&jobs.planner).holders(&f)
+    }
+
+    fn owner(&self, root: &str, path: &str, members: &[String]) -> Option<String> {
+        let jobs = self.0.upgrade()?;
+        let f = jobs.file_ref(root, path)?;
+        let roots = jobs.roots.clone();
+        let id = |f: &FileRef| crate::peer::file_id(&roots.get(f.root).name, &f.path);
+        lock(&jobs.planner)
+            .plan_owner(&f, members, &id)
+            .map(str::to_owned)
+    }
+
+    fn handed(&self, root: &str, path: &str) {
+        if let Some(jobs) = self.0.upgrade()
+            && let Some(f) = jobs.file_ref(root, path)
+        {
+            lock(&jobs.planner).set_handed(&f);
         }
     }
 }
@@ -729,11 +847,23 @@ impl PlannedPolicy {
         }
     }
 
-    /// "This node owns the file for the cluster", when peers are on.
-    fn owner_test(&self) -> Option<impl Fn(&FileRef) -> bool + use<>> {
-        let test = self.jobs.peers.get()?.owner_test();
+    /// "This node owns the file for the cluster", when peers are on. Files a shuffle
+    /// plans are placed by the plan instead (cluster mode: kept while any node's rank
+    /// needs them soon, wherever it runs), so they are never "owned" here.
+    fn owner_test(&self) -> Option<impl Fn(&Planner, &FileRef) -> bool + use<>> {
+        let (healthy, me) = self.jobs.peers.get()?.view();
         let roots = self.jobs.roots.clone();
-        Some(move |f: &FileRef| test(&roots.get(f.root).name, &f.path))
+        Some(move |p: &Planner, f: &FileRef| {
+            let root = &roots.get(f.root).name;
+            let id = |f: &FileRef| crate::peer::file_id(&roots.get(f.root).name, &f.path);
+            match p.plan_owner(f, &healthy, &id) {
+                Some(o) => o == me,
+                None => {
+                    crate::peer::file_owner(healthy.iter().map(String::as_str), root, &f.path)
+                        == Some(me.as_str())
+                }
+            }
+        })
     }
 }
 
@@ -765,6 +895,7 @@ impl EvictionPolicy for PlannedPolicy {
         {
             // (Another version of the same path may have taken its place already.)
             self.keys.remove(&f);
+
             lock(&self.jobs.planner).set_resident(&f, false);
         }
     }
@@ -780,12 +911,13 @@ impl EvictionPolicy for PlannedPolicy {
             jobs,
         } = self;
         if let Some(owned) = owned {
-            let local = |k: &Key| evictable(k) && files.get(k).is_none_or(|f| !owned(f));
+            let local =
+                |p: &Planner, k: &Key| evictable(k) && files.get(k).is_none_or(|f| !owned(p, f));
             if let Some(v) = choose(lru, keys, jobs, &local) {
                 return Some(v);
             }
         }
-        choose(lru, keys, jobs, evictable)
+        choose(lru, keys, jobs, &|_, k| evictable(k))
     }
 
     fn admits(&mut self, root: &str, path: &str, victim: &Key, prefetch: bool) -> bool {
@@ -797,7 +929,11 @@ impl EvictionPolicy for PlannedPolicy {
             path: path.to_owned(),
         };
         if let Some(owned) = self.owner_test() {
-            match (owned(&f), owned(v)) {
+            let (incoming, victim) = {
+                let p = lock(&self.jobs.planner);
+                (owned(&p, &f), owned(&p, v))
+            };
+            match (incoming, victim) {
                 // A local copy never displaces the cluster's copy of another file.
                 (false, true) => return false,
                 // The cluster's copy displaces a local copy; and a local copy displaces
@@ -837,15 +973,16 @@ fn choose(
     lru: &mut Lru,
     keys: &HashMap<FileRef, Key>,
     jobs: &Jobs,
-    ok: &dyn Fn(&Key) -> bool,
+    ok: &dyn Fn(&Planner, &Key) -> bool,
 ) -> Option<Key> {
-    if !jobs.any() {
-        return lru.victim(ok);
+    let any = jobs.any();
+    let mut p = lock(&jobs.planner);
+    if !any {
+        return lru.victim(&|k| ok(&p, k));
     }
-    let v = lock(&jobs.planner).victim_indexed(&|f| keys.get(f).is_some_and(ok));
-    match v {
+    match p.victim_indexed_with(&|p, f| keys.get(f).is_some_and(|k| ok(p, k))) {
         Some(f) => keys.get(&f).copied(),
         // Entries the planner cannot name (none in practice): least recently used.
-        None => lru.victim(ok),
+        None => lru.victim(&|k| ok(&p, k)),
     }
 }

@@ -12,6 +12,8 @@
 //! - [`store`]: blocks on NVMe, the index journal, capacity and eviction;
 //! - [`fill`]: single-flight block fills with a bounded priority queue;
 //! - [`server`]: the local Unix-socket API (descriptors, not bytes);
+//! - [`metrics`]: every exported metric, and the HTTP endpoint for Prometheus and the
+//!   probes;
 //! - [`config`], [`stats`], [`daemon`]: settings, counters, wiring.
 
 pub mod access;
@@ -22,6 +24,7 @@ pub mod fill;
 pub mod glob;
 pub mod jobs;
 pub mod meta;
+pub mod metrics;
 pub mod peer;
 pub mod planner;
 pub mod server;

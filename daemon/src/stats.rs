@@ -1,9 +1,14 @@
 //! Counters of what the daemon did, shared by every part of it and reported by
-//! `shardcache status`. (Prometheus export builds on these in a later change.)
+//! `shardcache status`. They are the single source of truth: the Prometheus endpoint
+//! (`metrics/`) renders the same status reply at each scrape instead of counting again.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use shardcache_proto::local::v1 as pb;
+
+/// Number of `FallbackReason` values (the unspecified one included: what an older or
+/// newer client reports without a known reason is counted there).
+pub const FALLBACK_REASONS: usize = pb::FallbackReason::Protocol as usize + 1;
 
 macro_rules! counters {
     ($($name:ident),* $(,)?) => {
@@ -11,6 +16,10 @@ macro_rules! counters {
         #[derive(Debug, Default)]
         pub struct Stats {
             $(#[allow(missing_docs)] pub $name: AtomicU64,)*
+            /// Client-reported fallback opens, by `FallbackReason` (indexed by its value).
+            pub fallback_opens_by: [AtomicU64; FALLBACK_REASONS],
+            /// Client-reported fallback reads, by `FallbackReason`.
+            pub fallback_reads_by: [AtomicU64; FALLBACK_REASONS],
         }
 
         impl Stats {
@@ -79,5 +88,25 @@ impl Stats {
         add(&self.filled_reads, r.filled_reads);
         add(&self.fallback_reads, r.fallback_reads);
         add(&self.fallback_opens, r.fallback_opens);
+        for f in &r.fallbacks {
+            // Unknown values (a newer client) count as unspecified.
+            let i = usize::try_from(f.reason)
+                .ok()
+                .filter(|&i| i < FALLBACK_REASONS)
+                .unwrap_or(0);
+            add(&self.fallback_opens_by[i], f.opens);
+            add(&self.fallback_reads_by[i], f.reads);
+        }
+    }
+
+    /// Fallbacks by reason, one entry per reason (zeros included).
+    pub fn fallbacks(&self) -> Vec<pb::FallbackCount> {
+        (0..FALLBACK_REASONS)
+            .map(|i| pb::FallbackCount {
+                reason: i as i32,
+                opens: self.fallback_opens_by[i].load(Ordering::Relaxed),
+                reads: self.fallback_reads_by[i].load(Ordering::Relaxed),
+            })
+            .collect()
     }
 }

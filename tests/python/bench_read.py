@@ -86,7 +86,7 @@ def main() -> None:
         sock = str(tmp / "sc.sock")
         log = open(tmp / "daemon.log", "wb")
         d = subprocess.Popen([a.shardcached, "--backing-root", str(root), "--cache-dir", str(tmp / "cache"),
-                              "--socket", sock, "--min-free", "0"], stdout=log, stderr=log)
+                              "--socket", sock, "--min-free", "0", "--metrics-listen", "off"], stdout=log, stderr=log)
         try:
             c = shardcache.Client(sock, timeout=5, wait_timeout=60)
             for _ in range(500):

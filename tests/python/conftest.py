@@ -37,7 +37,7 @@ class Daemon:
         log = open(self.tmp / "daemon.log", "ab")
         self.proc = subprocess.Popen(
             [daemon_bin(), "--backing-root", str(self.root), "--cache-dir", str(self.tmp / "cache"),
-             "--socket", self.socket, "--min-free", "0", *self.extra],
+             "--socket", self.socket, "--min-free", "0", *self.metrics_args(), *self.extra],
             stdout=log, stderr=log, stdin=subprocess.DEVNULL,
         )
         deadline = time.monotonic() + 20
@@ -51,6 +51,14 @@ class Daemon:
                 time.sleep(0.02)
         self.stop()
         raise RuntimeError("shardcached did not become ready in 20 s")
+
+    def metrics_args(self):
+        # Never the default port: tests run side by side (the bound one is in status).
+        return [] if "--metrics-listen" in self.extra else ["--metrics-listen", "127.0.0.1:0"]
+
+    def metrics_addr(self) -> str:
+        """host:port of the metrics endpoint ("" when it is off)."""
+        return self.client().status()["metrics_addr"]
 
     def stop(self):
         if self.proc is not None and self.proc.poll() is None:

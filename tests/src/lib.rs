@@ -196,6 +196,10 @@ impl Daemon {
         if !extra.contains(&"--log") {
             args.extend(["--log".into(), "info,shardcache_daemon=debug".into()]);
         }
+        // Never the default port: tests run side by side (the bound one is in status).
+        if !extra.contains(&"--metrics-listen") {
+            args.extend(["--metrics-listen".into(), "127.0.0.1:0".into()]);
+        }
         args.extend(extra.iter().map(|s| s.to_string()));
         let mut d = Self {
             child: None,
@@ -318,6 +322,12 @@ impl Daemon {
         Client::at(&self.socket).status().expect("status")
     }
 
+    /// The bound address of the daemon's metrics endpoint (`None` when it is off).
+    pub fn metrics_addr(&self) -> Option<std::net::SocketAddr> {
+        let a = self.status().metrics_addr;
+        (!a.is_empty()).then(|| a.parse().expect("metrics_addr is an address"))
+    }
+
     /// The daemon's counters.
     pub fn counters(&self) -> pb::Counters {
         self.status().counters.expect("counters")
@@ -343,6 +353,28 @@ pub fn read_all(
     let mut v = Vec::new();
     r.read_to_end(&mut v)?;
     Ok((v, r.stats()))
+}
+
+/// `GET path` from an HTTP endpoint on `addr` (the daemon's metrics endpoint): the status
+/// code and the body.
+pub fn http_get(addr: std::net::SocketAddr, path: &str) -> std::io::Result<(u16, String)> {
+    use std::io::Read;
+    let mut s = std::net::TcpStream::connect(addr)?;
+    s.set_read_timeout(Some(Duration::from_secs(10)))?;
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: shardcache\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut r = String::new();
+    s.read_to_string(&mut r)?;
+    let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "not an HTTP response");
+    let code = r
+        .split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or_else(bad)?;
+    let body = r.split_once("\r\n\r\n").ok_or_else(bad)?.1.to_owned();
+    Ok((code, body))
 }
 
 /// Drops a file's pages from the page cache, so that the next read comes from disk.

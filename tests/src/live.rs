@@ -98,6 +98,7 @@ pub fn run(p: &Params) -> anyhow::Result<Outcome> {
         min_free: SizeSpec::Bytes(0),
         block_size: p.file_size,
         metadata_ttl: Duration::from_secs(3600),
+        metrics_listen: shardcache_daemon::config::MetricsListen::Off,
         ..Config::default()
     };
     let roots = vec![Root {

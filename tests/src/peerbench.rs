@@ -63,6 +63,7 @@ fn cluster(
                 .map(|(_, a)| a.clone())
                 .collect(),
             peer_secret_file: Some(secret.clone()),
+            metrics_listen: shardcache_daemon::config::MetricsListen::Off,
             ..Config::default()
         };
         nodes.push(Daemon::start(&cfg).with_context(|| format!("node {i}"))?);
@@ -136,7 +137,7 @@ pub fn transfer(dir: &Path, mib: u64, rounds: usize) -> anyhow::Result<Transfer>
                             return;
                         }
                         let want = (len - i as u64 * block).min(block) as usize;
-                        if peers.fetch(&root, &stat, i, block as u32, want, &mut d) {
+                        if peers.fetch(&root, &stat, i, want, true, &mut d) {
                             got.fetch_add(d.len() as u64, Ordering::Relaxed);
                         }
                     }
@@ -278,7 +279,7 @@ pub fn placement(
     let clients: Vec<Client> = sockets.iter().map(Client::at).collect();
     for (rank, c) in clients.iter().enumerate() {
         let manifest = serde_json::json!({
-            "version": 1, "job": format!("bench.r{rank}"), "root": backing.join("ds"),
+            "version": 1, "job": "bench", "root": backing.join("ds"),
             "files": names, "immutable": true,
             "plan": {"kind": "shuffle", "algorithm": "pcg64-fisher-yates/v1", "seed": 3,
                      "epochs": epochs + 1, "world_size": m, "ranks": [rank]}
@@ -312,6 +313,21 @@ pub fn placement(
             c.status()?; // deliver the read reports
         }
         let after = counters()?;
+        if std::env::var_os("SHARDCACHE_BENCH_VERBOSE").is_some() {
+            for (i, (b, x)) in before.iter().zip(&after).enumerate() {
+                eprintln!(
+                    "a={a} epoch {epoch} node {i}: backing_reads {} peer_in {} peer_out {} peer_errors {} opens_full {}/{} evicted {} fallback_bytes {}",
+                    x.backing_reads - b.backing_reads,
+                    x.peer_blocks_in - b.peer_blocks_in,
+                    x.peer_blocks_out - b.peer_blocks_out,
+                    x.peer_errors - b.peer_errors,
+                    x.opens_full - b.opens_full,
+                    x.opens - b.opens,
+                    x.evicted_files - b.evicted_files,
+                    x.fallback_bytes - b.fallback_bytes,
+                );
+            }
+        }
         if epoch > 0 {
             for (b, x) in before.iter().zip(&after) {
                 backing_bytes +=
@@ -328,22 +344,24 @@ pub fn placement(
 
 /// Prints the benchmark.
 pub fn run(dir: &Path, mib: u64, rounds: usize) -> anyhow::Result<()> {
-    let t = transfer(dir, mib, rounds)?;
-    println!(
-        "transfer: {mib} MiB in 4 MiB blocks, node to node over loopback, {rounds} rounds in rotating order (medians)"
-    );
-    println!(
-        "  peer fetch (block stream: HMAC-authenticated TCP, sender reads and checks xxh3 then writes, receiver checks xxh3; {IN_FLIGHT} in flight as the fill engine does) {:.0} MiB/s",
-        t.peer
-    );
-    println!(
-        "  raw TCP, same bytes from the same page-cached file (pread + write, 1 MiB): 1 stream {:.0} MiB/s, {IN_FLIGHT} streams {:.0} MiB/s",
-        t.raw_one, t.raw_many
-    );
-    println!(
-        "  ratio peer ÷ the faster raw configuration of the same round: median {:.2} (rounds {:.2}–{:.2}) (goal ≥ 0.9)",
-        t.ratio, t.ratio_range.0, t.ratio_range.1
-    );
+    if rounds > 0 {
+        let t = transfer(dir, mib, rounds)?;
+        println!(
+            "transfer: {mib} MiB in 4 MiB blocks, node to node over loopback, {rounds} rounds in rotating order (medians)"
+        );
+        println!(
+            "  peer fetch (block stream: HMAC-authenticated TCP, sender reads and checks xxh3 then writes, receiver checks xxh3; {IN_FLIGHT} in flight as the fill engine does) {:.0} MiB/s",
+            t.peer
+        );
+        println!(
+            "  raw TCP, same bytes from the same page-cached file (pread + write, 1 MiB): 1 stream {:.0} MiB/s, {IN_FLIGHT} streams {:.0} MiB/s",
+            t.raw_one, t.raw_many
+        );
+        println!(
+            "  ratio peer ÷ the faster raw configuration of the same round: median {:.2} (rounds {:.2}–{:.2}) (goal ≥ 0.9)",
+            t.ratio, t.ratio_range.0, t.ratio_range.1
+        );
+    }
     let (m, files, kib, epochs) = (4usize, 240u64, 128u64, 4u64);
     println!(
         "placement: {m} nodes, distributed shuffle (one rank each), {files} files of {kib} KiB, {epochs} epochs (first not counted)"

@@ -41,6 +41,10 @@ enum Cmd {
     Prefetch {
         /// The manifest (JSON file).
         manifest: PathBuf,
+        /// Register under this job id instead of the manifest's `job` (e.g. a scheduler's
+        /// job id, so that two runs of one manifest on a node stay apart).
+        #[arg(long)]
+        job: Option<String>,
         /// Then wait until this fraction (0–1) of the bytes of the job's next epoch (as
         /// far as the cache holds it) is cached.
         #[arg(long)]
@@ -99,6 +103,9 @@ fn print_status(s: &pb::StatusReply) {
         s.daemon_version, s.uptime_seconds
     );
     println!("{:<12}{}", "cache dir", s.cache_dir);
+    if !s.metrics_addr.is_empty() {
+        println!("{:<12}http://{}/metrics", "metrics", s.metrics_addr);
+    }
     println!("{:<12}{}", "roots", s.backing_roots.join(", "));
     println!(
         "{:<12}{} of {} ({pct:.1}%), file system free {} (floor {})",
@@ -134,6 +141,25 @@ fn print_status(s: &pb::StatusReply) {
         "{:<12}{} (complete {}, partial {}, empty {}); direct opens by clients {}",
         "opens", c.opens, c.opens_full, c.opens_partial, c.opens_empty, c.fallback_opens
     );
+    let fallbacks: Vec<String> = s
+        .fallbacks
+        .iter()
+        .filter(|f| f.opens + f.reads > 0)
+        .map(|f| {
+            // The same names as the metric's `reason` label.
+            let why = match pb::FallbackReason::try_from(f.reason) {
+                Ok(pb::FallbackReason::Unspecified) | Err(_) => "unknown".to_owned(),
+                Ok(r) => r
+                    .as_str_name()
+                    .trim_start_matches("FALLBACK_REASON_")
+                    .to_ascii_lowercase(),
+            };
+            format!("{why} {} opens {} reads", f.opens, f.reads)
+        })
+        .collect();
+    if !fallbacks.is_empty() {
+        println!("{:<12}{}", "fallbacks", fallbacks.join(", "));
+    }
     println!(
         "{:<12}denied {}, bad path {}, not found {}, other {}",
         "refused", c.refused_denied, c.refused_path, c.refused_not_found, c.refused_other
@@ -287,11 +313,16 @@ fn run(cli: Cli) -> Result<(), String> {
         }
         Cmd::Prefetch {
             manifest,
+            job,
             wait,
             timeout,
         } => {
-            let text = std::fs::read_to_string(&manifest)
+            let mut text = std::fs::read_to_string(&manifest)
                 .map_err(|e| format!("{}: {e}", manifest.display()))?;
+            if let Some(id) = job {
+                text =
+                    with_job_id(&text, id).map_err(|e| format!("{}: {e}", manifest.display()))?;
+            }
             let r = client.register(&text).map_err(|e| match e.kind() {
                 io::ErrorKind::InvalidInput => format!("{}: {e}", manifest.display()),
                 _ => unreachable_hint(&cli.socket, &e),
@@ -321,6 +352,16 @@ fn run(cli: Cli) -> Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// The manifest `text` with its `job` field set to `id` (the daemon validates the rest).
+fn with_job_id(text: &str, id: String) -> Result<String, String> {
+    let mut v: serde_json::Value = serde_json::from_str(text).map_err(|e| e.to_string())?;
+    let obj = v
+        .as_object_mut()
+        .ok_or("a manifest is a JSON object (docs/MANIFEST.md)")?;
+    obj.insert("job".into(), serde_json::Value::String(id));
+    Ok(v.to_string())
 }
 
 /// Waits until `fraction` of the bytes of the job's readiness window is cached, drawing
@@ -372,5 +413,23 @@ fn main() -> ExitCode {
             eprintln!("shardcache: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn job_replaces_the_manifests_id_and_keeps_the_rest() {
+        let t = super::with_job_id(
+            r#"{"version": 1, "job": "resnet", "root": "/d"}"#,
+            "slurm-7".into(),
+        )
+        .unwrap();
+        let v: serde_json::Value = serde_json::from_str(&t).unwrap();
+        assert_eq!(v["job"], "slurm-7");
+        assert_eq!(v["root"], "/d");
+        assert_eq!(v["version"], 1);
+        assert!(super::with_job_id("[1]", "x".into()).is_err());
+        assert!(super::with_job_id("{", "x".into()).is_err());
     }
 }

@@ -15,7 +15,7 @@ use std::collections::HashMap;
 use std::io::{self, Write};
 use std::net::TcpStream;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::thread::JoinHandle;
 use std::time::Duration;
@@ -24,12 +24,9 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tonic::transport::server::{Connected, TcpConnectInfo};
 
 use super::proto::{BlockHeader, FetchRequest};
-use super::service::serve_block;
+use super::service::{Service, serve_block};
 use super::wire::{self, HandshakeError};
-use crate::fill::Filler;
-use crate::meta::Meta;
-use crate::stats::{Stats, add, inc};
-use crate::store::Store;
+use crate::stats::inc;
 
 /// Most block-stream connections served at once (a peer opens about one per fill worker).
 pub(super) const MAX_CONNS: usize = 64;
@@ -158,31 +155,17 @@ struct Conns {
 
 /// Serves block streams.
 pub(super) struct DataServer {
-    pub(super) secret: Vec<u8>,
-    pub(super) store: Arc<Store>,
-    pub(super) meta: Arc<Meta>,
-    pub(super) filler: Arc<OnceLock<Arc<Filler>>>,
-    pub(super) stats: Arc<Stats>,
-    pub(super) timeout: Duration,
+    secret: Vec<u8>,
+    /// The gRPC service: what is served, and how (the same for both protocols).
+    svc: Arc<Service>,
     conns: Mutex<Conns>,
 }
 
 impl DataServer {
-    pub(super) fn new(
-        secret: Vec<u8>,
-        store: Arc<Store>,
-        meta: Arc<Meta>,
-        filler: Arc<OnceLock<Arc<Filler>>>,
-        stats: Arc<Stats>,
-        timeout: Duration,
-    ) -> Self {
+    pub(super) fn new(secret: Vec<u8>, svc: Arc<Service>) -> Self {
         Self {
             secret,
-            store,
-            meta,
-            filler,
-            stats,
-            timeout,
+            svc,
             conns: Mutex::new(Conns::default()),
         }
     }
@@ -240,8 +223,8 @@ impl DataServer {
     fn serve(&self, mut s: TcpStream) {
         let setup = s
             .set_nodelay(true)
-            .and_then(|()| s.set_read_timeout(Some(self.timeout)))
-            .and_then(|()| s.set_write_timeout(Some(self.timeout)));
+            .and_then(|()| s.set_read_timeout(Some(self.svc.timeout)))
+            .and_then(|()| s.set_write_timeout(Some(self.svc.timeout)));
         if let Err(e) = setup {
             tracing::debug!(error = %e, "block stream: socket setup failed");
             return;
@@ -249,7 +232,7 @@ impl DataServer {
         match wire::server_handshake(&mut s, &self.secret) {
             Ok(()) => {}
             Err(HandshakeError::Refused) => {
-                inc(&self.stats.peer_refused);
+                inc(&self.svc.stats.peer_refused);
                 tracing::debug!(peer = ?s.peer_addr().ok(), "block stream: caller without the secret refused");
                 return;
             }
@@ -280,16 +263,17 @@ impl DataServer {
     }
 
     fn answer(&self, s: &mut TcpStream, req: &FetchRequest, data: &mut Vec<u8>) -> io::Result<()> {
+        let svc = &self.svc;
         let got = serve_block(
-            &self.store,
-            &self.meta,
-            self.filler.get(),
+            &svc.store,
+            &svc.meta,
+            svc.filler.get(),
             req,
-            self.timeout,
+            svc.timeout,
             data,
         );
         match got {
-            Ok(sum) => {
+            Ok((sum, key)) => {
                 let head = BlockHeader {
                     code: 0,
                     message: String::new(),
@@ -298,8 +282,7 @@ impl DataServer {
                 };
                 wire::write_frame(s, &head)?;
                 s.write_all(data)?;
-                inc(&self.stats.peer_blocks_out);
-                add(&self.stats.peer_bytes_out, data.len() as u64);
+                svc.served(req, key, data.len());
             }
             Err(status) => {
                 let head = BlockHeader {

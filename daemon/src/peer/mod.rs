@@ -9,7 +9,7 @@
 //! backing store: a read never fails because a peer did. Peers authenticate every call
 //! with the cluster's shared secret; without it a caller gets nothing.
 //!
-//! The peer port speaks two protocols: gRPC (the `Peer` service: control, and `Fetch`
+//! The peer port speaks two protocols: gRPC (the `Peer` service: `Ranks`, and `Fetch`
 //! for nodes of earlier versions) and the block stream ([`wire`]), which carries the
 //! bytes of blocks as they are, on connections that proved the secret by an HMAC
 //! challenge and are kept for the next block. Fills use the block stream: gRPC's framing
@@ -27,6 +27,8 @@ use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use tonic::metadata::AsciiMetadataValue;
+use tonic::transport::{Channel, Endpoint};
 use xxhash_rust::xxh3::Xxh3;
 
 use crate::backing::Stat;
@@ -83,6 +85,31 @@ pub struct PeerConfig {
 /// uses the peers, so one of the two is handed over late).
 pub type FillerCell = Arc<OnceLock<Arc<Filler>>>;
 
+/// What the peer layer asks of this node's registered plans (the jobs, which are
+/// created after the peers and handed over through [`Peers::use_plans`]).
+pub trait PlanHooks: Send + Sync {
+    /// Every registered shuffle: (job id, world size, the ranks this node runs).
+    fn shuffles(&self) -> Vec<(String, u64, Vec<u64>)>;
+    /// The (job, rank)s likely to hold `path` under backing root `root` now, by the
+    /// plans, most likely first.
+    fn holders(&self, root: &str, path: &str) -> Vec<(String, u64)>;
+    /// Another node fetched every block of the file to keep it.
+    fn handed(&self, root: &str, path: &str);
+    /// The file's owner among `members` (healthy, sorted) when a plan places it.
+    fn owner(&self, root: &str, path: &str, members: &[String]) -> Option<String>;
+}
+
+/// Where the peer layer finds the plans once they exist.
+pub type PlansCell = Arc<OnceLock<Arc<dyn PlanHooks>>>;
+
+/// How often the rank map is checked: peers are asked again at once while a registered
+/// shuffle has ranks no node is known to run (a job starting on every node), and every
+/// [`RANKS_REFRESH`] anyway (a job that moved, a node that left).
+const RANKS_CHECK: Duration = Duration::from_millis(100);
+const RANKS_REFRESH: Duration = Duration::from_secs(5);
+/// Nodes asked for a block before its owner (each "not here" costs a round trip).
+const MAX_HOLDERS: usize = 3;
+
 /// The owner of file `path` under `root` among `members` (what every node computes).
 pub fn file_owner<'a>(
     members: impl IntoIterator<Item = &'a str>,
@@ -93,7 +120,7 @@ pub fn file_owner<'a>(
 }
 
 /// A file's identity for ownership: its root and canonical path.
-fn file_id(root: &str, path: &str) -> Vec<u8> {
+pub(crate) fn file_id(root: &str, path: &str) -> Vec<u8> {
     let mut id = Vec::with_capacity(root.len() + path.len() + 1);
     id.extend_from_slice(root.as_bytes());
     id.push(0);
@@ -108,13 +135,22 @@ pub struct Peers {
     rt: Mutex<Option<tokio::runtime::Runtime>>,
     closed: std::sync::atomic::AtomicBool,
     membership: Arc<Membership>,
-    secret: Vec<u8>,
+    /// The shared secret as gRPC metadata (`Ranks`).
+    secret: AsciiMetadataValue,
+    /// The shared secret as the block stream's HMAC key.
+    key: Vec<u8>,
+    channels: Mutex<HashMap<String, Channel>>,
+    /// This node's block size (every peer must use the same).
+    block_size: u32,
     /// Idle block-stream connections, authenticated, by peer.
     idle: Mutex<HashMap<String, Vec<(TcpStream, Instant)>>>,
     timeout: Duration,
     stats: Arc<Stats>,
     stop: tokio::sync::watch::Sender<bool>,
     data: Arc<data::DataServer>,
+    plans: PlansCell,
+    /// (job, rank) → the node that runs it, from every healthy peer's `Ranks`.
+    ranks: Mutex<HashMap<(String, u64), String>>,
 }
 
 impl std::fmt::Debug for Peers {
@@ -136,8 +172,7 @@ impl Peers {
         stats: Arc<Stats>,
     ) -> anyhow::Result<(Arc<Self>, FillerCell)> {
         use anyhow::Context;
-        // The secret also travels as gRPC metadata (to nodes of earlier versions).
-        let _: tonic::metadata::AsciiMetadataValue = cfg
+        let secret: AsciiMetadataValue = cfg
             .secret
             .parse()
             .context("peer secret: must be printable ASCII")?;
@@ -159,20 +194,20 @@ impl Peers {
             tracing::warn!(error = %e, "peer list: first lookup failed; will retry");
         }
         let filler = Arc::new(OnceLock::new());
+        let plans: PlansCell = Arc::new(OnceLock::new());
         let svc = service::Service {
             store: store.clone(),
             meta: meta.clone(),
             filler: filler.clone(),
             stats: stats.clone(),
             timeout: cfg.timeout,
+            plans: plans.clone(),
+            handoffs: Mutex::new(HashMap::new()),
         };
+        let svc = Arc::new(svc);
         let data = Arc::new(data::DataServer::new(
             cfg.secret.as_bytes().to_vec(),
-            store,
-            meta,
-            filler.clone(),
-            stats.clone(),
-            cfg.timeout,
+            svc.clone(),
         ));
         let (stop, stopped) = tokio::sync::watch::channel(false);
         let expected = cfg.secret.clone();
@@ -206,7 +241,10 @@ impl Peers {
                 .initial_stream_window_size(WINDOW)
                 .initial_connection_window_size(2 * WINDOW)
                 .max_frame_size(FRAME)
-                .add_service(proto::peer_server::PeerServer::with_interceptor(svc, auth))
+                .add_service(tonic::service::interceptor::InterceptedService::new(
+                    proto::peer_server::PeerServer::from_arc(svc),
+                    auth,
+                ))
                 .serve_with_incoming_shutdown(
                     tokio_stream::wrappers::ReceiverStream::new(grpc_rx),
                     async move {
@@ -233,20 +271,118 @@ impl Peers {
             }
         });
         tracing::info!(listen = %cfg.listen, me = %cfg.advertise, "peer service ready");
-        Ok((
-            Arc::new(Self {
-                rt: Mutex::new(Some(rt)),
-                closed: std::sync::atomic::AtomicBool::new(false),
-                membership,
-                secret: cfg.secret.as_bytes().to_vec(),
-                idle: Mutex::new(HashMap::new()),
-                timeout: cfg.timeout,
-                stats,
-                stop,
-                data,
-            }),
-            filler,
-        ))
+        let peers = Arc::new(Self {
+            membership,
+            secret,
+            key: cfg.secret.as_bytes().to_vec(),
+            channels: Mutex::new(HashMap::new()),
+            block_size: store.block_size(),
+            idle: Mutex::new(HashMap::new()),
+            timeout: cfg.timeout,
+            stats,
+            stop,
+            data,
+            plans,
+            ranks: Mutex::new(HashMap::new()),
+            closed: std::sync::atomic::AtomicBool::new(false),
+            rt: Mutex::new(None),
+        });
+        // Learns which node runs which rank (a weak reference: the task ends with them).
+        let weak = Arc::downgrade(&peers);
+        rt.spawn(async move {
+            let mut tick = tokio::time::interval(RANKS_CHECK);
+            let mut last = tokio::time::Instant::now();
+            loop {
+                tick.tick().await;
+                let Some(p) = weak.upgrade() else { return };
+                if p.ranks_incomplete() || last.elapsed() >= RANKS_REFRESH {
+                    p.refresh_ranks().await;
+                    last = tokio::time::Instant::now();
+                }
+            }
+        });
+        *peers.rt.lock().unwrap_or_else(|e| e.into_inner()) = Some(rt);
+        Ok((peers, filler))
+    }
+
+    /// Lets the peer layer consult this node's plans (see [`PlanHooks`]).
+    pub fn use_plans(&self, plans: Arc<dyn PlanHooks>) {
+        let _ = self.plans.set(plans);
+    }
+
+    /// True when a shuffle registered here has a rank no node is known to run.
+    fn ranks_incomplete(&self) -> bool {
+        let Some(plans) = self.plans.get() else {
+            return false;
+        };
+        let map = self.ranks.lock().unwrap_or_else(|e| e.into_inner());
+        plans.shuffles().into_iter().any(|(job, world, _)| {
+            (0..world.min(4096)).any(|r| !map.contains_key(&(job.clone(), r)))
+        })
+    }
+
+    /// Asks every healthy peer which ranks it runs, and replaces the rank map.
+    async fn refresh_ranks(&self) {
+        let local = self.plans.get().map(|p| p.shuffles()).unwrap_or_default();
+        if local.is_empty() {
+            return; // nothing to place by plan here
+        }
+        let me = self.membership.me().to_owned();
+        let mut map = HashMap::new();
+        for (job, _, ranks) in local {
+            for r in ranks {
+                map.insert((job.clone(), r), me.clone());
+            }
+        }
+        for peer in self.membership.healthy() {
+            if peer == me {
+                continue;
+            }
+            let ask = async {
+                let mut client = proto::peer_client::PeerClient::new(self.channel(&peer)?);
+                let mut r = tonic::Request::new(proto::RanksRequest {});
+                r.metadata_mut().insert(SECRET_HEADER, self.secret.clone());
+                client
+                    .ranks(r)
+                    .await
+                    .map(tonic::Response::into_inner)
+                    .map_err(|s| s.to_string())
+            };
+            match tokio::time::timeout(self.timeout, ask).await {
+                Ok(Ok(reply)) => {
+                    for j in reply.jobs {
+                        for r in j.ranks {
+                            map.insert((j.job.clone(), r), peer.clone());
+                        }
+                    }
+                }
+                Ok(Err(e)) => tracing::debug!(peer = %peer, error = %e, "peer ranks: no answer"),
+                Err(_) => tracing::debug!(peer = %peer, "peer ranks: timed out"),
+            }
+        }
+        *self.ranks.lock().unwrap_or_else(|e| e.into_inner()) = map;
+    }
+
+    /// The other healthy nodes likely to hold the file now, most likely first: those
+    /// running the ranks that read it last or read it next (see [`PlanHooks::holders`]).
+    fn holders(&self, root: &str, path: &str, healthy: &[String]) -> Vec<String> {
+        let Some(plans) = self.plans.get() else {
+            return Vec::new();
+        };
+        let ranks = plans.holders(root, path);
+        let map = self.ranks.lock().unwrap_or_else(|e| e.into_inner());
+        let mut out: Vec<String> = Vec::new();
+        for key in ranks {
+            if let Some(node) = map.get(&key)
+                && node != self.membership.me()
+                && healthy.contains(node)
+                && !out.contains(node)
+            {
+                out.push(node.clone());
+            }
+        }
+        out.truncate(MAX_HOLDERS);
+        out
     }
 
     /// The members and their health.
@@ -266,41 +402,48 @@ impl Peers {
         }
     }
 
-    /// A test of "this node owns the file", over the members healthy now (one lookup of
-    /// the member list for many files). Files, not blocks, have owners: a shard is read
-    /// whole from one node, and a file keeps its owner across versions.
-    pub fn owner_test(&self) -> impl Fn(&str, &str) -> bool + use<> {
-        let healthy = self.membership.healthy();
-        let me = self.membership.me().to_owned();
-        move |root: &str, path: &str| {
-            file_owner(healthy.iter().map(String::as_str), root, path) == Some(me.as_str())
-        }
+    /// The healthy members, sorted (the list every node computes owners over), and this
+    /// node's id.
+    pub fn view(&self) -> (Vec<String>, String) {
+        let mut healthy = self.membership.healthy();
+        healthy.sort_unstable();
+        (healthy, self.membership.me().to_owned())
     }
 
-    /// Block `index` (`len` bytes) of the file version `stat` under `root`, from its
-    /// owner when that is another node, into `buf` (a buffer kept from one block to the
-    /// next spares an allocation and its page faults per block). False when this node
-    /// owns the block, or the owner failed (the caller reads the backing store; `buf`'s
-    /// contents are then unspecified).
+    /// The owner of a file among `healthy` (sorted): by the plan that places it, else by
+    /// rendezvous hashing. Files, not blocks, have owners: a shard is read whole from one
+    /// node, and a file keeps its owner across versions.
+    fn owner(&self, root: &str, path: &str, healthy: &[String]) -> Option<String> {
+        self.plans
+            .get()
+            .and_then(|p| p.owner(root, path, healthy))
+            .or_else(|| {
+                file_owner(healthy.iter().map(String::as_str), root, path).map(str::to_owned)
+            })
+    }
+
+    /// Block `index` of the file version `stat` under `root`, from the cluster: first
+    /// from the node the plan says read the file last (it likely holds it), then from
+    /// the file's owner, which fills it from the backing store if no node has it (once
+    /// for the cluster). `None` when this node owns it and no other node read it last,
+    /// or the peers failed (the caller reads the backing store; `buf`'s contents are then
+    /// unspecified). `keep`: the caller stores the block in its cache (the sender's copy
+    /// may then go). The block lands in `buf` (a buffer kept from one block to the next
+    /// spares an allocation and its page faults per block).
     pub fn fetch(
         &self,
         root: &str,
         stat: &Stat,
         index: usize,
-        block_size: u32,
         len: usize,
+        keep: bool,
         buf: &mut Vec<u8>,
     ) -> bool {
-        let healthy = self.membership.healthy();
-        let Some(owner) = file_owner(healthy.iter().map(String::as_str), root, &stat.path) else {
-            return false;
-        };
-        let owner = owner.to_owned();
-        if owner == self.membership.me() {
+        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
             return false;
         }
         let v = &stat.version;
-        let req = proto::FetchRequest {
+        let req = |fill: bool| proto::FetchRequest {
             root: root.to_owned(),
             path: stat.path.clone(),
             size: v.size,
@@ -309,30 +452,65 @@ impl Peers {
             ino: v.ino,
             dev: v.dev,
             index: index as u64,
-            block_size,
-            fill: true,
+            block_size: self.block_size,
+            fill,
+            keep,
         };
-        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
-            return false;
+        let (healthy, me) = self.view();
+        let owner = self.owner(root, &stat.path, &healthy).filter(|o| *o != me);
+        for holder in self.holders(root, &stat.path, &healthy) {
+            if Some(&holder) != owner.as_ref() && self.fetch_one(&holder, &req(false), len, buf) {
+                return true;
+            }
         }
-        let got = self.fetch_from(&owner, &req, len, Instant::now() + self.timeout, buf);
+        owner.is_some_and(|o| self.fetch_one(&o, &req(true), len, buf))
+    }
+
+    /// One block from one peer, checked; counted, and the peer's health reported.
+    fn fetch_one(
+        &self,
+        peer: &str,
+        req: &proto::FetchRequest,
+        len: usize,
+        buf: &mut Vec<u8>,
+    ) -> bool {
+        let got = self.fetch_from(peer, req, len, Instant::now() + self.timeout, buf);
         match got {
             Ok(()) => {
-                self.membership.report(&owner, true);
+                self.membership.report(peer, true);
                 inc(&self.stats.peer_blocks_in);
                 add(&self.stats.peer_bytes_in, len as u64);
                 true
             }
             Err(e) => {
-                tracing::debug!(peer = %owner, error = %e, "peer fetch failed; reading the backing store");
                 // A peer that answers "not here" is healthy; one that fails is not.
-                if !matches!(e, FetchError::NotFound(_)) {
-                    self.membership.report(&owner, false);
+                if matches!(e, FetchError::NotFound(_)) {
+                    tracing::debug!(peer = %peer, error = %e, "peer does not hold the block");
+                } else {
+                    tracing::debug!(peer = %peer, error = %e, "peer fetch failed; trying the next source");
+                    self.membership.report(peer, false);
+                    inc(&self.stats.peer_errors);
                 }
-                inc(&self.stats.peer_errors);
                 false
             }
         }
+    }
+
+    fn channel(&self, peer: &str) -> Result<Channel, String> {
+        let mut chans = self.channels.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(c) = chans.get(peer) {
+            return Ok(c.clone());
+        }
+        let ep = Endpoint::from_shared(format!("http://{peer}"))
+            .map_err(|e| e.to_string())?
+            .connect_timeout(self.timeout)
+            .initial_stream_window_size(WINDOW)
+            .initial_connection_window_size(2 * WINDOW)
+            .max_frame_size(FRAME)
+            .tcp_nodelay(true);
+        let c = ep.connect_lazy();
+        chans.insert(peer.to_owned(), c.clone());
+        Ok(c)
     }
 
     /// Block `req` from `peer` over the block stream, `len` bytes, checked against the
@@ -405,7 +583,7 @@ impl Peers {
             .and_then(|()| s.set_read_timeout(Some(left(deadline)?)))
             .and_then(|()| s.set_write_timeout(Some(left(deadline)?)));
         setup.map_err(|e| failed("connecting", &e))?;
-        wire::client_handshake(&mut s, &self.secret).map_err(|e| failed("handshake", &e))?;
+        wire::client_handshake(&mut s, &self.key).map_err(|e| failed("handshake", &e))?;
         Ok(s)
     }
 }

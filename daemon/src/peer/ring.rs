@@ -35,6 +35,38 @@ pub fn ranked<'a>(peers: impl IntoIterator<Item = &'a PeerId>, block: &[u8]) -> 
     v.into_iter().map(|(_, p)| p).collect()
 }
 
+/// Owners for a known set of items (a dataset's files, in an order every node agrees
+/// on) with balanced load: each item goes to the highest-weight peer that owns fewer
+/// than ⌈items ÷ peers⌉ so far (rendezvous hashing with bounded loads). Plain rendezvous
+/// gives some peers noticeably more than their share (binomial spread), and a peer that
+/// owns more than its cache holds sends the rest to the backing store every epoch; with
+/// bounded loads every peer owns its share to within one item. A membership change
+/// still moves mostly the items of the peer that changed. Returns, per item, the index of
+/// its owner in `peers`.
+pub fn balanced(peers: &[&PeerId], items: impl IntoIterator<Item = Vec<u8>>) -> Vec<u16> {
+    let items: Vec<Vec<u8>> = items.into_iter().collect();
+    if peers.is_empty() {
+        return Vec::new();
+    }
+    let cap = items.len().div_ceil(peers.len());
+    let mut load = vec![0usize; peers.len()];
+    let mut out = Vec::with_capacity(items.len());
+    let mut order: Vec<(u64, usize)> = Vec::with_capacity(peers.len());
+    for item in &items {
+        order.clear();
+        order.extend(peers.iter().enumerate().map(|(i, p)| (weight(p, item), i)));
+        order.sort_by(|a, b| b.0.cmp(&a.0).then_with(|| peers[a.1].cmp(peers[b.1])));
+        let pick = order
+            .iter()
+            .map(|&(_, i)| i)
+            .find(|&i| load[i] < cap)
+            .unwrap_or(order[0].1);
+        load[pick] += 1;
+        out.push(pick as u16);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -42,6 +74,32 @@ mod tests {
 
     fn block(i: u64) -> [u8; 8] {
         i.to_le_bytes()
+    }
+
+    #[test]
+    fn balanced_owners_are_within_one_of_an_even_share() {
+        let peers = ["a:1", "b:1", "c:1", "d:1"];
+        for n in [1u64, 7, 240, 1001] {
+            let owners = balanced(&peers, (0..n).map(|i| block(i).to_vec()));
+            let mut count = [0usize; 4];
+            for &o in &owners {
+                count[o as usize] += 1;
+            }
+            let cap = (n as usize).div_ceil(4);
+            assert!(count.iter().all(|&c| c <= cap), "{n}: {count:?}");
+            assert_eq!(count.iter().sum::<usize>(), n as usize);
+            // Every node computes the same.
+            assert_eq!(owners, balanced(&peers, (0..n).map(|i| block(i).to_vec())));
+        }
+        // A node leaving moves its items, and few others.
+        let all = balanced(&peers, (0..1000u64).map(|i| block(i).to_vec()));
+        let three = balanced(&peers[..3], (0..1000u64).map(|i| block(i).to_vec()));
+        let moved = all
+            .iter()
+            .zip(&three)
+            .filter(|(a, b)| **a != 3 && a != b)
+            .count();
+        assert!(moved < 250, "{moved} of the remaining nodes' items moved");
     }
 
     #[test]

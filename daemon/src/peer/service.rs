@@ -1,14 +1,15 @@
 //! The peer service: serves blocks this node holds (or, as a block's owner, fetches
 //! them from the backing store first), checked against their checksums before sending.
 
+use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use tonic::{Request, Response, Status};
 
-use super::CHUNK;
 use super::proto::{self, Chunk, FetchRequest};
+use super::{CHUNK, PlansCell};
 use crate::backing::Version;
 use crate::fill::{Filler, Target};
 use crate::meta::Meta;
@@ -21,7 +22,15 @@ pub(super) struct Service {
     pub(super) filler: Arc<OnceLock<Arc<Filler>>>,
     pub(super) stats: Arc<Stats>,
     pub(super) timeout: Duration,
+    pub(super) plans: PlansCell,
+    /// Which blocks of each file were served to peers that keep them, until all were.
+    pub(super) handoffs: Mutex<HashMap<Key, Vec<bool>>>,
 }
+
+/// Files being handed to a keeping peer, tracked at most (a peer that gave up half way
+/// leaves an entry; past this many the oldest state is dropped — a missed handoff only
+/// keeps a copy longer).
+const HANDOFFS: usize = 4096;
 
 /// Compares secrets in time independent of where they differ.
 pub(super) fn same_secret(given: &[u8], expected: &[u8]) -> bool {
@@ -37,16 +46,17 @@ impl proto::peer_server::Peer for Service {
 
     async fn fetch(&self, req: Request<FetchRequest>) -> Result<Response<ChunkStream>, Status> {
         let r = req.into_inner();
+        let asked = r.clone();
         let (store, meta) = (self.store.clone(), self.meta.clone());
         let (filler, timeout) = (self.filler.clone(), self.timeout);
-        let (data, sum) = tokio::task::spawn_blocking(move || {
+        let (data, sum, key) = tokio::task::spawn_blocking(move || {
             let mut data = Vec::new();
-            serve_block(&store, &meta, filler.get(), &r, timeout, &mut data).map(|sum| (data, sum))
+            serve_block(&store, &meta, filler.get(), &r, timeout, &mut data)
+                .map(|(sum, key)| (data, sum, key))
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))??;
-        inc(&self.stats.peer_blocks_out);
-        add(&self.stats.peer_bytes_out, data.len() as u64);
+        self.served(&asked, key, data.len());
         let len = data.len() as u64;
         let data = bytes::Bytes::from(data);
         let mut chunks: Vec<Result<Chunk, Status>> = (0..data.len())
@@ -68,11 +78,68 @@ impl proto::peer_server::Peer for Service {
         }
         Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
     }
+
+    async fn ranks(
+        &self,
+        _req: Request<proto::RanksRequest>,
+    ) -> Result<Response<proto::RanksReply>, Status> {
+        let jobs = self
+            .plans
+            .get()
+            .map(|p| p.shuffles())
+            .unwrap_or_default()
+            .into_iter()
+            .map(|(job, world_size, ranks)| proto::JobRanks {
+                job,
+                world_size,
+                ranks,
+            })
+            .collect();
+        Ok(Response::new(proto::RanksReply { jobs }))
+    }
+}
+
+impl Service {
+    /// Accounts for a block served to a peer (over gRPC or the block stream): the
+    /// counters, and the handoff of the file to a peer that keeps it.
+    pub(super) fn served(&self, r: &FetchRequest, key: Key, len: usize) {
+        if r.keep {
+            let nblocks = r.size.div_ceil(r.block_size.max(1) as u64).max(1);
+            self.count_handoff(key, &r.root, &r.path, r.index, nblocks);
+        }
+        inc(&self.stats.peer_blocks_out);
+        add(&self.stats.peer_bytes_out, len as u64);
+    }
+
+    /// Counts a block served to a peer that keeps it; when it has had every block of
+    /// the file, this node's copy is handed over (see `PlanHooks::handed`).
+    fn count_handoff(&self, key: Key, root: &str, path: &str, index: u64, nblocks: u64) {
+        let done = {
+            let mut h = self.handoffs.lock().unwrap_or_else(|e| e.into_inner());
+            if h.len() >= HANDOFFS {
+                h.clear();
+            }
+            let served = h
+                .entry(key)
+                .or_insert_with(|| vec![false; nblocks as usize]);
+            if let Some(b) = served.get_mut(index as usize) {
+                *b = true;
+            }
+            let done = served.iter().all(|&b| b);
+            if done {
+                h.remove(&key);
+            }
+            done
+        };
+        if done && let Some(p) = self.plans.get() {
+            p.handed(root, path);
+        }
+    }
 }
 
 /// The block a peer asks for, from this node's cache, filled first when asked to, into
-/// `buf`; its xxh3-64 (checked against the one recorded). gRPC `Fetch` and the block
-/// stream serve the same way.
+/// `buf`; its xxh3-64 (checked against the one recorded) and its file version's key.
+/// gRPC `Fetch` and the block stream serve the same way.
 pub(super) fn serve_block(
     store: &Store,
     meta: &Meta,
@@ -80,7 +147,7 @@ pub(super) fn serve_block(
     r: &FetchRequest,
     timeout: Duration,
     buf: &mut Vec<u8>,
-) -> Result<u64, Status> {
+) -> Result<(u64, Key), Status> {
     if r.block_size != store.block_size() {
         return Err(Status::failed_precondition(format!(
             "block size {} here, {} there: peers must use the same block_size",
@@ -108,7 +175,7 @@ pub(super) fn serve_block(
     }
     let key = Key::of(&r.root, &r.path, &version);
     if let Some(sum) = store.read_block_into(&key, index, buf) {
-        return Ok(sum);
+        return Ok((sum, key));
     }
     if !r.fill {
         return Err(Status::not_found("not cached here"));
@@ -133,5 +200,6 @@ pub(super) fn serve_block(
     filler.fill_here(&target, index, Instant::now() + timeout);
     store
         .read_block_into(&key, index, buf)
+        .map(|sum| (sum, key))
         .ok_or_else(|| Status::not_found("could not cache it here"))
 }

@@ -106,6 +106,22 @@ impl EpochIndex {
         let i = ps.partition_point(|&p| (p as u64) < from);
         ps.get(i).map(|&p| p as u64)
     }
+
+    /// Last position of `f` before `before`.
+    fn prev(&self, f: u32, before: u64) -> Option<u64> {
+        let ps = &self.positions
+            [self.offsets[f as usize] as usize..self.offsets[f as usize + 1] as usize];
+        let i = ps.partition_point(|&p| (p as u64) < before);
+        i.checked_sub(1).map(|i| ps[i] as u64)
+    }
+
+    /// Positions of `f` at or after `from`, in order.
+    fn from(&self, f: u32, from: u64) -> impl Iterator<Item = u64> + '_ {
+        let ps = &self.positions
+            [self.offsets[f as usize] as usize..self.offsets[f as usize + 1] as usize];
+        let i = ps.partition_point(|&p| (p as u64) < from);
+        ps[i..].iter().map(|&p| p as u64)
+    }
 }
 
 /// A registered job.
@@ -129,7 +145,22 @@ struct Job {
     ranked: BTreeSet<(u64, u32)>,
     /// The key of each file in `ranked`.
     rank_of: HashMap<u32, u64>,
+    /// Cluster mode ([`Planner::set_cluster`]): keys count the reads of the other ranks
+    /// of a shuffle's world too (other nodes read them, and may fetch this node's copy).
+    cluster: bool,
+    /// Resident files some other node has fetched a copy of to keep: their reads by
+    /// other ranks no longer depend on this node's copy.
+    handed: std::collections::HashSet<u32>,
+    /// A shuffle's whole-world order of a few epochs (position `k · world + rank` is
+    /// rank `rank`'s `k`-th read), indexed by file.
+    world_epochs: Vec<(u64, Arc<EpochIndex>)>,
+    /// The owners of this job's files among the last member list asked about
+    /// ([`Planner::plan_owner`]).
+    owners: std::sync::Mutex<Option<Owners>>,
 }
+
+/// A member list and the index in it of each file's owner.
+type Owners = (Vec<String>, Arc<Vec<u16>>);
 
 impl Job {
     fn range(&self) -> (u64, u64) {
@@ -175,9 +206,144 @@ impl Job {
         Some(ix)
     }
 
+    /// The whole world's order in epoch `e` (shuffles only).
+    fn world_index(&mut self, e: u64) -> Option<Arc<EpochIndex>> {
+        let Source::Shuffle {
+            seed,
+            world,
+            drop_last,
+            ..
+        } = &self.source
+        else {
+            return None;
+        };
+        if !self.has_epoch(e) {
+            return None;
+        }
+        if let Some((_, ix)) = self.world_epochs.iter().find(|(x, _)| *x == e) {
+            return Some(ix.clone());
+        }
+        let n = self.files.len() as u64;
+        let perm = shuffle::permutation(n, *seed, e);
+        let total = shuffle::samples_per_rank(n, *world, *drop_last) * world;
+        // Padding repeats the permutation from its start, as `shuffle::rank_order` does.
+        let order: Vec<u32> = (0..total)
+            .map(|pos| perm[(pos % n) as usize] as u32)
+            .collect();
+        let ix = Arc::new(EpochIndex::new(Arc::new(order), self.files.len()));
+        if self.world_epochs.len() >= 3 {
+            self.world_epochs.remove(0);
+        }
+        self.world_epochs.push((e, ix.clone()));
+        Some(ix)
+    }
+
+    /// (world, this node's ranks) of a shuffle.
+    fn world(&self) -> Option<(u64, &[u64])> {
+        match &self.source {
+            Source::Shuffle { world, ranks, .. } => Some((*world, ranks)),
+            Source::Sequence { .. } => None,
+        }
+    }
+
+    /// Steps (of this node's order) until another node's rank reads `f`, this epoch or
+    /// the next: the ranks of one job read in lockstep, so this node's position is
+    /// every rank's.
+    fn remote_distance(&mut self, f: u32) -> Option<u64> {
+        let (world, ranks) = self.world()?;
+        let (nr, ranks) = (ranks.len() as u64, ranks.to_vec());
+        let (e, s) = (self.epoch, self.step);
+        let remote = |p: u64| !ranks.contains(&(p % world));
+        let cur = self.world_index(e)?;
+        if let Some(p) = cur.from(f, (s / nr) * world).find(|&p| remote(p)) {
+            return Some(((p / world) * nr).saturating_sub(s));
+        }
+        let len = cur.order.len() as u64 / world * nr;
+        let next = self.world_index(e + 1)?;
+        let p = next.from(f, 0).find(|&p| remote(p))?;
+        Some(len.saturating_sub(s) + (p / world) * nr)
+    }
+
+    /// Steps until `f` is needed next by this node, or — in cluster mode, while no other
+    /// node has taken a copy — by another node's rank.
+    fn need_distance(&mut self, f: u32) -> Option<u64> {
+        let local = self.distance(f);
+        if !self.cluster || self.handed.contains(&f) {
+            return local;
+        }
+        match (local, self.remote_distance(f)) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// The ranks likely to hold `f` now, most likely first: the last to read it before
+    /// the position, the next ones to read it (they may have prefetched it), then the
+    /// earlier ones (over this epoch and the ones either side).
+    fn holders(&mut self, f: u32) -> Vec<u64> {
+        let Some((world, ranks)) = self.world() else {
+            return Vec::new();
+        };
+        let nr = ranks.len() as u64;
+        let (e, s) = (self.epoch, self.step);
+        let at = (s / nr) * world;
+        let (mut past, mut next) = (Vec::new(), Vec::new()); // most recent / soonest first
+        if let Some(cur) = self.world_index(e) {
+            let mut before = at;
+            while let Some(p) = cur.prev(f, before) {
+                past.push(p % world);
+                before = p;
+            }
+            next.extend(cur.from(f, at).map(|p| p % world));
+        }
+        if let Some(ix) = e.checked_sub(1).and_then(|x| self.world_index(x)) {
+            let mut before = u64::MAX;
+            while let Some(p) = ix.prev(f, before) {
+                past.push(p % world);
+                before = p;
+            }
+        }
+        if let Some(ix) = self.world_index(e + 1) {
+            next.extend(ix.from(f, 0).map(|p| p % world));
+        }
+        let mut out = Vec::new();
+        let rest = past.iter().skip(1).copied();
+        for r in past.first().copied().into_iter().chain(next).chain(rest) {
+            if !out.contains(&r) {
+                out.push(r);
+            }
+        }
+        out
+    }
+
+    /// Re-keys the resident files other ranks read at this node's steps `from..to` of
+    /// the current epoch (their keys pointed at those reads).
+    fn rerank_remote(&mut self, from: u64, to: u64) {
+        if !self.cluster {
+            return;
+        }
+        let Some((world, ranks)) = self.world() else {
+            return;
+        };
+        let nr = ranks.len() as u64;
+        let Some(ix) = self.world_index(self.epoch) else {
+            return;
+        };
+        let (a, b) = (
+            (from / nr) * world,
+            (to.div_ceil(nr) * world).min(ix.order.len() as u64),
+        );
+        for pos in a..b {
+            let g = ix.order[pos as usize];
+            if self.rank_of.contains_key(&g) {
+                self.rank(g);
+            }
+        }
+    }
+
     /// (Re)computes the eviction key of resident file `f`.
     fn rank(&mut self, f: u32) {
-        let k = self.distance(f).map_or(u64::MAX, |d| self.done + d);
+        let k = self.need_distance(f).map_or(u64::MAX, |d| self.done + d);
         if let Some(old) = self.rank_of.insert(f, k) {
             self.ranked.remove(&(old, f));
         }
@@ -185,6 +351,7 @@ impl Job {
     }
 
     fn unrank(&mut self, f: u32) {
+        self.handed.remove(&f);
         if let Some(old) = self.rank_of.remove(&f) {
             self.ranked.remove(&(old, f));
         }
@@ -276,6 +443,8 @@ pub struct Planner {
     /// Resident files no registered job reads, by last use: the first to evict.
     unplanned: BTreeSet<(u64, FileRef)>,
     tick: u64,
+    /// See [`Planner::set_cluster`].
+    cluster: bool,
 }
 
 /// Candidates taken from each job's eviction index before the exact comparison (a file
@@ -335,6 +504,10 @@ impl Planner {
             epochs: Vec::new(),
             ranked: BTreeSet::new(),
             rank_of: HashMap::new(),
+            cluster: self.cluster,
+            handed: std::collections::HashSet::new(),
+            world_epochs: Vec::new(),
+            owners: std::sync::Mutex::new(None),
         });
         self.reindex();
         // The new job's files already cached enter its index (and leave the unplanned).
@@ -424,6 +597,100 @@ impl Planner {
         self.resident.contains_key(f)
     }
 
+    /// Cluster mode (peers on): a resident file of a shuffle is also needed when another
+    /// node's rank reads it next, until that node has fetched a copy
+    /// ([`Planner::set_handed`]). Every node computes every rank's order from the same
+    /// manifest, so the cluster keeps the files its readers need soonest, wherever they
+    /// are, instead of each node keeping only what it reads itself and dropping the last
+    /// copy of what the others read next.
+    pub fn set_cluster(&mut self, on: bool) {
+        self.cluster = on;
+        for job in &mut self.jobs {
+            job.cluster = on;
+            job.rerank_all();
+        }
+    }
+
+    /// Records that another node fetched resident file `f` to keep: this node's copy is
+    /// now needed only for this node's own reads.
+    pub fn set_handed(&mut self, f: &FileRef) {
+        if !self.resident.contains_key(f) {
+            return;
+        }
+        for (j, i) in self.files.get(f).cloned().unwrap_or_default() {
+            let job = &mut self.jobs[j];
+            if job.handed.insert(i) && job.rank_of.contains_key(&i) {
+                job.rank(i);
+            }
+        }
+    }
+
+    /// The owner of `f` among `members` (the healthy nodes, sorted) when a shuffle plans
+    /// it: the job's files are spread over the members with balanced loads
+    /// ([`crate::peer::ring::balanced`], over `id` of each file), so that every node owns
+    /// its share of the dataset to within one file. `None` for files no shuffle plans
+    /// (plain rendezvous hashing decides those).
+    pub fn plan_owner<'a>(
+        &self,
+        f: &FileRef,
+        members: &'a [String],
+        id: &dyn Fn(&FileRef) -> Vec<u8>,
+    ) -> Option<&'a str> {
+        let &(j, i) = self
+            .files
+            .get(f)?
+            .iter()
+            .find(|&&(j, _)| self.jobs[j].world().is_some())?;
+        let job = &self.jobs[j];
+        let owners = {
+            let mut cache = job.owners.lock().unwrap_or_else(|e| e.into_inner());
+            match &*cache {
+                Some((m, o)) if m == members => o.clone(),
+                _ => {
+                    let peers: Vec<&str> = members.iter().map(String::as_str).collect();
+                    let o = Arc::new(crate::peer::ring::balanced(
+                        &peers,
+                        job.files.iter().map(id),
+                    ));
+                    *cache = Some((members.to_vec(), o.clone()));
+                    o
+                }
+            }
+        };
+        members
+            .get(*owners.get(i as usize)? as usize)
+            .map(String::as_str)
+    }
+
+    /// True when a shuffle plan reads `f` (every node can then tell who reads it when).
+    pub fn world_planned(&self, f: &FileRef) -> bool {
+        self.files
+            .get(f)
+            .is_some_and(|refs| refs.iter().any(|&(j, _)| self.jobs[j].world().is_some()))
+    }
+
+    /// The (job, rank)s of shuffles likely to hold `f` now, most likely first (see
+    /// `Job::holders`): the nodes running those ranks are asked before its owner.
+    pub fn holders(&mut self, f: &FileRef) -> Vec<(String, u64)> {
+        let Some(refs) = self.files.get(f).cloned() else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for (j, i) in refs {
+            let job = &mut self.jobs[j];
+            out.extend(job.holders(i).into_iter().map(|r| (job.id.clone(), r)));
+        }
+        out
+    }
+
+    /// Every registered shuffle: (job id, world size, this node's ranks).
+    pub fn shuffles(&self) -> Vec<(String, u64, Vec<u64>)> {
+        self.jobs
+            .iter()
+            .filter_map(|j| j.world().map(|(w, r)| (j.id.clone(), w, r.to_vec())))
+            .collect()
+    }
+
     /// The resident file to evict among those `ok` accepts: a file no plan needs (least
     /// recently used first), else the one needed farthest in the future. Each job's
     /// index gives its farthest resident files; the exact need (over every job, through
@@ -431,9 +698,17 @@ impl Planner {
     /// resident files whenever each job's 16 farthest accepted files include the answer
     /// (always, for a file only one job reads), at O(jobs · log n) instead of O(n).
     pub fn victim_indexed(&mut self, ok: &dyn Fn(&FileRef) -> bool) -> Option<FileRef> {
+        self.victim_indexed_with(&|_, f| ok(f))
+    }
+
+    /// [`Planner::victim_indexed`] with a test that may consult the planner.
+    pub fn victim_indexed_with(
+        &mut self,
+        ok: &dyn Fn(&Planner, &FileRef) -> bool,
+    ) -> Option<FileRef> {
         // Bounded scans: `ok` may turn down many files in a row (files this node owns
         // for the cluster, when looking for a local copy to evict first).
-        if let Some((_, f)) = self.unplanned.iter().take(SCAN).find(|(_, f)| ok(f)) {
+        if let Some((_, f)) = self.unplanned.iter().take(SCAN).find(|(_, f)| ok(self, f)) {
             return Some(f.clone());
         }
         let mut candidates: Vec<FileRef> = Vec::new();
@@ -441,7 +716,7 @@ impl Planner {
             let mut taken = 0;
             for &(_, i) in job.ranked.iter().rev().take(SCAN) {
                 let f = &job.files[i as usize];
-                if ok(f) {
+                if ok(self, f) {
                     candidates.push(f.clone());
                     taken += 1;
                     if taken >= CANDIDATES_PER_JOB {
@@ -570,11 +845,15 @@ impl Planner {
                 self.reads += p + 1 - job.step;
                 job.done += p + 1 - job.step;
                 job.step = p + 1;
+                // Files other ranks read meanwhile are next needed later too.
+                job.rerank_remote(from, p + 1);
                 let rolled = job.step as usize >= cur.order.len() && job.has_epoch(job.epoch + 1);
                 if rolled {
                     job.epoch += 1;
                     job.step = 0;
                 }
+                // This node read it: its copy is the one the next reader will ask for.
+                job.handed.remove(&f);
                 // The files read (or skipped) are next needed later: new keys.
                 for q in from..=p {
                     let g = cur.order[q as usize];
@@ -599,7 +878,7 @@ impl Planner {
         let mut best = Need::Never;
         for (j, f) in refs {
             let job = &mut self.jobs[j];
-            if let Some(d) = job.distance(f) {
+            if let Some(d) = job.need_distance(f) {
                 let t = Need::In(d as f64 / job.rate);
                 if best.later_than(t) {
                     best = t;
@@ -618,19 +897,22 @@ impl Planner {
             .min()
     }
 
-    /// The epoch in which `file` is read next (the earliest over jobs), if any.
+    /// The epoch in which `file` is needed next (the earliest over jobs), if any: read by
+    /// this node, or in cluster mode by another node (see [`Planner::set_cluster`]).
     pub fn use_epoch(&mut self, file: &FileRef) -> Option<u64> {
         let refs = self.files.get(file).cloned()?;
         let mut best: Option<u64> = None;
         for (j, f) in refs {
             let job = &mut self.jobs[j];
             let (e, s) = (job.epoch, job.step);
-            let here = job.index(e).and_then(|ix| ix.next(f, s)).map(|_| e);
-            let found =
-                here.or_else(|| job.index(e + 1).and_then(|ix| ix.next(f, 0)).map(|_| e + 1));
-            if let Some(x) = found {
-                best = Some(best.map_or(x, |b| b.min(x)));
-            }
+            let Some(d) = job.need_distance(f) else {
+                continue;
+            };
+            let left = job
+                .index(e)
+                .map_or(0, |ix| (ix.order.len() as u64).saturating_sub(s));
+            let x = if d < left { e } else { e + 1 };
+            best = Some(best.map_or(x, |b| b.min(x)));
         }
         best
     }

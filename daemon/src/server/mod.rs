@@ -74,6 +74,8 @@ pub struct Ctx {
     /// Connection threads polling right now; at most [`MAX_SPINNERS`] do, so that busy
     /// clients never cost the node more than that many cores of polling.
     pub spinners: AtomicUsize,
+    /// The bound address of the metrics endpoint (for status), when it is on.
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 /// A running server.
@@ -85,6 +87,8 @@ pub struct Server {
     conns: Arc<Mutex<HashMap<u64, UnixStream>>>,
     active: Arc<AtomicUsize>,
     accept: Option<JoinHandle<()>>,
+    /// False once the accept thread has ended.
+    accepting: Arc<AtomicBool>,
 }
 
 /// Binds the socket at `path` with `mode`, replacing a stale socket but refusing to take
@@ -134,6 +138,7 @@ impl Server {
         let stop = Arc::new(AtomicBool::new(false));
         let conns: Arc<Mutex<HashMap<u64, UnixStream>>> = Arc::default();
         let active = Arc::new(AtomicUsize::new(0));
+        let accepting = Arc::new(AtomicBool::new(true));
         let accept = {
             let (listener, stop, conns, active) = (
                 listener.clone(),
@@ -141,8 +146,13 @@ impl Server {
                 conns.clone(),
                 active.clone(),
             );
+            let alive = crate::daemon::Alive::new(accepting.clone());
             std::thread::Builder::new().name("sc-accept".into()).spawn(move || {
+                let _alive = alive;
                 let next_id = AtomicU64::new(0);
+                // A storm of failed accepts or refused clients is one warning per
+                // period, with how many it stands for, not one line per connection.
+                let (mut accept_errors, mut refused) = (Throttle::default(), Throttle::default());
                 for conn in listener.incoming() {
                     if stop.load(Ordering::Acquire) {
                         break;
@@ -150,13 +160,17 @@ impl Server {
                     let conn = match conn {
                         Ok(c) => c,
                         Err(e) => {
-                            tracing::warn!(error = %e, "accept failed");
+                            if let Some(n) = accept_errors.hit() {
+                                tracing::warn!(error = %e, count = n, "accept failed");
+                            }
                             std::thread::sleep(Duration::from_millis(10));
                             continue;
                         }
                     };
                     if active.load(Ordering::Acquire) >= max_conns {
-                        tracing::warn!(max_conns, "connection limit reached; refusing a client (it reads the backing store)");
+                        if let Some(n) = refused.hit() {
+                            tracing::warn!(max_conns, refused = n, "connection limit reached; refusing clients (they read the backing store)");
+                        }
                         continue;
                     }
                     let creds = match creds::peer(&conn) {
@@ -195,7 +209,13 @@ impl Server {
             conns,
             active,
             accept: Some(accept),
+            accepting,
         })
+    }
+
+    /// A flag that is true while the accept thread runs (for the liveness probe).
+    pub fn accepting(&self) -> Arc<AtomicBool> {
+        self.accepting.clone()
     }
 
     /// Stops accepting, disconnects every client and waits (bounded) for their threads.
@@ -226,6 +246,28 @@ impl Server {
             std::thread::sleep(Duration::from_millis(5));
         }
         self.active.load(Ordering::Acquire)
+    }
+}
+
+/// Counts events and says when to log them: at most once per [`Throttle::PERIOD`],
+/// with the number of events since the last line.
+#[derive(Debug, Default)]
+struct Throttle {
+    last: Option<Instant>,
+    count: u64,
+}
+
+impl Throttle {
+    const PERIOD: Duration = Duration::from_secs(10);
+
+    /// Counts one event; `Some(events since the last line)` when a line is due.
+    fn hit(&mut self) -> Option<u64> {
+        self.count += 1;
+        if self.last.is_some_and(|t| t.elapsed() < Self::PERIOD) {
+            return None;
+        }
+        self.last = Some(Instant::now());
+        Some(std::mem::take(&mut self.count))
     }
 }
 
@@ -667,7 +709,7 @@ fn transient(
     let mut data = Vec::new();
     for i in first..end {
         let len = (size - i as u64 * bs).min(bs) as usize;
-        if !peers.fetch(root, stat, i, bs as u32, len, &mut data) {
+        if !peers.fetch(root, stat, i, len, false, &mut data) {
             return None;
         }
         tmp.write_all_at(&data, i as u64 * bs).ok()?;
@@ -678,7 +720,8 @@ fn transient(
     Some((ro, present))
 }
 
-fn status(ctx: &Ctx) -> pb::StatusReply {
+/// The daemon's status: what `shardcache status` shows and the metrics endpoint renders.
+pub fn status(ctx: &Ctx) -> pb::StatusReply {
     let names: Vec<String> = ctx
         .meta
         .roots()
@@ -705,12 +748,15 @@ fn status(ctx: &Ctx) -> pb::StatusReply {
         capacity_bytes: s.capacity,
         used_bytes: s.used,
         fs_free_bytes: s.fs_free,
+        fs_size_bytes: s.fs_size,
         min_free_bytes: s.min_free,
         files: s.files,
         blocks: s.blocks,
         block_size: ctx.store.block_size(),
         unverified_blocks: s.unverified,
         counters: Some(ctx.stats.snapshot()),
+        fallbacks: ctx.stats.fallbacks(),
+        metrics_addr: ctx.metrics_addr.map(|a| a.to_string()).unwrap_or_default(),
         jobs,
         peer_id: ctx
             .peers

@@ -258,6 +258,8 @@ pub struct StoreStatus {
     pub used: u64,
     /// Free bytes on the cache file system.
     pub fs_free: u64,
+    /// Total size of the cache file system in bytes.
+    pub fs_size: u64,
     /// Free-space floor in bytes (resolved).
     pub min_free: u64,
     /// Entries with at least one present block.
@@ -988,12 +990,13 @@ impl Store {
 
     /// Space and contents.
     pub fn status(&self) -> StoreStatus {
-        let fs_free = fs_stats(&self.dir).map(|(_, f)| f).unwrap_or(0);
+        let (fs_size, fs_free) = fs_stats(&self.dir).unwrap_or((0, 0));
         let idx = self.lock();
         let mut s = StoreStatus {
             capacity: self.capacity,
             used: idx.used,
             fs_free,
+            fs_size,
             min_free: self.min_free,
             unverified: idx.unverified,
             ..Default::default()

@@ -123,6 +123,18 @@ fn main() {
         .status()
         .expect("run shardcache status");
     assert!(status.success());
+    // The same counters, as Prometheus scrapes them.
+    if let Some(addr) = daemon.metrics_addr() {
+        println!();
+        println!("$ curl -s http://{addr}/metrics | grep shardcache_read_bytes_total");
+        let (_, text) = shardcache_tests::http_get(addr, "/metrics").expect("scrape /metrics");
+        for l in text
+            .lines()
+            .filter(|l| l.starts_with("shardcache_read_bytes_total"))
+        {
+            println!("{l}");
+        }
+    }
     let clean = daemon.stop();
     println!();
     println!(
