@@ -426,6 +426,11 @@ enum FillError {
     Read(#[from] std::io::Error),
 }
 
+thread_local! {
+    /// A fill thread's buffer for blocks from peers (one block, kept between fills).
+    static PEER_BUF: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+}
+
 fn fill(inner: &Inner, t: &Target, index: usize, prefetch: bool) -> Result<(), FillError> {
     let root = &inner.meta.roots().get(t.root).name;
     let Some(permit) = inner.store.begin_fill(root, &t.stat, index, prefetch)? else {
@@ -433,18 +438,18 @@ fn fill(inner: &Inner, t: &Target, index: usize, prefetch: bool) -> Result<(), F
     };
     if t.peer_ok
         && let Some(peers) = inner.peers.get()
-        && let Some(data) = peers.fetch(
-            root,
-            &t.stat,
-            index,
-            inner.store.block_size(),
-            permit.len(),
-            true,
-        )
     {
-        inner.store.commit_fill(permit, &data)?;
-        inc(&inner.stats.blocks_filled);
-        return Ok(());
+        // This thread's block buffer, kept from one peer fetch to the next.
+        let mut buf = PEER_BUF.take();
+        let got = peers.fetch(root, &t.stat, index, permit.len(), true, &mut buf);
+        if got {
+            let r = inner.store.commit_fill(permit, &buf);
+            PEER_BUF.set(buf);
+            r?;
+            inc(&inner.stats.blocks_filled);
+            return Ok(());
+        }
+        PEER_BUF.set(buf);
     }
     let started = Instant::now();
     match read_block(inner, t, permit.offset(), permit.len()) {

@@ -376,3 +376,185 @@ fn a_full_node_reads_files_others_own_from_them_not_from_the_backing_store() {
         "node 0 read each block once"
     );
 }
+
+/// The request a node sends for block `index` of `rel` (its version as on disk).
+fn fetch_request(bed: &Bed, rel: &str, index: u64) -> proto::FetchRequest {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(bed.path(rel)).unwrap();
+    proto::FetchRequest {
+        root: bed.backing.display().to_string(),
+        path: rel.to_owned(),
+        size: m.size(),
+        mtime_ns: m.mtime() * 1_000_000_000 + m.mtime_nsec(),
+        ctime_ns: m.ctime() * 1_000_000_000 + m.ctime_nsec(),
+        ino: m.ino(),
+        dev: m.dev(),
+        index,
+        block_size: BLOCK as u32,
+        fill: false,
+        keep: false,
+    }
+}
+
+use shardcache_daemon::peer::{proto, wire};
+use std::io::{Read, Write};
+
+/// The block stream (the peer port's second protocol) gives a caller without the secret
+/// nothing: its handshake is refused and whatever it sends next goes unanswered. The
+/// same exchange with the secret does get the block, so the refusal is the secret's.
+#[test]
+fn the_block_stream_serves_only_callers_that_prove_the_secret() {
+    let bed = Bed::new();
+    let secret = "block stream shared secret";
+    let (nodes, addrs) = cluster(&bed, &[secret, secret]);
+    let root = bed.backing.display().to_string();
+    let rel = (0..100)
+        .map(|i| format!("ds/b{i}"))
+        .find(|p| {
+            shardcache_daemon::peer::file_owner(addrs.iter().map(String::as_str), &root, p)
+                == Some(addrs[0].as_str())
+        })
+        .unwrap();
+    let len = 3 * BLOCK;
+    write_file(&bed.path(&rel), 6, len);
+    let (got, _) = read_all(&bed.node_client(0), &bed.path(&rel)).unwrap();
+    assert!(got == content(6, len));
+    let req = fetch_request(&bed, &rel, 1);
+
+    // The daemon's own client handshake, with a wrong secret.
+    let mut s = std::net::TcpStream::connect(&addrs[0]).unwrap();
+    let refused = wire::client_handshake(&mut s, b"not the cluster's secret at all");
+    assert!(
+        matches!(refused, Err(wire::HandshakeError::Refused)),
+        "{refused:?}"
+    );
+    // By hand: a made-up proof, then a request anyway. After its nonce the server sends
+    // not one byte and closes the connection.
+    let mut s = std::net::TcpStream::connect(&addrs[0]).unwrap();
+    s.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    s.write_all(&wire::MAGIC).unwrap();
+    s.write_all(&[7u8; wire::NONCE]).unwrap();
+    let mut nonce = [0u8; wire::NONCE];
+    s.read_exact(&mut nonce).unwrap();
+    s.write_all(&[0u8; wire::PROOF]).unwrap();
+    let _ = wire::write_frame(&mut s, &req); // may fail: the server may have closed it
+    let mut rest = Vec::new();
+    let _ = s.read_to_end(&mut rest); // EOF, or a reset
+    assert!(
+        rest.is_empty(),
+        "sent {} bytes to a caller without the secret",
+        rest.len()
+    );
+    let c = nodes[0].counters();
+    assert!(c.peer_refused >= 2, "refused {}", c.peer_refused);
+    assert_eq!(c.peer_blocks_out, 0, "no block went out");
+
+    // With the secret: the block, and its checksum.
+    let mut s = std::net::TcpStream::connect(&addrs[0]).unwrap();
+    wire::client_handshake(&mut s, secret.as_bytes()).unwrap();
+    wire::write_frame(&mut s, &req).unwrap();
+    let head: proto::BlockHeader = wire::read_frame(&mut s).unwrap().unwrap();
+    assert_eq!((head.code, head.length), (0, BLOCK), "{head:?}");
+    let mut block = vec![0u8; BLOCK as usize];
+    s.read_exact(&mut block).unwrap();
+    let want = &content(6, len)[BLOCK as usize..2 * BLOCK as usize];
+    assert!(block == want, "the right bytes");
+    assert_eq!(head.xxh3, xxhash_rust::xxh3::xxh3_64(want));
+    assert_eq!(nodes[0].counters().peer_blocks_out, 1);
+}
+
+/// A peer (holding the secret) whose bytes do not match the checksum it announces, as
+/// if they were damaged on the way: the receiver refuses every such block, stores
+/// nothing of it, and its reader gets the right bytes from the backing store.
+#[test]
+fn a_block_that_fails_its_checksum_on_arrival_is_refused_and_the_read_falls_back() {
+    let bed = Bed::new();
+    let secret = "rogue peer test shared secret";
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let rogue = listener.local_addr().unwrap().to_string();
+    let me = format!("127.0.0.1:{}", free_port());
+    let file = bed.tmp.path().join("secret");
+    std::fs::write(&file, secret).unwrap();
+    let root = bed.backing.display().to_string();
+    let rel = (0..100)
+        .map(|i| format!("ds/r{i}"))
+        .find(|p| {
+            shardcache_daemon::peer::file_owner([me.as_str(), rogue.as_str()], &root, p)
+                == Some(rogue.as_str())
+        })
+        .unwrap();
+    let len = 4 * BLOCK + 9;
+    write_file(&bed.path(&rel), 8, len);
+    // The rogue: a real handshake, then the right header (length and the checksum of the
+    // true bytes) followed by the true bytes with one bit flipped.
+    let served = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    {
+        let (served, truth, secret) = (served.clone(), content(8, len), secret.to_owned());
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut s) = conn else { return };
+                let (served, truth, secret) = (served.clone(), truth.clone(), secret.clone());
+                std::thread::spawn(move || {
+                    let mut magic = [0u8; 8];
+                    if s.read_exact(&mut magic).is_err() || magic != wire::MAGIC {
+                        return;
+                    }
+                    if wire::server_handshake(&mut s, secret.as_bytes()).is_err() {
+                        return;
+                    }
+                    while let Ok(Some(req)) = wire::read_frame::<proto::FetchRequest, _>(&mut s) {
+                        let at = (req.index * req.block_size as u64) as usize;
+                        let end = (at + req.block_size as usize).min(truth.len());
+                        let mut bytes = truth[at..end].to_vec();
+                        let head = proto::BlockHeader {
+                            code: 0,
+                            message: String::new(),
+                            length: bytes.len() as u64,
+                            xxh3: xxhash_rust::xxh3::xxh3_64(&bytes),
+                        };
+                        let mid = bytes.len() / 2;
+                        bytes[mid] ^= 0x20;
+                        if wire::write_frame(&mut s, &head).is_err() || s.write_all(&bytes).is_err()
+                        {
+                            return;
+                        }
+                        served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                });
+            }
+        });
+    }
+    let node = bed.start_node(
+        0,
+        &[
+            "--block-size",
+            "64KiB",
+            "--peer-listen",
+            &me,
+            "--peer",
+            &rogue,
+            "--peer-secret-file",
+            file.to_str().unwrap(),
+        ],
+    );
+    let (got, _) = read_all(&bed.node_client(0), &bed.path(&rel)).unwrap();
+    assert!(got == content(8, len), "the reader got the true bytes");
+    // Read again: whatever the node kept is right too.
+    let (again, _) = read_all(&bed.node_client(0), &bed.path(&rel)).unwrap();
+    assert!(again == content(8, len));
+    let c = node.counters();
+    let served = served.load(std::sync::atomic::Ordering::Relaxed);
+    eprintln!(
+        "rogue sent {served} damaged blocks; node: peer errors {}, blocks from peers {}, backing reads {}, corrupt {}",
+        c.peer_errors, c.peer_blocks_in, c.backing_reads, c.corrupt_blocks
+    );
+    assert!(served >= 1, "the node did ask the rogue");
+    assert!(c.peer_errors >= served, "every damaged block was refused");
+    assert_eq!(c.peer_blocks_in, 0, "none was taken");
+    assert_eq!(
+        c.backing_reads,
+        len.div_ceil(BLOCK),
+        "each block read from the backing store instead"
+    );
+}

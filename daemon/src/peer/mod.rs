@@ -1,22 +1,31 @@
-//! Peers: daemons on other nodes share cached blocks over gRPC, so that the shared file
-//! system is read about once per block per cluster.
+//! Peers: daemons on other nodes share cached blocks, so that the shared file system is
+//! read about once per block per cluster.
 //!
 //! Every block has an owner among the healthy peers ([`ring`], rendezvous hashing over
-//! [`membership`]). A fill that misses locally asks the owner (`Fetch` with `fill`): the
-//! owner serves the block from its cache, or fetches it from the backing store first
-//! (its own fill engine: one backing read however many nodes ask), and the requester
-//! checks the checksum before it trusts the bytes. Any error or timeout falls through to
-//! the backing store: a read never fails because a peer did. Peers authenticate every
-//! call with the cluster's shared secret; without it a caller gets nothing.
+//! [`membership`]). A fill that misses locally asks the owner: the owner serves the
+//! block from its cache, or fetches it from the backing store first (its own fill
+//! engine: one backing read however many nodes ask), and the requester checks the
+//! checksum before it trusts the bytes. Any error or timeout falls through to the
+//! backing store: a read never fails because a peer did. Peers authenticate every call
+//! with the cluster's shared secret; without it a caller gets nothing.
+//!
+//! The peer port speaks two protocols: gRPC (the `Peer` service: `Ranks`, and `Fetch`
+//! for nodes of earlier versions) and the block stream ([`wire`]), which carries the
+//! bytes of blocks as they are, on connections that proved the secret by an HMAC
+//! challenge and are kept for the next block. Fills use the block stream: gRPC's framing
+//! and copies held a fetch to under half of what the same TCP path carries.
 
+mod data;
 pub mod membership;
 pub mod ring;
 mod service;
+pub mod wire;
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::io::Read;
+use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::{Arc, Mutex, OnceLock};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tonic::metadata::AsciiMetadataValue;
 use tonic::transport::{Channel, Endpoint};
@@ -39,8 +48,16 @@ pub mod proto {
 pub const SECRET_HEADER: &str = "x-shardcache-secret";
 /// Largest block a peer sends or accepts (the largest configurable block size).
 const MAX_BLOCK: usize = 64 << 20;
-/// Bytes per streamed chunk.
+/// Bytes per streamed chunk (gRPC `Fetch`).
 const CHUNK: usize = 1 << 20;
+/// Bytes the block-stream receiver reads before it hashes them (while they are still in
+/// the CPU's cache).
+const STEP: usize = 256 << 10;
+/// Idle block-stream connections kept per peer (about one per fill worker).
+const POOL: usize = 8;
+/// How long an idle block-stream connection is kept for the next block (the serving end
+/// keeps it for longer, so a kept connection is normally still open).
+const KEEP_IDLE: Duration = Duration::from_secs(30);
 /// HTTP/2 flow-control window: HTTP/2's default (64 KiB) would cost a round trip per
 /// 64 KiB of a block.
 const WINDOW: u32 = 16 << 20;
@@ -116,14 +133,21 @@ pub struct Peers {
     /// The runtime of the service and the client; taken and shut down by
     /// [`Peers::close`] on the caller's thread (a runtime must not be dropped inside one).
     rt: Mutex<Option<tokio::runtime::Runtime>>,
-    handle: tokio::runtime::Handle,
     closed: std::sync::atomic::AtomicBool,
     membership: Arc<Membership>,
+    /// The shared secret as gRPC metadata (`Ranks`).
     secret: AsciiMetadataValue,
+    /// The shared secret as the block stream's HMAC key.
+    key: Vec<u8>,
     channels: Mutex<HashMap<String, Channel>>,
+    /// This node's block size (every peer must use the same).
+    block_size: u32,
+    /// Idle block-stream connections, authenticated, by peer.
+    idle: Mutex<HashMap<String, Vec<(TcpStream, Instant)>>>,
     timeout: Duration,
     stats: Arc<Stats>,
-    stop: Mutex<Option<tokio::sync::oneshot::Sender<()>>>,
+    stop: tokio::sync::watch::Sender<bool>,
+    data: Arc<data::DataServer>,
     plans: PlansCell,
     /// (job, rank) → the node that runs it, from every healthy peer's `Ranks`.
     ranks: Mutex<HashMap<(String, u64), String>>,
@@ -172,17 +196,24 @@ impl Peers {
         let filler = Arc::new(OnceLock::new());
         let plans: PlansCell = Arc::new(OnceLock::new());
         let svc = service::Service {
-            store,
-            meta,
+            store: store.clone(),
+            meta: meta.clone(),
             filler: filler.clone(),
             stats: stats.clone(),
             timeout: cfg.timeout,
             plans: plans.clone(),
             handoffs: Mutex::new(HashMap::new()),
         };
-        let (tx, rx) = tokio::sync::oneshot::channel();
+        let svc = Arc::new(svc);
+        let data = Arc::new(data::DataServer::new(
+            cfg.secret.as_bytes().to_vec(),
+            svc.clone(),
+        ));
+        let (stop, stopped) = tokio::sync::watch::channel(false);
         let expected = cfg.secret.clone();
         let refused = stats.clone();
+        let (grpc_tx, grpc_rx) = tokio::sync::mpsc::channel(data::MAX_CONNS);
+        let (d, mut s, timeout) = (data.clone(), stopped.clone(), cfg.timeout);
         rt.spawn(async move {
             let listener = match tokio::net::TcpListener::from_std(listener) {
                 Ok(l) => l,
@@ -191,6 +222,7 @@ impl Peers {
                     return;
                 }
             };
+            tokio::spawn(data::accept(listener, grpc_tx, d, stopped, timeout));
             let auth = move |req: tonic::Request<()>| {
                 let ok = req
                     .metadata()
@@ -209,12 +241,14 @@ impl Peers {
                 .initial_stream_window_size(WINDOW)
                 .initial_connection_window_size(2 * WINDOW)
                 .max_frame_size(FRAME)
-                .tcp_nodelay(true)
-                .add_service(proto::peer_server::PeerServer::with_interceptor(svc, auth))
+                .add_service(tonic::service::interceptor::InterceptedService::new(
+                    proto::peer_server::PeerServer::from_arc(svc),
+                    auth,
+                ))
                 .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::TcpListenerStream::new(listener),
-                    async {
-                        let _ = rx.await;
+                    tokio_stream::wrappers::ReceiverStream::new(grpc_rx),
+                    async move {
+                        let _ = s.wait_for(|s| *s).await;
                     },
                 );
             if let Err(e) = server.await {
@@ -238,13 +272,16 @@ impl Peers {
         });
         tracing::info!(listen = %cfg.listen, me = %cfg.advertise, "peer service ready");
         let peers = Arc::new(Self {
-            handle: rt.handle().clone(),
             membership,
             secret,
+            key: cfg.secret.as_bytes().to_vec(),
             channels: Mutex::new(HashMap::new()),
+            block_size: store.block_size(),
+            idle: Mutex::new(HashMap::new()),
             timeout: cfg.timeout,
             stats,
-            stop: Mutex::new(Some(tx)),
+            stop,
+            data,
             plans,
             ranks: Mutex::new(HashMap::new()),
             closed: std::sync::atomic::AtomicBool::new(false),
@@ -357,9 +394,9 @@ impl Peers {
     pub fn close(&self) {
         self.closed
             .store(true, std::sync::atomic::Ordering::Release);
-        if let Some(tx) = self.stop.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            let _ = tx.send(());
-        }
+        let _ = self.stop.send(true);
+        self.data.close();
+        self.idle.lock().unwrap_or_else(|e| e.into_inner()).clear();
         if let Some(rt) = self.rt.lock().unwrap_or_else(|e| e.into_inner()).take() {
             rt.shutdown_timeout(Duration::from_secs(2));
         }
@@ -389,19 +426,21 @@ impl Peers {
     /// from the node the plan says read the file last (it likely holds it), then from
     /// the file's owner, which fills it from the backing store if no node has it (once
     /// for the cluster). `None` when this node owns it and no other node read it last,
-    /// or the peers failed (the caller reads the backing store). `keep`: the caller
-    /// stores the block in its cache (the sender's copy may then go).
+    /// or the peers failed (the caller reads the backing store; `buf`'s contents are then
+    /// unspecified). `keep`: the caller stores the block in its cache (the sender's copy
+    /// may then go). The block lands in `buf` (a buffer kept from one block to the next
+    /// spares an allocation and its page faults per block).
     pub fn fetch(
         &self,
         root: &str,
         stat: &Stat,
         index: usize,
-        block_size: u32,
         len: usize,
         keep: bool,
-    ) -> Option<Vec<u8>> {
+        buf: &mut Vec<u8>,
+    ) -> bool {
         if self.closed.load(std::sync::atomic::Ordering::Acquire) {
-            return None;
+            return false;
         }
         let v = &stat.version;
         let req = |fill: bool| proto::FetchRequest {
@@ -413,51 +452,46 @@ impl Peers {
             ino: v.ino,
             dev: v.dev,
             index: index as u64,
-            block_size,
+            block_size: self.block_size,
             fill,
             keep,
         };
         let (healthy, me) = self.view();
         let owner = self.owner(root, &stat.path, &healthy).filter(|o| *o != me);
         for holder in self.holders(root, &stat.path, &healthy) {
-            if Some(&holder) != owner.as_ref()
-                && let Some(data) = self.fetch_one(&holder, req(false), len)
-            {
-                return Some(data);
+            if Some(&holder) != owner.as_ref() && self.fetch_one(&holder, &req(false), len, buf) {
+                return true;
             }
         }
-        self.fetch_one(&owner?, req(true), len)
+        owner.is_some_and(|o| self.fetch_one(&o, &req(true), len, buf))
     }
 
     /// One block from one peer, checked; counted, and the peer's health reported.
-    fn fetch_one(&self, peer: &str, req: proto::FetchRequest, len: usize) -> Option<Vec<u8>> {
-        let got = self.handle.block_on(async {
-            tokio::time::timeout(self.timeout, self.fetch_from(peer, req))
-                .await
-                .unwrap_or_else(|_| Err("timed out".into()))
-        });
+    fn fetch_one(
+        &self,
+        peer: &str,
+        req: &proto::FetchRequest,
+        len: usize,
+        buf: &mut Vec<u8>,
+    ) -> bool {
+        let got = self.fetch_from(peer, req, len, Instant::now() + self.timeout, buf);
         match got {
-            Ok(data) if data.len() == len => {
+            Ok(()) => {
                 self.membership.report(peer, true);
                 inc(&self.stats.peer_blocks_in);
                 add(&self.stats.peer_bytes_in, len as u64);
-                Some(data)
-            }
-            Ok(data) => {
-                tracing::warn!(peer = %peer, got = data.len(), want = len, "peer sent a block of the wrong length");
-                inc(&self.stats.peer_errors);
-                None
+                true
             }
             Err(e) => {
                 // A peer that answers "not here" is healthy; one that fails is not.
-                if e.starts_with("not found") {
+                if matches!(e, FetchError::NotFound(_)) {
                     tracing::debug!(peer = %peer, error = %e, "peer does not hold the block");
                 } else {
                     tracing::debug!(peer = %peer, error = %e, "peer fetch failed; trying the next source");
                     self.membership.report(peer, false);
                     inc(&self.stats.peer_errors);
                 }
-                None
+                false
             }
         }
     }
@@ -479,45 +513,167 @@ impl Peers {
         Ok(c)
     }
 
-    async fn fetch_from(&self, peer: &str, req: proto::FetchRequest) -> Result<Vec<u8>, String> {
-        let mut client = proto::peer_client::PeerClient::new(self.channel(peer)?)
-            .max_decoding_message_size(CHUNK + 1024);
-        let mut r = tonic::Request::new(req);
-        r.metadata_mut().insert(SECRET_HEADER, self.secret.clone());
-        let mut stream = client
-            .fetch(r)
-            .await
-            .map_err(|s| match s.code() {
-                tonic::Code::NotFound => format!("not found: {}", s.message()),
-                _ => format!("{:?}: {}", s.code(), s.message()),
-            })?
-            .into_inner();
-        let mut data = Vec::new();
-        let mut want: Option<(usize, u64)> = None;
-        let mut hash = Xxh3::new();
-        while let Some(chunk) = stream.message().await.map_err(|s| s.to_string())? {
-            if want.is_none() {
-                let len = chunk.length as usize;
-                if len > MAX_BLOCK {
-                    return Err(format!("block of {len} bytes"));
+    /// Block `req` from `peer` over the block stream, `len` bytes, checked against the
+    /// checksum the peer sent, by `deadline`. A kept connection that turns out closed
+    /// (the peer restarted, or closed it idle) is replaced by a new one once.
+    fn fetch_from(
+        &self,
+        peer: &str,
+        req: &proto::FetchRequest,
+        len: usize,
+        deadline: Instant,
+        buf: &mut Vec<u8>,
+    ) -> Result<(), FetchError> {
+        if len > MAX_BLOCK {
+            return Err(FetchError::Failed(format!("block of {len} bytes")));
+        }
+        loop {
+            let (mut conn, kept) = match self.take_idle(peer) {
+                Some(c) => (c, true),
+                None => (self.dial(peer, deadline)?, false),
+            };
+            match exchange(&mut conn, req, len, deadline, buf) {
+                Ok(got) => {
+                    // The connection is between exchanges again: keep it.
+                    self.keep_idle(peer, conn);
+                    return got;
                 }
-                data.reserve_exact(len);
-                want = Some((len, chunk.xxh3));
+                Err(Broken::BeforeAnswer(_)) if kept => continue,
+                Err(Broken::BeforeAnswer(e) | Broken::Midway(e)) => return Err(e),
             }
-            if want.is_some_and(|(len, _)| data.len() + chunk.data.len() > len) {
-                return Err("more bytes than announced".into());
-            }
-            // Checked while it streams in, each chunk still in cache.
-            hash.update(&chunk.data);
-            data.extend_from_slice(&chunk.data);
         }
-        let (len, sum) = want.ok_or("empty reply")?;
-        if data.len() != len {
-            return Err(format!("{} of {len} bytes", data.len()));
-        }
-        if hash.digest() != sum {
-            return Err("checksum mismatch: bytes dropped".into());
-        }
-        Ok(data)
     }
+
+    fn take_idle(&self, peer: &str) -> Option<TcpStream> {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let conns = idle.get_mut(peer)?;
+        while let Some((c, since)) = conns.pop() {
+            if since.elapsed() < KEEP_IDLE {
+                return Some(c);
+            }
+        }
+        None
+    }
+
+    fn keep_idle(&self, peer: &str, conn: TcpStream) {
+        if self.closed.load(std::sync::atomic::Ordering::Acquire) {
+            return;
+        }
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let conns = idle.entry(peer.to_owned()).or_default();
+        conns.retain(|(_, since)| since.elapsed() < KEEP_IDLE);
+        if conns.len() < POOL {
+            conns.push((conn, Instant::now()));
+        }
+    }
+
+    /// A new block-stream connection to `peer`, past the handshake.
+    fn dial(&self, peer: &str, deadline: Instant) -> Result<TcpStream, FetchError> {
+        let failed =
+            |what: &str, e: &dyn std::fmt::Display| FetchError::Failed(format!("{what}: {e}"));
+        let addr = peer
+            .to_socket_addrs()
+            .map_err(|e| failed("resolving", &e))?
+            .next()
+            .ok_or_else(|| FetchError::Failed("resolving: no address".into()))?;
+        let t = left(deadline).map_err(|e| failed("connecting", &e))?;
+        let mut s = TcpStream::connect_timeout(&addr, t).map_err(|e| failed("connecting", &e))?;
+        let setup = s
+            .set_nodelay(true)
+            .and_then(|()| s.set_read_timeout(Some(left(deadline)?)))
+            .and_then(|()| s.set_write_timeout(Some(left(deadline)?)));
+        setup.map_err(|e| failed("connecting", &e))?;
+        wire::client_handshake(&mut s, &self.key).map_err(|e| failed("handshake", &e))?;
+        Ok(s)
+    }
+}
+
+/// Why a fetch from a peer failed (either way the caller reads the backing store).
+#[derive(Debug, thiserror::Error)]
+enum FetchError {
+    /// The peer does not have the block (and may not fill it): it is healthy.
+    #[error("not found: {0}")]
+    NotFound(String),
+    /// The peer failed, refused, timed out, or sent bytes that are not the block.
+    #[error("{0}")]
+    Failed(String),
+}
+
+/// How an exchange on a block-stream connection broke (the connection is dropped).
+enum Broken {
+    /// Before any byte of the answer arrived: on a kept connection, worth one retry on a
+    /// new one.
+    BeforeAnswer(FetchError),
+    /// Later: the answer itself was wrong or cut short.
+    Midway(FetchError),
+}
+
+/// Time left before `deadline` (socket timeouts must not be zero).
+fn left(deadline: Instant) -> std::io::Result<Duration> {
+    deadline
+        .checked_duration_since(Instant::now())
+        .filter(|d| !d.is_zero())
+        .ok_or_else(|| std::io::ErrorKind::TimedOut.into())
+}
+
+/// One request and its answer on a block-stream connection. `Ok` leaves the connection
+/// between exchanges (reusable) with the block in `data`, or the peer's refusal.
+fn exchange(
+    s: &mut TcpStream,
+    req: &proto::FetchRequest,
+    len: usize,
+    deadline: Instant,
+    data: &mut Vec<u8>,
+) -> Result<Result<(), FetchError>, Broken> {
+    let before = |e: std::io::Error| Broken::BeforeAnswer(FetchError::Failed(e.to_string()));
+    let midway = |e: String| Broken::Midway(FetchError::Failed(e));
+    s.set_write_timeout(Some(left(deadline).map_err(before)?))
+        .map_err(before)?;
+    wire::write_frame(s, req).map_err(before)?;
+    s.set_read_timeout(Some(left(deadline).map_err(before)?))
+        .map_err(before)?;
+    let head: proto::BlockHeader = match wire::read_frame(s) {
+        Ok(Some(h)) => h,
+        Ok(None) => return Err(before(std::io::ErrorKind::UnexpectedEof.into())),
+        Err(e) => return Err(before(e)),
+    };
+    match tonic::Code::from(head.code as i32) {
+        tonic::Code::Ok => {}
+        tonic::Code::NotFound => return Ok(Err(FetchError::NotFound(head.message))),
+        code => {
+            return Ok(Err(FetchError::Failed(format!(
+                "{code:?}: {}",
+                head.message
+            ))));
+        }
+    }
+    if head.length != len as u64 {
+        return Err(midway(format!(
+            "peer sent a block of {} bytes, {len} expected",
+            head.length
+        )));
+    }
+    // Every byte is overwritten below: with a buffer kept from the last block (the same
+    // length, most often) this is free. Each piece is hashed while it is in cache.
+    data.resize(len, 0);
+    let mut hash = Xxh3::new();
+    let mut at = 0;
+    while at < len {
+        let t = left(deadline).map_err(|e| midway(e.to_string()))?;
+        s.set_read_timeout(Some(t))
+            .map_err(|e| midway(e.to_string()))?;
+        let end = (at + STEP).min(len);
+        let n = match s.read(&mut data[at..end]) {
+            Ok(0) => return Err(midway(format!("{at} of {len} bytes"))),
+            Ok(n) => n,
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            Err(e) => return Err(midway(e.to_string())),
+        };
+        hash.update(&data[at..at + n]);
+        at += n;
+    }
+    if hash.digest() != head.xxh3 {
+        return Err(midway("checksum mismatch: bytes dropped".into()));
+    }
+    Ok(Ok(()))
 }

@@ -46,28 +46,17 @@ impl proto::peer_server::Peer for Service {
 
     async fn fetch(&self, req: Request<FetchRequest>) -> Result<Response<ChunkStream>, Status> {
         let r = req.into_inner();
-        let handoff = r.keep.then(|| {
-            (
-                r.root.clone(),
-                r.path.clone(),
-                r.size,
-                r.block_size,
-                r.index,
-            )
-        });
+        let asked = r.clone();
         let (store, meta) = (self.store.clone(), self.meta.clone());
         let (filler, timeout) = (self.filler.clone(), self.timeout);
         let (data, sum, key) = tokio::task::spawn_blocking(move || {
-            serve_block(&store, &meta, filler.get(), &r, timeout)
+            let mut data = Vec::new();
+            serve_block(&store, &meta, filler.get(), &r, timeout, &mut data)
+                .map(|(sum, key)| (data, sum, key))
         })
         .await
         .map_err(|e| Status::internal(e.to_string()))??;
-        if let Some((root, path, size, bs, index)) = handoff {
-            let nblocks = size.div_ceil(bs.max(1) as u64).max(1);
-            self.count_handoff(key, &root, &path, index, nblocks);
-        }
-        inc(&self.stats.peer_blocks_out);
-        add(&self.stats.peer_bytes_out, data.len() as u64);
+        self.served(&asked, key, data.len());
         let len = data.len() as u64;
         let data = bytes::Bytes::from(data);
         let mut chunks: Vec<Result<Chunk, Status>> = (0..data.len())
@@ -111,6 +100,17 @@ impl proto::peer_server::Peer for Service {
 }
 
 impl Service {
+    /// Accounts for a block served to a peer (over gRPC or the block stream): the
+    /// counters, and the handoff of the file to a peer that keeps it.
+    pub(super) fn served(&self, r: &FetchRequest, key: Key, len: usize) {
+        if r.keep {
+            let nblocks = r.size.div_ceil(r.block_size.max(1) as u64).max(1);
+            self.count_handoff(key, &r.root, &r.path, r.index, nblocks);
+        }
+        inc(&self.stats.peer_blocks_out);
+        add(&self.stats.peer_bytes_out, len as u64);
+    }
+
     /// Counts a block served to a peer that keeps it; when it has had every block of
     /// the file, this node's copy is handed over (see `PlanHooks::handed`).
     fn count_handoff(&self, key: Key, root: &str, path: &str, index: u64, nblocks: u64) {
@@ -137,14 +137,17 @@ impl Service {
     }
 }
 
-/// The block a peer asks for, from this node's cache, filled first when asked to.
-fn serve_block(
+/// The block a peer asks for, from this node's cache, filled first when asked to, into
+/// `buf`; its xxh3-64 (checked against the one recorded) and its file version's key.
+/// gRPC `Fetch` and the block stream serve the same way.
+pub(super) fn serve_block(
     store: &Store,
     meta: &Meta,
     filler: Option<&Arc<Filler>>,
     r: &FetchRequest,
     timeout: Duration,
-) -> Result<(Vec<u8>, u64, Key), Status> {
+    buf: &mut Vec<u8>,
+) -> Result<(u64, Key), Status> {
     if r.block_size != store.block_size() {
         return Err(Status::failed_precondition(format!(
             "block size {} here, {} there: peers must use the same block_size",
@@ -171,8 +174,8 @@ fn serve_block(
         return Err(Status::invalid_argument("no such block"));
     }
     let key = Key::of(&r.root, &r.path, &version);
-    if let Some((b, sum)) = store.read_block(&key, index) {
-        return Ok((b, sum, key));
+    if let Some(sum) = store.read_block_into(&key, index, buf) {
+        return Ok((sum, key));
     }
     if !r.fill {
         return Err(Status::not_found("not cached here"));
@@ -196,7 +199,7 @@ fn serve_block(
     });
     filler.fill_here(&target, index, Instant::now() + timeout);
     store
-        .read_block(&key, index)
-        .map(|(b, sum)| (b, sum, key))
+        .read_block_into(&key, index, buf)
+        .map(|sum| (sum, key))
         .ok_or_else(|| Status::not_found("could not cache it here"))
 }

@@ -721,9 +721,12 @@ fn transient(
         .ok()?;
     tmp.set_len(size).ok()?;
     let mut present = vec![0u8; nblocks.div_ceil(8)];
+    let mut data = Vec::new();
     for i in first..end {
         let len = (size - i as u64 * bs).min(bs) as usize;
-        let data = peers.fetch(root, stat, i, bs as u32, len, false)?;
+        if !peers.fetch(root, stat, i, len, false, &mut data) {
+            return None;
+        }
         tmp.write_all_at(&data, i as u64 * bs).ok()?;
         present[i / 8] |= 1 << (i % 8);
     }

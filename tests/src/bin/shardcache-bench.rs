@@ -44,8 +44,9 @@ enum Cmd {
         /// MiB transferred per measurement.
         #[arg(long, default_value_t = 256)]
         mib: u64,
-        /// Alternating rounds.
-        #[arg(long, default_value_t = 5)]
+        /// Transfer rounds (each measures the peer fetch and both raw baselines once,
+        /// in a rotating order).
+        #[arg(long, default_value_t = 9)]
         rounds: usize,
     },
     /// The planner's eviction index against an exhaustive search, at scale.

@@ -1,0 +1,313 @@
+//! The peer port's two kinds of connection, and the serving side of the block stream.
+//!
+//! One listener serves both: [`accept`] reads each new connection's first 8 bytes and
+//! hands it to gRPC (with those bytes put back in front, [`Prefixed`]) or, when they are
+//! [`wire::MAGIC`], to a block-stream thread. A block-stream connection runs on a thread
+//! of its own with blocking I/O, as the Unix-socket server does: a block is one `pread`
+//! into a buffer, a checksum check and one `write` of it to the socket, with no runtime
+//! hand-offs in between. The handshake (the caller proves the shared secret) comes first
+//! and is bounded by the peer timeout; at most [`MAX_CONNS`] such connections are open at
+//! once (more are closed at once: their callers read the backing store), so that callers
+//! without the secret cannot hold more than that many threads, each for at most the
+//! timeout.
+
+use std::collections::HashMap;
+use std::io::{self, Write};
+use std::net::TcpStream;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
+use tonic::transport::server::{Connected, TcpConnectInfo};
+
+use super::proto::{BlockHeader, FetchRequest};
+use super::service::{Service, serve_block};
+use super::wire::{self, HandshakeError};
+use crate::stats::inc;
+
+/// Most block-stream connections served at once (a peer opens about one per fill worker).
+pub(super) const MAX_CONNS: usize = 64;
+/// How long a served connection may sit between requests before it is closed (callers
+/// keep idle connections for less: [`super::KEEP_IDLE`]).
+const IDLE: Duration = Duration::from_secs(60);
+
+/// A gRPC connection whose first bytes were read to tell it from a block stream: they
+/// are read again first.
+pub(super) struct Prefixed {
+    head: [u8; 8],
+    at: usize,
+    io: tokio::net::TcpStream,
+}
+
+impl AsyncRead for Prefixed {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        if this.at < this.head.len() {
+            let n = (this.head.len() - this.at).min(buf.remaining());
+            buf.put_slice(&this.head[this.at..this.at + n]);
+            this.at += n;
+            return Poll::Ready(Ok(()));
+        }
+        Pin::new(&mut this.io).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for Prefixed {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+impl Connected for Prefixed {
+    type ConnectInfo = TcpConnectInfo;
+
+    fn connect_info(&self) -> TcpConnectInfo {
+        self.io.connect_info()
+    }
+}
+
+/// Accepts connections on the peer port until `stop` turns true: gRPC ones go to
+/// `grpc` (tonic's incoming stream), block streams to `data`. A connection that does
+/// not send 8 bytes within `timeout` is dropped.
+pub(super) async fn accept(
+    listener: tokio::net::TcpListener,
+    grpc: tokio::sync::mpsc::Sender<io::Result<Prefixed>>,
+    data: Arc<DataServer>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+    timeout: Duration,
+) {
+    loop {
+        let conn = tokio::select! {
+            r = listener.accept() => r,
+            _ = stop.wait_for(|s| *s) => return,
+        };
+        let mut conn = match conn {
+            Ok((c, _)) => c,
+            Err(e) => {
+                // Out of descriptors, most likely: back off instead of spinning.
+                tracing::warn!(error = %e, "peer port: accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let _ = conn.set_nodelay(true);
+        let (grpc, data) = (grpc.clone(), data.clone());
+        tokio::spawn(async move {
+            let mut head = [0u8; 8];
+            match tokio::time::timeout(timeout, conn.read_exact(&mut head)).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(_)) | Err(_) => return,
+            }
+            if head == wire::MAGIC {
+                data.admit(conn);
+            } else {
+                let _ = grpc
+                    .send(Ok(Prefixed {
+                        head,
+                        at: 0,
+                        io: conn,
+                    }))
+                    .await;
+            }
+        });
+    }
+}
+
+/// The open block-stream connections: a descriptor of each (to end it at close) and its
+/// thread.
+#[derive(Default)]
+struct Conns {
+    next: u64,
+    live: HashMap<u64, (TcpStream, JoinHandle<()>)>,
+    closed: bool,
+}
+
+/// Serves block streams.
+pub(super) struct DataServer {
+    secret: Vec<u8>,
+    /// The gRPC service: what is served, and how (the same for both protocols).
+    svc: Arc<Service>,
+    conns: Mutex<Conns>,
+}
+
+impl DataServer {
+    pub(super) fn new(secret: Vec<u8>, svc: Arc<Service>) -> Self {
+        Self {
+            secret,
+            svc,
+            conns: Mutex::new(Conns::default()),
+        }
+    }
+
+    /// Serves a block-stream connection (its magic read) on a thread of its own, when
+    /// fewer than [`MAX_CONNS`] are open; closes it otherwise.
+    fn admit(self: Arc<Self>, conn: tokio::net::TcpStream) {
+        let conn = match conn.into_std().and_then(|c| {
+            c.set_nonblocking(false)?;
+            Ok(c)
+        }) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::debug!(error = %e, "block stream: cannot take the connection");
+                return;
+            }
+        };
+        let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+        if conns.closed {
+            return;
+        }
+        if conns.live.len() >= MAX_CONNS {
+            tracing::warn!(
+                max = MAX_CONNS,
+                "block stream: too many connections; closing a new one (its caller reads the backing store)"
+            );
+            return;
+        }
+        let Ok(shutdown) = conn.try_clone() else {
+            return;
+        };
+        conns.next += 1;
+        let id = conns.next;
+        let me = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("sc-peer-data".into())
+            .spawn(move || {
+                me.serve(conn);
+                me.conns
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .live
+                    .remove(&id);
+            });
+        match spawned {
+            Ok(h) => {
+                conns.live.insert(id, (shutdown, h));
+            }
+            Err(e) => tracing::warn!(error = %e, "block stream: cannot start a thread"),
+        }
+    }
+
+    /// One connection: the handshake, then requests until the caller closes it, it idles
+    /// for [`IDLE`], or anything fails.
+    fn serve(&self, mut s: TcpStream) {
+        let setup = s
+            .set_nodelay(true)
+            .and_then(|()| s.set_read_timeout(Some(self.svc.timeout)))
+            .and_then(|()| s.set_write_timeout(Some(self.svc.timeout)));
+        if let Err(e) = setup {
+            tracing::debug!(error = %e, "block stream: socket setup failed");
+            return;
+        }
+        match wire::server_handshake(&mut s, &self.secret) {
+            Ok(()) => {}
+            Err(HandshakeError::Refused) => {
+                inc(&self.svc.stats.peer_refused);
+                tracing::debug!(peer = ?s.peer_addr().ok(), "block stream: caller without the secret refused");
+                return;
+            }
+            Err(HandshakeError::Io(e)) => {
+                tracing::debug!(error = %e, "block stream: handshake failed");
+                return;
+            }
+        }
+        // One block buffer for the connection's life.
+        let mut buf = Vec::new();
+        loop {
+            if s.set_read_timeout(Some(IDLE)).is_err() {
+                return;
+            }
+            let req: FetchRequest = match wire::read_frame(&mut s) {
+                Ok(Some(r)) => r,
+                Ok(None) => return,
+                Err(e) => {
+                    tracing::debug!(error = %e, "block stream: reading a request failed");
+                    return;
+                }
+            };
+            if let Err(e) = self.answer(&mut s, &req, &mut buf) {
+                tracing::debug!(error = %e, "block stream: sending a block failed");
+                return;
+            }
+        }
+    }
+
+    fn answer(&self, s: &mut TcpStream, req: &FetchRequest, data: &mut Vec<u8>) -> io::Result<()> {
+        let svc = &self.svc;
+        let got = serve_block(
+            &svc.store,
+            &svc.meta,
+            svc.filler.get(),
+            req,
+            svc.timeout,
+            data,
+        );
+        match got {
+            Ok((sum, key)) => {
+                let head = BlockHeader {
+                    code: 0,
+                    message: String::new(),
+                    length: data.len() as u64,
+                    xxh3: sum,
+                };
+                wire::write_frame(s, &head)?;
+                s.write_all(data)?;
+                svc.served(req, key, data.len());
+            }
+            Err(status) => {
+                let head = BlockHeader {
+                    code: status.code() as u32,
+                    message: status.message().to_owned(),
+                    length: 0,
+                    xxh3: 0,
+                };
+                wire::write_frame(s, &head)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Ends every block-stream connection and waits for their threads (one answering a
+    /// request finishes it first: at most the peer timeout). No new ones are taken.
+    pub(super) fn close(&self) {
+        let live: Vec<(TcpStream, JoinHandle<()>)> = {
+            let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+            conns.closed = true;
+            conns.live.drain().map(|(_, c)| c).collect()
+        };
+        for (s, h) in live {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+            let _ = h.join();
+        }
+    }
+}
