@@ -91,6 +91,9 @@ pub struct Transfer {
     pub ratio: f64,
     /// The lowest and highest per-round ratio.
     pub ratio_range: (f64, f64),
+    /// Per round: the peer fetch ÷ one raw TCP stream of the same round (the issue's
+    /// baseline: "a raw TCP stream on the same loopback path"), median.
+    pub ratio_one: f64,
 }
 
 /// Peer transfer and raw TCP, both on loopback, `rounds` rounds of `mib` MiB each.
@@ -148,7 +151,7 @@ pub fn transfer(dir: &Path, mib: u64, rounds: usize) -> anyhow::Result<Transfer>
         Ok(len as f64 / 1048576.0 / t.elapsed().as_secs_f64())
     };
     let (mut p, mut one, mut many) = (Vec::new(), Vec::new(), Vec::new());
-    let mut ratios = Vec::new();
+    let (mut ratios, mut ratios_one) = (Vec::new(), Vec::new());
     for round in 0..rounds {
         for k in 0..3 {
             match (round + k) % 3 {
@@ -158,6 +161,7 @@ pub fn transfer(dir: &Path, mib: u64, rounds: usize) -> anyhow::Result<Transfer>
             }
         }
         ratios.push(p[round] / one[round].max(many[round]));
+        ratios_one.push(p[round] / one[round]);
     }
     drop(nodes);
     let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
@@ -168,6 +172,7 @@ pub fn transfer(dir: &Path, mib: u64, rounds: usize) -> anyhow::Result<Transfer>
         raw_many: crate::median(&many),
         ratio: crate::median(&ratios),
         ratio_range: (lo, hi),
+        ratio_one: crate::median(&ratios_one),
     })
 }
 
@@ -358,7 +363,11 @@ pub fn run(dir: &Path, mib: u64, rounds: usize) -> anyhow::Result<()> {
             t.raw_one, t.raw_many
         );
         println!(
-            "  ratio peer ÷ the faster raw configuration of the same round: median {:.2} (rounds {:.2}–{:.2}) (goal ≥ 0.9)",
+            "  ratio peer ÷ one raw TCP stream of the same round: median {:.2} (goal ≥ 0.9)",
+            t.ratio_one
+        );
+        println!(
+            "  ratio peer ÷ the faster raw configuration of the same round (stricter): median {:.2} (rounds {:.2}–{:.2})",
             t.ratio, t.ratio_range.0, t.ratio_range.1
         );
     }
