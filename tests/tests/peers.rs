@@ -114,6 +114,63 @@ fn a_node_without_the_secret_gets_nothing_and_still_reads_right() {
     assert_eq!(nodes[2].counters().peer_blocks_in, 0);
 }
 
+/// The gRPC side of the peer port (`Ranks`, and `Fetch` for older nodes) refuses calls
+/// without the secret, or with a wrong one, before any handler runs.
+#[test]
+fn grpc_calls_without_the_secret_are_refused() {
+    use shardcache_daemon::peer::{SECRET_HEADER, proto};
+    let bed = Bed::new();
+    let secret = "the grpc path's shared secret";
+    let (nodes, addrs) = cluster(&bed, &[secret, secret]);
+    write_file(&bed.path("ds/g"), 4, 2 * BLOCK);
+    let (got, _) = read_all(&bed.node_client(0), &bed.path("ds/g")).unwrap();
+    assert!(got == content(4, 2 * BLOCK));
+    let stat = std::fs::metadata(bed.path("ds/g")).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let refused_before = nodes[0].counters().peer_refused;
+    let codes = rt.block_on(async {
+        let mut client = proto::peer_client::PeerClient::connect(format!("http://{}", addrs[0]))
+            .await
+            .unwrap();
+        let mut codes = Vec::new();
+        for header in [None, Some("a wrong secret of some length"), Some(secret)] {
+            let mut r = tonic::Request::new(proto::RanksRequest {});
+            let mut f = tonic::Request::new(proto::FetchRequest {
+                root: bed.backing.display().to_string(),
+                path: "ds/g".into(),
+                size: 2 * BLOCK,
+                mtime_ns: std::os::unix::fs::MetadataExt::mtime(&stat) * 1_000_000_000
+                    + std::os::unix::fs::MetadataExt::mtime_nsec(&stat),
+                index: 0,
+                block_size: BLOCK as u32,
+                ..Default::default()
+            });
+            if let Some(h) = header {
+                r.metadata_mut().insert(SECRET_HEADER, h.parse().unwrap());
+                f.metadata_mut().insert(SECRET_HEADER, h.parse().unwrap());
+            }
+            let ranks = client.ranks(r).await.map(|_| ()).map_err(|s| s.code());
+            let fetch = client.fetch(f).await.map(|_| ()).map_err(|s| s.code());
+            codes.push((header.is_some(), ranks, fetch));
+        }
+        codes
+    });
+    use tonic::Code::Unauthenticated;
+    assert_eq!(codes[0].1, Err(Unauthenticated), "{codes:?}");
+    assert_eq!(codes[0].2, Err(Unauthenticated), "{codes:?}");
+    assert_eq!(codes[1].1, Err(Unauthenticated), "{codes:?}");
+    assert_eq!(codes[1].2, Err(Unauthenticated), "{codes:?}");
+    assert_eq!(codes[2].1, Ok(()), "the secret opens the door: {codes:?}");
+    assert!(
+        codes[2].2 != Err(Unauthenticated),
+        "with the secret a fetch is judged on its merits: {codes:?}"
+    );
+    assert!(nodes[0].counters().peer_refused >= refused_before + 4);
+}
+
 #[test]
 fn a_killed_node_costs_no_read_and_the_cluster_converges_when_it_returns() {
     let bed = Bed::new();
