@@ -74,6 +74,9 @@ struct Usage {
 
 #[derive(Debug)]
 struct JobInfo {
+    /// Who registered it: only that user, root and the daemon's user may replace,
+    /// unregister or move it.
+    uid: u32,
     files: usize,
     /// Files held immutable in the metadata cache (an immutable manifest), and how many
     /// of them were held.
@@ -186,8 +189,14 @@ impl Jobs {
 
     /// Registers a manifest (replacing a job with the same id). The error names the
     /// field and nothing changes.
-    pub fn register(&self, json: &str) -> Result<(String, usize), String> {
+    pub fn register(
+        &self,
+        json: &str,
+        uid: u32,
+        operator: bool,
+    ) -> Result<(String, usize), String> {
         let m = Manifest::from_json(json).map_err(|e| e.to_string())?;
+        self.may_change(&m.job, uid, operator)?;
         let (root, prefix) = self.locate(&m.root).ok_or_else(|| {
             format!(
                 "root: {} is not under a backing root of this daemon",
@@ -300,6 +309,7 @@ impl Jobs {
         let old = lock(&self.info).insert(
             m.job.clone(),
             JobInfo {
+                uid,
                 files: n,
                 immutable,
                 tag,
@@ -332,6 +342,19 @@ impl Jobs {
     }
 
     /// Forgets a job; true if it was registered.
+    /// Whether user `uid` (`operator`: root or the daemon's user) may replace, unregister
+    /// or move job `job`: its registrant and operators may; a job not registered may be
+    /// registered by anyone. The error says who may.
+    pub fn may_change(&self, job: &str, uid: u32, operator: bool) -> Result<(), String> {
+        match lock(&self.info).get(job) {
+            Some(j) if j.uid != uid && !operator => Err(format!(
+                "job {job:?} was registered by uid {}; only that user, root or the daemon's user may change it (run as them, or pick another job id)",
+                j.uid
+            )),
+            _ => Ok(()),
+        }
+    }
+
     pub fn unregister(&self, job: &str) -> bool {
         if let Some(old) = lock(&self.info).remove(job) {
             self.release(&old);

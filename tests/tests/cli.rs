@@ -434,3 +434,54 @@ fn without_a_daemon_every_command_says_what_to_do() {
         );
     }
 }
+
+#[test]
+fn only_a_jobs_registrant_or_an_operator_may_change_it_and_verify_is_for_operators() {
+    if !is_root() {
+        eprintln!("SKIPPED: needs root to run the CLI as another uid");
+        return;
+    }
+    let bed = Bed::new();
+    write_file(&bed.path("public"), 1, MIB);
+    std::fs::set_permissions(bed.path("public"), PermissionsExt::from_mode(0o644)).unwrap();
+    let _d = start_quiet(&bed);
+    let s = &bed.socket;
+    register(&bed, "roots-job", &["public"]);
+    // Another user can neither unregister nor move root's job, nor replace it.
+    let o = cli_as(s, true, &["unregister", "roots-job"]);
+    assert!(!o.status.success(), "{o:?}");
+    assert!(
+        stderr(&o).contains("registered by uid 0"),
+        "says who may: {}",
+        stderr(&o)
+    );
+    let manifest = serde_json::json!({
+        "version": 1, "job": "roots-job", "root": bed.backing, "files": ["public"],
+        "plan": {"kind": "sequence", "epochs": [["public"]]}
+    });
+    let path = bed.tmp.path().join("replace.json");
+    std::fs::write(&path, manifest.to_string()).unwrap();
+    std::fs::set_permissions(&path, PermissionsExt::from_mode(0o644)).unwrap();
+    let o = cli_as(s, true, &["prefetch", path.to_str().unwrap()]);
+    assert!(!o.status.success(), "a replacement by another user: {o:?}");
+    assert!(ok(s, &["status", "--json"]).contains("roots-job"));
+    // Verify reads the whole cache: operators only.
+    let o = cli_as(s, true, &["verify"]);
+    assert!(!o.status.success(), "{o:?}");
+    assert!(stderr(&o).contains("only root"), "{}", stderr(&o));
+    ok(s, &["verify"]);
+    // A user's own job is theirs to change, and an operator's too.
+    let mine = bed.tmp.path().join("mine.json");
+    let m = serde_json::json!({
+        "version": 1, "job": "nobodys-job", "root": bed.backing, "files": ["public"],
+        "plan": {"kind": "sequence", "epochs": [["public"]]}
+    });
+    std::fs::write(&mine, m.to_string()).unwrap();
+    std::fs::set_permissions(&mine, PermissionsExt::from_mode(0o644)).unwrap();
+    let o = cli_as(s, true, &["prefetch", mine.to_str().unwrap()]);
+    assert!(o.status.success(), "{o:?}");
+    let o = cli_as(s, true, &["prefetch", mine.to_str().unwrap()]);
+    assert!(o.status.success(), "registering again replaces it: {o:?}");
+    ok(s, &["unregister", "nobodys-job"]);
+    ok(s, &["unregister", "roots-job"]);
+}

@@ -313,6 +313,14 @@ fn serve(conn: &UnixStream, creds: &Creds, ctx: &Ctx) {
     }
 }
 
+/// An error reply with its code.
+fn error_reply(message: String, code: pb::ErrorCode) -> response::Kind {
+    response::Kind::Error(pb::ErrorReply {
+        message,
+        code: code as i32,
+    })
+}
+
 /// Serves one request from a client with credentials `creds`: the reply, and the
 /// descriptors to pass with it. What a connection thread does with every request.
 pub fn handle_request(ctx: &Ctx, creds: &Creds, req: pb::Request) -> (pb::Response, Vec<File>) {
@@ -367,39 +375,53 @@ fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::K
             )
         }
         Some(request::Kind::Status(_)) => (response::Kind::Status(status(ctx)), Vec::new()),
-        Some(request::Kind::Register(r)) => match ctx.jobs.register(&r.manifest_json) {
-            Ok((job, files)) => (
-                response::Kind::Register(pb::RegisterReply {
-                    job,
-                    files: files as u64,
-                }),
-                Vec::new(),
-            ),
-            Err(message) => (
-                response::Kind::Error(pb::ErrorReply {
-                    message,
-                    code: pb::ErrorCode::Invalid as i32,
-                }),
-                Vec::new(),
-            ),
-        },
-        Some(request::Kind::Unregister(u)) => {
-            let found = ctx.jobs.unregister(&u.job);
-            (
-                response::Kind::Unregister(pb::UnregisterReply { found }),
-                Vec::new(),
-            )
+        Some(request::Kind::Register(r)) => {
+            let operator = admin::is_operator(creds);
+            match ctx.jobs.register(&r.manifest_json, creds.uid, operator) {
+                Ok((job, files)) => (
+                    response::Kind::Register(pb::RegisterReply {
+                        job,
+                        files: files as u64,
+                    }),
+                    Vec::new(),
+                ),
+                Err(message) => (error_reply(message, pb::ErrorCode::Invalid), Vec::new()),
+            }
         }
-        Some(request::Kind::Progress(p)) => {
-            let kind = match ctx.jobs.progress(&p.job, p.epoch, p.step) {
-                Ok(found) => response::Kind::Progress(pb::ProgressReply { found }),
-                Err(e) => response::Kind::Error(pb::ErrorReply {
-                    message: format!("progress: {e}"),
-                    code: pb::ErrorCode::Invalid as i32,
+        Some(request::Kind::Unregister(u)) => {
+            let kind = match ctx
+                .jobs
+                .may_change(&u.job, creds.uid, admin::is_operator(creds))
+            {
+                Ok(()) => response::Kind::Unregister(pb::UnregisterReply {
+                    found: ctx.jobs.unregister(&u.job),
                 }),
+                Err(e) => error_reply(format!("unregister: {e}"), pb::ErrorCode::PermissionDenied),
             };
             (kind, Vec::new())
         }
+        Some(request::Kind::Progress(p)) => {
+            let allowed = ctx
+                .jobs
+                .may_change(&p.job, creds.uid, admin::is_operator(creds));
+            let kind = match allowed.map(|()| ctx.jobs.progress(&p.job, p.epoch, p.step)) {
+                Ok(Ok(found)) => response::Kind::Progress(pb::ProgressReply { found }),
+                Ok(Err(e)) => error_reply(format!("progress: {e}"), pb::ErrorCode::Invalid),
+                Err(e) => error_reply(format!("progress: {e}"), pb::ErrorCode::PermissionDenied),
+            };
+            (kind, Vec::new())
+        }
+        Some(request::Kind::Verify(_)) if !admin::is_operator(creds) => (
+            error_reply(
+                format!(
+                    "verify: only root or the daemon's user (uid {}) may re-check the whole cache, not uid {}; run it as one of them (e.g. sudo)",
+                    rustix::process::geteuid().as_raw(),
+                    creds.uid
+                ),
+                pb::ErrorCode::PermissionDenied,
+            ),
+            Vec::new(),
+        ),
         Some(request::Kind::Verify(_)) => {
             let r = ctx.store.verify_all();
             let reply = pb::VerifyReply {
