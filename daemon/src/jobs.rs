@@ -784,11 +784,8 @@ impl crate::peer::PlanHooks for Hooks {
     fn owner(&self, root: &str, path: &str, members: &[String]) -> Option<String> {
         let jobs = self.0.upgrade()?;
         let f = jobs.file_ref(root, path)?;
-        let roots = jobs.roots.clone();
-        let id = |f: &FileRef| crate::peer::file_id(&roots.get(f.root).name, &f.path);
-        lock(&jobs.planner)
-            .plan_owner(&f, members, &id)
-            .map(str::to_owned)
+        let p = lock(&jobs.planner);
+        owner_of(&p, &jobs.roots, &f, members).map(str::to_owned)
     }
 
     fn handed(&self, root: &str, path: &str) {
@@ -893,24 +890,22 @@ impl PlannedPolicy {
         }
     }
 
-    /// "This node owns the file for the cluster", when peers are on. Files a shuffle
-    /// plans are placed by the plan instead (cluster mode: kept while any node's rank
-    /// needs them soon, wherever it runs), so they are never "owned" here.
+    /// "This node owns the file for the cluster", when peers are on (see [`owner_of`]).
     fn owner_test(&self) -> Option<impl Fn(&Planner, &FileRef) -> bool + use<>> {
         let (healthy, me) = self.jobs.peers.get()?.view();
         let roots = self.jobs.roots.clone();
-        Some(move |p: &Planner, f: &FileRef| {
-            let root = &roots.get(f.root).name;
-            let id = |f: &FileRef| crate::peer::file_id(&roots.get(f.root).name, &f.path);
-            match p.plan_owner(f, &healthy, &id) {
-                Some(o) => o == me,
-                None => {
-                    crate::peer::file_owner(healthy.iter().map(String::as_str), root, &f.path)
-                        == Some(me.as_str())
-                }
-            }
-        })
+        Some(move |p: &Planner, f: &FileRef| owner_of(p, &roots, f, &healthy) == Some(me.as_str()))
     }
+}
+
+/// The owner of `f` among `healthy` (sorted), as every node computes it: for a file a
+/// shuffle plans, the plan's balanced owner ([`Planner::plan_owner`]); else by
+/// rendezvous hashing.
+fn owner_of<'a>(p: &Planner, roots: &Roots, f: &FileRef, healthy: &'a [String]) -> Option<&'a str> {
+    let root = &roots.get(f.root).name;
+    let id = |f: &FileRef| crate::peer::file_id(&roots.get(f.root).name, &f.path);
+    p.plan_owner(f, healthy, &id)
+        .or_else(|| crate::peer::file_owner(healthy.iter().map(String::as_str), root, &f.path))
 }
 
 impl EvictionPolicy for PlannedPolicy {

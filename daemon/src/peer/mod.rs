@@ -95,7 +95,8 @@ pub trait PlanHooks: Send + Sync {
     fn holders(&self, root: &str, path: &str) -> Vec<(String, u64)>;
     /// Another node fetched every block of the file to keep it.
     fn handed(&self, root: &str, path: &str);
-    /// The file's owner among `members` (healthy, sorted) when a plan places it.
+    /// The file's owner among `members` (healthy, sorted): by the plan that places it,
+    /// else by rendezvous hashing; `None` for a path outside the backing roots.
     fn owner(&self, root: &str, path: &str, members: &[String]) -> Option<String>;
 }
 

@@ -676,13 +676,6 @@ impl Planner {
         self.files.contains_key(f)
     }
 
-    /// True when a shuffle plan reads `f` (every node can then tell who reads it when).
-    pub fn world_planned(&self, f: &FileRef) -> bool {
-        self.files
-            .get(f)
-            .is_some_and(|refs| refs.iter().any(|&(j, _)| self.jobs[j].world().is_some()))
-    }
-
     /// The (job, rank)s of shuffles likely to hold `f` now, most likely first (see
     /// `Job::holders`): the nodes running those ranks are asked before its owner.
     pub fn holders(&mut self, f: &FileRef) -> Vec<(String, u64)> {
