@@ -51,15 +51,23 @@ fn json(socket: &Path, args: &[&str]) -> serde_json::Value {
     serde_json::from_str(&ok(socket, args)).unwrap()
 }
 
-/// Registers a job reading `files` (relative to the bed's root) in one epoch, in order.
-fn register(bed: &Bed, job: &str, files: &[&str]) {
+/// Writes (readable by anyone) a manifest of job `job` reading `files` (relative to the
+/// bed's root) in one epoch, in order, as `NAME.json` in the bed; its path.
+fn manifest(bed: &Bed, name: &str, job: &str, files: &[&str]) -> String {
     let manifest = serde_json::json!({
         "version": 1, "job": job, "root": bed.backing, "files": files,
         "plan": {"kind": "sequence", "epochs": [files]}
     });
-    let path = bed.tmp.path().join(format!("{job}.json"));
+    let path = bed.tmp.path().join(format!("{name}.json"));
     std::fs::write(&path, manifest.to_string()).unwrap();
-    let out = ok(&bed.socket, &["prefetch", path.to_str().unwrap()]);
+    std::fs::set_permissions(&path, PermissionsExt::from_mode(0o644)).unwrap();
+    path.to_str().unwrap().to_owned()
+}
+
+/// Registers a job reading `files` (relative to the bed's root) in one epoch, in order.
+fn register(bed: &Bed, job: &str, files: &[&str]) {
+    let path = manifest(bed, job, job, files);
+    let out = ok(&bed.socket, &["prefetch", &path]);
     assert!(out.contains(&format!("registered job {job}")), "{out}");
 }
 
@@ -455,14 +463,8 @@ fn only_a_jobs_registrant_or_an_operator_may_change_it_and_verify_is_for_operato
         "says who may: {}",
         stderr(&o)
     );
-    let manifest = serde_json::json!({
-        "version": 1, "job": "roots-job", "root": bed.backing, "files": ["public"],
-        "plan": {"kind": "sequence", "epochs": [["public"]]}
-    });
-    let path = bed.tmp.path().join("replace.json");
-    std::fs::write(&path, manifest.to_string()).unwrap();
-    std::fs::set_permissions(&path, PermissionsExt::from_mode(0o644)).unwrap();
-    let o = cli_as(s, true, &["prefetch", path.to_str().unwrap()]);
+    let replace = manifest(&bed, "replace", "roots-job", &["public"]);
+    let o = cli_as(s, true, &["prefetch", &replace]);
     assert!(!o.status.success(), "a replacement by another user: {o:?}");
     assert!(ok(s, &["status", "--json"]).contains("roots-job"));
     // Verify reads the whole cache: operators only.
@@ -471,16 +473,10 @@ fn only_a_jobs_registrant_or_an_operator_may_change_it_and_verify_is_for_operato
     assert!(stderr(&o).contains("only root"), "{}", stderr(&o));
     ok(s, &["verify"]);
     // A user's own job is theirs to change, and an operator's too.
-    let mine = bed.tmp.path().join("mine.json");
-    let m = serde_json::json!({
-        "version": 1, "job": "nobodys-job", "root": bed.backing, "files": ["public"],
-        "plan": {"kind": "sequence", "epochs": [["public"]]}
-    });
-    std::fs::write(&mine, m.to_string()).unwrap();
-    std::fs::set_permissions(&mine, PermissionsExt::from_mode(0o644)).unwrap();
-    let o = cli_as(s, true, &["prefetch", mine.to_str().unwrap()]);
+    let mine = manifest(&bed, "mine", "nobodys-job", &["public"]);
+    let o = cli_as(s, true, &["prefetch", &mine]);
     assert!(o.status.success(), "{o:?}");
-    let o = cli_as(s, true, &["prefetch", mine.to_str().unwrap()]);
+    let o = cli_as(s, true, &["prefetch", &mine]);
     assert!(o.status.success(), "registering again replaces it: {o:?}");
     ok(s, &["unregister", "nobodys-job"]);
     ok(s, &["unregister", "roots-job"]);
