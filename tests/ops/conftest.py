@@ -5,27 +5,16 @@ rpmbuild, rpm2cpio, systemd-analyze) are installed by scripts/ops-deps.sh; a mis
 one is a failure that names that script, never a skip.
 """
 
-import functools
-import os
 import pathlib
 import shutil
-import signal
 import subprocess
 import time
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
+from metrics_helpers import REPO, debug_bin, stop_pid  # noqa: F401 - used by the tests
+
 CHART = REPO / "packaging" / "helm" / "shardcache"
-
-
-def debug_bin(name: str) -> pathlib.Path:
-    """A binary of the debug build that scripts/test.sh makes before the tests."""
-    env = {"shardcached": "SHARDCACHED_BIN", "shardcache": "SHARDCACHE_BIN"}[name]
-    p = pathlib.Path(os.environ.get(env, REPO / "target" / "debug" / name))
-    if not p.is_file():
-        pytest.fail(f"{p} is missing: build it first (cargo build --workspace --bins)")
-    return p
 
 
 def need_tool(name: str) -> str:
@@ -33,14 +22,6 @@ def need_tool(name: str) -> str:
     if path is None:
         pytest.fail(f"`{name}` is not installed: run scripts/ops-deps.sh")
     return path
-
-
-@functools.lru_cache(maxsize=None)
-def daemon_flags() -> str:
-    """`shardcached --help`: which flags this build knows."""
-    return subprocess.run(
-        [str(debug_bin("shardcached")), "--help"], capture_output=True, text=True, check=True
-    ).stdout
 
 
 class Daemon:
@@ -60,11 +41,9 @@ class Daemon:
             "--cache-dir", str(tmp / "cache"),
             "--socket", str(self.socket),
             "--min-free", "0",
+            "--metrics-listen", "off",  # never a fixed port: tests run side by side
             *extra,
         ]
-        # Once the daemon serves metrics, keep the test off any fixed port.
-        if "--metrics-listen" in daemon_flags():
-            args += ["--metrics-listen", "off"]
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(args, stdout=log, stderr=log, stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + 20
@@ -85,10 +64,4 @@ class Daemon:
         )
 
     def stop(self):
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=20)
+        stop_pid(self.proc)

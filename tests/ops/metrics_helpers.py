@@ -19,11 +19,18 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
 
-def daemon_bin() -> str:
-    return os.environ.get("SHARDCACHED_BIN", str(REPO / "target" / "debug" / "shardcached"))
+def debug_bin(name: str) -> pathlib.Path:
+    """A binary of the debug build that scripts/test.sh makes before the tests."""
+    env = {"shardcached": "SHARDCACHED_BIN", "shardcache": "SHARDCACHE_BIN"}[name]
+    p = pathlib.Path(os.environ.get(env, REPO / "target" / "debug" / name))
+    if not p.is_file():
+        pytest.fail(f"{p} is missing: build it first (cargo build --workspace --bins)")
+    return p
 
 
 def content(seed: int, n: int) -> bytes:
@@ -91,7 +98,7 @@ class Node:
         (tmp / f"{name}-cache").mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [daemon_bin(), "--backing-root", str(root), "--cache-dir", str(tmp / f"{name}-cache"),
+                [str(debug_bin("shardcached")), "--backing-root", str(root), "--cache-dir", str(tmp / f"{name}-cache"),
                  "--socket", self.socket, "--min-free", "0", "--block-size", "64KiB",
                  "--metrics-listen", "127.0.0.1:0", "--log", "info", *extra],
                 stdout=log, stderr=log, stdin=subprocess.DEVNULL,

@@ -14,11 +14,10 @@ import copy
 import os
 import subprocess
 import tomllib
-import warnings
 
 import pytest
 
-from conftest import CHART, daemon_flags, debug_bin
+from conftest import CHART, debug_bin
 
 try:
     import helm_python as helm
@@ -317,12 +316,6 @@ def check_config(objs, tmp_path):
     path.write_text(toml_text)
     cmd = [str(debug_bin("shardcached")), "--check-config", "--config", str(path)]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if r.returncode != 0 and "--metrics-listen" not in daemon_flags() and "metrics_listen" in r.stderr:
-        # This daemon predates metrics_listen (it lands on its own branch): check
-        # everything else, and say so.
-        warnings.warn("this shardcached does not know metrics_listen yet: checked the rest without it")
-        path.write_text("\n".join(l for l in toml_text.splitlines() if not l.startswith("metrics_listen")))
-        r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert r.returncode == 0, f"shardcached refused the rendered configuration:\n{r.stderr}\n{toml_text}"
     assert "configuration ok" in r.stdout
 
