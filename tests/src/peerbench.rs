@@ -261,6 +261,7 @@ fn raw_tcp(file: &Path, len: u64, block: u64, streams: usize) -> anyhow::Result<
 }
 
 /// One placement run: (backing ÷ dataset per epoch after the first, local open fraction).
+/// With `SHARDCACHE_BENCH_VERBOSE` set, each node's counters per epoch go to stderr.
 pub fn placement(
     dir: &Path,
     m: usize,
