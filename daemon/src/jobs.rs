@@ -34,6 +34,8 @@ const STATUS_WINDOW: usize = 4096;
 const RATE_PERIOD: Duration = Duration::from_millis(500);
 /// How long a prefetch the store declined (no room worth making) is not retried.
 const DECLINED_BACKOFF: Duration = Duration::from_secs(1);
+/// The same for a copy the cluster placement gives this node.
+const PLACED_BACKOFF: Duration = Duration::from_millis(50);
 /// Most prefetched files remembered until their first open (for the lead time); past it
 /// the record is cleared (files prefetched and evicted unread would pile up otherwise).
 const MAX_PREFETCHED: usize = 1 << 16;
@@ -116,6 +118,10 @@ pub struct Jobs {
     instruments: PrefetchInstruments,
     /// False once the prefetch thread has ended (for the liveness probe).
     prefetcher_alive: Arc<AtomicBool>,
+    /// Per shuffle, how many of its files this node's cache holds (told to peers for
+    /// the cluster placement): the capacity ÷ the number of shuffles ÷ the files' mean
+    /// size (over a sample), fixed when first computed.
+    slots: Mutex<HashMap<String, u64>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -146,6 +152,7 @@ impl Jobs {
             prefetched: Mutex::new(HashMap::new()),
             instruments,
             prefetcher_alive: Arc::new(AtomicBool::new(false)),
+            slots: Mutex::new(HashMap::new()),
         }
     }
 
@@ -356,6 +363,7 @@ impl Jobs {
     }
 
     pub fn unregister(&self, job: &str) -> bool {
+        lock(&self.slots).remove(job);
         if let Some(old) = lock(&self.info).remove(job) {
             self.release(&old);
         }
@@ -364,6 +372,42 @@ impl Jobs {
             tracing::info!(job, "prefetch manifest unregistered");
         }
         found
+    }
+
+    /// Computes this node's slots for every shuffle that has none yet, and gives each
+    /// its cluster layout as the peers report it (none until every rank's node and
+    /// every node's slots are known: eviction and fetches then go by ownership).
+    fn update_layouts(&self, store: &Store) {
+        let Some(peers) = self.peers.get() else {
+            return;
+        };
+        let shuffles = lock(&self.planner).shuffles();
+        let n = shuffles.len() as u64;
+        let me = peers.view().1;
+        for (job, world, _) in shuffles {
+            if !lock(&self.slots).contains_key(&job) {
+                let Some(files) = self.files_of(&job) else {
+                    continue;
+                };
+                // The mean size over up to 16 files spread over the manifest.
+                let every = (files.len() / 16).max(1);
+                let sizes: Vec<u64> = files
+                    .iter()
+                    .step_by(every)
+                    .take(16)
+                    .filter_map(|f| self.size_of(f))
+                    .collect();
+                if sizes.is_empty() {
+                    continue;
+                }
+                let mean = (sizes.iter().sum::<u64>() / sizes.len() as u64).max(1);
+                let slots = (store.capacity() / n.max(1) / mean).max(1);
+                tracing::debug!(job = %job, slots, mean, "cluster placement: this node's slots");
+                lock(&self.slots).insert(job.clone(), slots);
+            }
+            let layout = peers.layout(&job, world);
+            lock(&self.planner).set_layout(&job, layout, &me);
+        }
     }
 
     fn release(&self, job: &JobInfo) {
@@ -629,6 +673,7 @@ impl Jobs {
                 continue;
             }
             self.measure_rates();
+            self.update_layouts(store);
             flights.retain(|f, fl| {
                 let outcomes: Vec<Option<bool>> = fl.iter().map(|x| x.outcome()).collect();
                 if outcomes.iter().any(Option::is_none) {
@@ -636,7 +681,15 @@ impl Jobs {
                 }
                 let mut prefetched = lock(&self.prefetched);
                 if outcomes.contains(&Some(false)) {
-                    declined.insert(f.clone(), Instant::now());
+                    // A copy the cluster placement gives this node is asked for again
+                    // soon (it was turned away while exchanges were under way: the
+                    // room comes back as peers take their copies).
+                    let at = if lock(&self.planner).is_mine(f) {
+                        Instant::now() - (DECLINED_BACKOFF - PLACED_BACKOFF)
+                    } else {
+                        Instant::now()
+                    };
+                    declined.insert(f.clone(), at);
                     prefetched.remove(f);
                 } else if let Some(p) = prefetched.get_mut(f) {
                     // Resident now (seen within a round, 20 ms at most, of the last
@@ -695,6 +748,16 @@ impl Jobs {
                 let mut p = lock(&self.planner);
                 let reads = p.reads();
                 ahead.retain(|_, due| reads < *due);
+                // First what the cluster placement moved here (the reads of the next
+                // rounds, and copies parked here), from the nodes that hold them.
+                for f in p.incoming(cfg.concurrency) {
+                    if flights.len() + fetches.len() >= cfg.concurrency {
+                        break;
+                    }
+                    if view.busy.insert(f.clone()) {
+                        fetches.push(f);
+                    }
+                }
                 while ahead.len() + fetches.len() < cfg.ahead
                     && flights.len() + fetches.len() < cfg.concurrency
                     && budget.as_ref().is_none_or(Budget::allows)
@@ -764,11 +827,36 @@ impl Jobs {
 struct Hooks(std::sync::Weak<Jobs>);
 
 impl crate::peer::PlanHooks for Hooks {
-    fn shuffles(&self) -> Vec<(String, u64, Vec<u64>)> {
-        self.0
-            .upgrade()
-            .map(|j| lock(&j.planner).shuffles())
-            .unwrap_or_default()
+    fn shuffles(&self) -> Vec<crate::peer::Shuffle> {
+        let Some(jobs) = self.0.upgrade() else {
+            return Vec::new();
+        };
+        let list = lock(&jobs.planner).shuffles();
+        let slots = lock(&jobs.slots);
+        list.into_iter()
+            .map(|(job, world, ranks)| crate::peer::Shuffle {
+                slots: slots.get(&job).copied().unwrap_or(0),
+                job,
+                world,
+                ranks,
+            })
+            .collect()
+    }
+
+    fn keeps(&self, root: &str, path: &str) -> bool {
+        let Some(jobs) = self.0.upgrade() else {
+            return false;
+        };
+        jobs.file_ref(root, path)
+            .is_some_and(|f| lock(&jobs.planner).is_mine(&f))
+    }
+
+    fn placed(&self, root: &str, path: &str) -> Option<Vec<String>> {
+        let jobs = self.0.upgrade()?;
+        let f = jobs.file_ref(root, path)?;
+        let p = lock(&jobs.planner);
+        tracing::debug!(path, state = %p.placement_debug(&f), "placed?");
+        p.sources(&f)
     }
 
     fn holders(&self, root: &str, path: &str) -> Vec<(String, u64)> {
@@ -894,7 +982,10 @@ impl PlannedPolicy {
     fn owner_test(&self) -> Option<impl Fn(&Planner, &FileRef) -> bool + use<>> {
         let (healthy, me) = self.jobs.peers.get()?.view();
         let roots = self.jobs.roots.clone();
-        Some(move |p: &Planner, f: &FileRef| owner_of(p, &roots, f, &healthy) == Some(me.as_str()))
+        Some(move |p: &Planner, f: &FileRef| {
+            p.protects(f)
+                .unwrap_or_else(|| owner_of(p, &roots, f, &healthy) == Some(me.as_str()))
+        })
     }
 }
 
@@ -974,7 +1065,14 @@ impl EvictionPolicy for PlannedPolicy {
                 let p = lock(&self.jobs.planner);
                 (owned(&p, &f), owned(&p, v))
             };
+            let placed = {
+                let p = lock(&self.jobs.planner);
+                p.protects(&f).is_some() && p.protects(v).is_some()
+            };
             match (incoming, victim) {
+                // Under a cluster placement, its copies never displace each other (the
+                // store goes over capacity by its headroom instead, see `may_exceed`).
+                (true, true) if placed => return false,
                 // A local copy never displaces the cluster's copy of another file.
                 (false, true) => return false,
                 // The cluster's copy displaces a local copy; and a local copy displaces
@@ -1001,6 +1099,18 @@ impl EvictionPolicy for PlannedPolicy {
             let epoch = p.use_epoch(&f);
             p.may_evict_for_prefetch(v, epoch)
         }
+    }
+
+    fn may_exceed(&mut self, root: &str, path: &str, victim: &Key) -> bool {
+        let (Some(&r), Some(v)) = (self.jobs.root_index.get(root), self.files.get(victim)) else {
+            return false;
+        };
+        let f = FileRef {
+            root: r,
+            path: path.to_owned(),
+        };
+        let p = lock(&self.jobs.planner);
+        p.protects(&f) == Some(true) && p.protects(v) == Some(true)
     }
 
     fn order(&self) -> Vec<Key> {

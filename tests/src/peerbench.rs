@@ -280,7 +280,15 @@ pub fn placement(
         write_file(&backing.join(format!("ds/s{i:05}")), i, size);
     }
     let capacity = ((a * files as f64 / m as f64).round() as u64).max(1) * size;
-    let (nodes, _, sockets) = cluster(tmp.path(), &backing, m, block, capacity)?;
+    let (nodes, addrs, sockets) = cluster(tmp.path(), &backing, m, block, capacity)?;
+    if std::env::var_os("SHARDCACHE_BENCH_VERBOSE").is_some() {
+        for (i, a) in addrs.iter().enumerate() {
+            eprintln!(
+                "node {i}: {a}, cache {}",
+                tmp.path().join(format!("cache-{i}")).display()
+            );
+        }
+    }
     let names: Vec<String> = (0..files).map(|i| format!("s{i:05}")).collect();
     let clients: Vec<Client> = sockets.iter().map(Client::at).collect();
     for (rank, c) in clients.iter().enumerate() {
@@ -380,7 +388,14 @@ pub fn run(dir: &Path, mib: u64, rounds: usize) -> anyhow::Result<()> {
         "{:>6} | {:>16} {:>8} | {:>12}",
         "a", "backing/epoch", "floor", "local reads"
     );
+    // `SHARDCACHE_BENCH_A=1,2` runs only those.
+    let only: Option<Vec<f64>> = std::env::var("SHARDCACHE_BENCH_A")
+        .ok()
+        .map(|v| v.split(',').filter_map(|x| x.trim().parse().ok()).collect());
     for a in [0.5, 1.0, 2.0] {
+        if only.as_ref().is_some_and(|o| !o.contains(&a)) {
+            continue;
+        }
         let (backing, local) = placement(dir, m, a, files, kib, epochs)?;
         println!(
             "{a:>6.1} | {backing:>16.3} {:>8.3} | {local:>12.3}",

@@ -87,9 +87,28 @@ pub type FillerCell = Arc<OnceLock<Arc<Filler>>>;
 
 /// What the peer layer asks of this node's registered plans (the jobs, which are
 /// created after the peers and handed over through [`Peers::use_plans`]).
+/// A shuffle registered on this node, as peers are told of it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Shuffle {
+    /// Job id (the same on every node of the job).
+    pub job: String,
+    /// World size.
+    pub world: u64,
+    /// The ranks this node runs.
+    pub ranks: Vec<u64>,
+    /// How many of the job's files this node's cache holds (0: not known yet).
+    pub slots: u64,
+}
+
 pub trait PlanHooks: Send + Sync {
-    /// Every registered shuffle: (job id, world size, the ranks this node runs).
-    fn shuffles(&self) -> Vec<(String, u64, Vec<u64>)>;
+    /// Every registered shuffle.
+    fn shuffles(&self) -> Vec<Shuffle>;
+    /// Where to fetch `path` under `root` from when a shuffle's cluster placement places
+    /// it: the nodes holding the cluster's copy (empty: this node reads the backing
+    /// store). `None` when no placement places it.
+    fn placed(&self, root: &str, path: &str) -> Option<Vec<String>>;
+    /// True when the cluster placement gave this node the cluster's copy of the file.
+    fn keeps(&self, root: &str, path: &str) -> bool;
     /// The (job, rank)s likely to hold `path` under backing root `root` now, by the
     /// plans, most likely first.
     fn holders(&self, root: &str, path: &str) -> Vec<(String, u64)>;
@@ -152,6 +171,8 @@ pub struct Peers {
     plans: PlansCell,
     /// (job, rank) → the node that runs it, from every healthy peer's `Ranks`.
     ranks: Mutex<HashMap<(String, u64), String>>,
+    /// (job, node) → the job's files that node's cache holds.
+    slots: Mutex<HashMap<(String, String), u64>>,
 }
 
 impl std::fmt::Debug for Peers {
@@ -285,6 +306,7 @@ impl Peers {
             data,
             plans,
             ranks: Mutex::new(HashMap::new()),
+            slots: Mutex::new(HashMap::new()),
             closed: std::sync::atomic::AtomicBool::new(false),
             rt: Mutex::new(None),
         });
@@ -317,9 +339,10 @@ impl Peers {
             return false;
         };
         let map = self.ranks.lock().unwrap_or_else(|e| e.into_inner());
-        plans.shuffles().into_iter().any(|(job, world, _)| {
-            (0..world.min(4096)).any(|r| !map.contains_key(&(job.clone(), r)))
-        })
+        plans
+            .shuffles()
+            .into_iter()
+            .any(|s| (0..s.world.min(4096)).any(|r| !map.contains_key(&(s.job.clone(), r))))
     }
 
     /// Asks every healthy peer which ranks it runs, and replaces the rank map.
@@ -330,10 +353,12 @@ impl Peers {
         }
         let me = self.membership.me().to_owned();
         let mut map = HashMap::new();
-        for (job, _, ranks) in local {
-            for r in ranks {
-                map.insert((job.clone(), r), me.clone());
+        let mut slots = HashMap::new();
+        for s in local {
+            for r in s.ranks {
+                map.insert((s.job.clone(), r), me.clone());
             }
+            slots.insert((s.job, me.clone()), s.slots);
         }
         for peer in self.membership.healthy() {
             if peer == me {
@@ -355,6 +380,7 @@ impl Peers {
                         for r in j.ranks {
                             map.insert((j.job.clone(), r), peer.clone());
                         }
+                        slots.insert((j.job, peer.clone()), j.slots);
                     }
                 }
                 Ok(Err(e)) => tracing::debug!(peer = %peer, error = %e, "peer ranks: no answer"),
@@ -362,6 +388,41 @@ impl Peers {
             }
         }
         *self.ranks.lock().unwrap_or_else(|e| e.into_inner()) = map;
+        *self.slots.lock().unwrap_or_else(|e| e.into_inner()) = slots;
+    }
+
+    /// The cluster layout of shuffle `job` over `world` ranks, once every rank's node
+    /// and every such node's slots are known (see [`crate::planner::placement`]).
+    pub fn layout(&self, job: &str, world: u64) -> Option<crate::planner::placement::Layout> {
+        if world == 0 || world > u16::MAX as u64 {
+            return None;
+        }
+        let map = self.ranks.lock().unwrap_or_else(|e| e.into_inner());
+        let owners: Vec<&String> = (0..world)
+            .map(|r| map.get(&(job.to_owned(), r)))
+            .collect::<Option<_>>()?;
+        let mut nodes: Vec<String> = owners.iter().map(|s| (*s).clone()).collect();
+        nodes.sort_unstable();
+        nodes.dedup();
+        let slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let slots: Vec<u64> = nodes
+            .iter()
+            .map(|n| {
+                slots
+                    .get(&(job.to_owned(), n.clone()))
+                    .copied()
+                    .filter(|&s| s > 0)
+            })
+            .collect::<Option<_>>()?;
+        let node_of_rank = owners
+            .iter()
+            .map(|o| nodes.iter().position(|n| n == *o).map(|i| i as u16))
+            .collect();
+        Some(crate::planner::placement::Layout {
+            nodes,
+            node_of_rank,
+            slots,
+        })
     }
 
     /// The other healthy nodes likely to hold the file now, most likely first: those
@@ -458,6 +519,22 @@ impl Peers {
             keep,
         };
         let (healthy, me) = self.view();
+        if let Some(sources) = self.plans.get().and_then(|p| p.placed(root, &stat.path)) {
+            // Only the node the placement gave the copy to takes it over (the sender
+            // may then drop its copy); another node's copy is a local one.
+            let keep = keep && self.plans.get().is_some_and(|p| p.keeps(root, &stat.path));
+            let req = |fill: bool| proto::FetchRequest { keep, ..req(fill) };
+            // The cluster placement says who holds it; nobody (an empty list): this
+            // node reads the backing store, once for the cluster.
+            let got = sources
+                .iter()
+                .filter(|s| **s != me && healthy.contains(s))
+                .any(|s| self.fetch_one(s, &req(false), len, buf));
+            if !got {
+                tracing::debug!(me = %me, path = %stat.path, ?sources, keep, "placed: no source had it");
+            }
+            return got;
+        }
         let owner = self.owner(root, &stat.path, &healthy).filter(|o| *o != me);
         for holder in self.holders(root, &stat.path, &healthy) {
             if Some(&holder) != owner.as_ref() && self.fetch_one(&holder, &req(false), len, buf) {

@@ -89,10 +89,11 @@ impl proto::peer_server::Peer for Service {
             .map(|p| p.shuffles())
             .unwrap_or_default()
             .into_iter()
-            .map(|(job, world_size, ranks)| proto::JobRanks {
-                job,
-                world_size,
-                ranks,
+            .map(|j| proto::JobRanks {
+                job: j.job,
+                world_size: j.world,
+                ranks: j.ranks,
+                slots: j.slots,
             })
             .collect();
         Ok(Response::new(proto::RanksReply { jobs }))

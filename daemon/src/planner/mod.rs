@@ -30,6 +30,7 @@ use std::sync::Arc;
 
 use shardcache_plan::shuffle;
 
+pub mod placement;
 pub mod prefetch;
 
 /// A file the planner knows: (root index, path relative to the root).
@@ -157,7 +158,14 @@ struct Job {
     /// The owners of this job's files among the last member list asked about
     /// ([`Planner::plan_owner`]).
     owners: std::sync::Mutex<Option<Owners>>,
+    /// The cluster placement of a shuffle, once every rank's node and every node's
+    /// room are known ([`Planner::set_layout`]).
+    placement: Option<placement::Placement>,
 }
+
+/// Rounds the cluster placement runs ahead of the job's position: the moves it decides
+/// for a round start this many rounds before the round is read.
+pub const PLACEMENT_LOOKAHEAD: u64 = 8;
 
 /// A member list and the index in it of each file's owner.
 type Owners = (Vec<String>, Arc<Vec<u16>>);
@@ -236,6 +244,47 @@ impl Job {
         }
         self.world_epochs.push((e, ix.clone()));
         Some(ix)
+    }
+
+    /// The walk of a shuffle (for its cluster placement).
+    fn walk(&self) -> Option<placement::Walk> {
+        match &self.source {
+            Source::Shuffle {
+                seed,
+                first,
+                count,
+                world,
+                drop_last,
+                ..
+            } => Some(placement::Walk {
+                files: self.files.len() as u64,
+                seed: *seed,
+                first: *first,
+                epochs: *count,
+                world: *world,
+                drop_last: *drop_last,
+            }),
+            Source::Sequence { .. } => None,
+        }
+    }
+
+    /// The job's position in rounds (every rank's reads so far, ranks in lockstep).
+    fn round(&self) -> u64 {
+        let Some(w) = self.walk() else { return 0 };
+        let nr = self.world().map_or(1, |(_, r)| r.len().max(1) as u64);
+        (self.epoch.saturating_sub(w.first)) * w.rounds() + self.step / nr
+    }
+
+    /// Brings the placement to the position (plus its lookahead); back to the start and
+    /// forward again when the position went back.
+    fn sync_placement(&mut self) {
+        let round = self.round();
+        let Some(p) = &mut self.placement else { return };
+        let target = round + p.lookahead();
+        if target < p.placed() {
+            *p = p.restarted();
+        }
+        p.advance(target);
     }
 
     /// (world, this node's ranks) of a shuffle.
@@ -508,6 +557,7 @@ impl Planner {
             handed: std::collections::HashSet::new(),
             world_epochs: Vec::new(),
             owners: std::sync::Mutex::new(None),
+            placement: None,
         });
         self.reindex();
         // The new job's files already cached enter its index (and leave the unplanned).
@@ -557,7 +607,17 @@ impl Planner {
             match self.files.get(f).cloned() {
                 Some(refs) => {
                     for (j, i) in refs {
-                        self.jobs[j].rank(i);
+                        let job = &mut self.jobs[j];
+                        job.rank(i);
+                        // A copy arriving here that the placement gives this node is
+                        // the cluster's; any other is a local one.
+                        if let Some(p) = &mut job.placement {
+                            if p.is_mine(i) {
+                                p.owe(i);
+                            } else {
+                                p.discharge(i);
+                            }
+                        }
                     }
                 }
                 None => {
@@ -568,7 +628,12 @@ impl Planner {
             match self.files.get(f).cloned() {
                 Some(refs) => {
                     for (j, i) in refs {
-                        self.jobs[j].unrank(i);
+                        let job = &mut self.jobs[j];
+                        job.unrank(i);
+                        // A copy gone owes nothing (the next one is fetched anew).
+                        if let Some(p) = &mut job.placement {
+                            p.discharge(i);
+                        }
                     }
                 }
                 None => {
@@ -619,6 +684,9 @@ impl Planner {
         }
         for (j, i) in self.files.get(f).cloned().unwrap_or_default() {
             let job = &mut self.jobs[j];
+            if let Some(p) = &mut job.placement {
+                p.discharge(i);
+            }
             if job.handed.insert(i) && job.rank_of.contains_key(&i) {
                 job.rank(i);
             }
@@ -660,6 +728,122 @@ impl Planner {
         members
             .get(*owners.get(i as usize)? as usize)
             .map(String::as_str)
+    }
+
+    /// Sets (or clears) the cluster layout of shuffle `id` — which node runs each rank
+    /// and how many of the job's files each node's cache holds — as every node computes
+    /// it; `me` is this node. A new layout starts the placement over from the start of
+    /// the plan (every node does the same) and brings it to the job's position.
+    pub fn set_layout(&mut self, id: &str, layout: Option<placement::Layout>, me: &str) {
+        let Some(job) = self.job_mut(id) else { return };
+        let Some(walk) = job.walk() else { return };
+        let same = match (&job.placement, &layout) {
+            (Some(p), Some(l)) => p.layout() == l && p.me() == me,
+            (None, None) => true,
+            _ => false,
+        };
+        if same {
+            return;
+        }
+        tracing::debug!(job = %id, layout = ?layout, "cluster placement layout");
+        job.placement = layout.map(|l| placement::Placement::new(walk, l, me, PLACEMENT_LOOKAHEAD));
+        job.sync_placement();
+    }
+
+    /// The cluster layout a shuffle's placement uses, if any.
+    pub fn layout(&self, id: &str) -> Option<&placement::Layout> {
+        self.jobs
+            .iter()
+            .find(|j| j.id == id)
+            .and_then(|j| j.placement.as_ref())
+            .map(|p| p.layout())
+    }
+
+    /// Whether this node must keep its copy of `f` for the cluster, when a shuffle's
+    /// placement decides it (`None`: no placement places `f`): the placement put the
+    /// cluster's copy here, or put it here before and no node has taken it since.
+    pub fn protects(&self, f: &FileRef) -> Option<bool> {
+        let mut out = None;
+        for &(j, i) in self.files.get(f)? {
+            let job = &self.jobs[j];
+            let Some(p) = &job.placement else { continue };
+            if !p.places(i) {
+                continue;
+            }
+            let keep = p.is_mine(i) || p.is_owed(i);
+            out = Some(out.unwrap_or(false) || keep);
+        }
+        out
+    }
+
+    /// Debugging: where the placements put `f`.
+    pub fn placement_debug(&self, f: &FileRef) -> String {
+        let mut out = String::new();
+        for &(j, i) in self.files.get(f).into_iter().flatten() {
+            let job = &self.jobs[j];
+            if let Some(p) = &job.placement {
+                out += &format!(
+                    "round {} placed {} file {i} holder {:?} earlier {:?} mine {} owed {}; ",
+                    job.round(),
+                    p.placed(),
+                    p.holder(i),
+                    p.earlier(i).collect::<Vec<_>>(),
+                    p.is_mine(i),
+                    p.is_owed(i)
+                );
+            }
+        }
+        out
+    }
+
+    /// True when a shuffle's placement put the cluster's copy of `f` on this node.
+    pub fn is_mine(&self, f: &FileRef) -> bool {
+        self.files.get(f).is_some_and(|refs| {
+            refs.iter().any(|&(j, i)| {
+                self.jobs[j]
+                    .placement
+                    .as_ref()
+                    .is_some_and(|p| p.is_mine(i))
+            })
+        })
+    }
+
+    /// Where to fetch `f` from when a shuffle's placement places it (`None` when none
+    /// does): the node holding the cluster's copy and the one that held it before (it
+    /// keeps its copy until the holder took it), not this node. An empty list: the
+    /// placement has the backing store read, by this node.
+    pub fn sources(&self, f: &FileRef) -> Option<Vec<String>> {
+        let mut out: Option<Vec<String>> = None;
+        for &(j, i) in self.files.get(f)? {
+            let Some(p) = &self.jobs[j].placement else {
+                continue;
+            };
+            let v = out.get_or_insert_with(Vec::new);
+            for n in p.holder(i).into_iter().chain(p.earlier(i)) {
+                if n != p.me() && !v.iter().any(|x| x == n) {
+                    v.push(n.to_owned());
+                }
+            }
+        }
+        out
+    }
+
+    /// Files the placements moved onto this node that are not resident, oldest move
+    /// first, at most `max`.
+    pub fn incoming(&mut self, max: usize) -> Vec<FileRef> {
+        let mut out = Vec::new();
+        let resident = &self.resident;
+        for job in &mut self.jobs {
+            let files = job.files.clone();
+            let Some(p) = &mut job.placement else {
+                continue;
+            };
+            let want = max.saturating_sub(out.len());
+            for i in p.incoming(want, &|i| !resident.contains_key(&files[i as usize])) {
+                out.push(files[i as usize].clone());
+            }
+        }
+        out
     }
 
     /// The files of job `id`, in manifest order (shared: cloning is cheap, so callers
@@ -776,6 +960,7 @@ impl Planner {
             (j.epoch, j.step) = (epoch, step);
         }
         j.rerank_all();
+        j.sync_placement();
         Ok(true)
     }
 
@@ -871,6 +1056,7 @@ impl Planner {
                 if rolled {
                     job.rerank_never();
                 }
+                job.sync_placement();
                 first.get_or_insert(j);
             }
         }
@@ -950,10 +1136,15 @@ impl Planner {
         best.map(|(i, _)| i)
     }
 
-    /// The files every job reads next, merged in order of need, at most `max`.
+    /// The files every job reads next, merged in order of need, at most `max`. Not
+    /// those of a shuffle under a cluster placement: what it reads next is moved here by
+    /// the placement ([`Planner::incoming`]).
     pub fn upcoming(&mut self, max: usize) -> Vec<(FileRef, Need)> {
         let mut all: Vec<(FileRef, Need)> = Vec::new();
         for job in &mut self.jobs {
+            if job.placement.is_some() {
+                continue;
+            }
             let (e, s) = (job.epoch, job.step);
             let mut taken = 0;
             let mut base = 0u64;

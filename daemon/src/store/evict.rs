@@ -29,6 +29,14 @@ pub trait EvictionPolicy: Send + fmt::Debug {
         true
     }
 
+    /// Whether a fill of `path` under `root` may go over the capacity (by at most the
+    /// store's exchange headroom) instead of evicting `victim`: both are copies the
+    /// cluster keeps here, the victim only until another node has taken it (see
+    /// `crate::planner::placement`). The default never does.
+    fn may_exceed(&mut self, _root: &str, _path: &str, _victim: &Key) -> bool {
+        false
+    }
+
     /// Every file, least recently used first.
     fn order(&self) -> Vec<Key>;
 }

@@ -793,7 +793,8 @@ impl Store {
             let offset = i as u64 * e.block_size as u64;
             let mut freed = 0u64;
             loop {
-                let over_cap = idx.used + idx.reserved + len as u64 > self.capacity;
+                let wanted = idx.used + idx.reserved + len as u64;
+                let over_cap = wanted > self.capacity;
                 let (_, fs_free) = fs_stats(&self.dir)?;
                 let short =
                     (self.min_free + idx.reserved + len as u64).saturating_sub(fs_free + freed);
@@ -816,6 +817,16 @@ impl Store {
                     inc(&self.stats.fills_no_space);
                     return Err(StoreError::NoSpace);
                 };
+                // Two nodes exchanging the cluster's copies each need a file's room
+                // before the other lets go of its copy: a bounded overcommit, never past
+                // the free-space floor.
+                if short == 0
+                    && wanted <= self.capacity + self.headroom()
+                    && policy.may_exceed(root, &stat.path, &victim)
+                {
+                    tracing::debug!(path = %stat.path, over = wanted - self.capacity, "over capacity for an exchange");
+                    break;
+                }
                 if !policy.admits(root, &stat.path, &victim, prefetch) {
                     // Everything cached is needed sooner than this file: bypass.
                     tracing::debug!(path = %stat.path, prefetch, "not admitted: everything cached is needed sooner");
@@ -823,7 +834,7 @@ impl Store {
                     return Err(StoreError::NoSpace);
                 }
                 if let Some(e) = idx.files.get(&victim) {
-                    tracing::debug!(path = %e.path, to_admit = %stat.path, prefetch, "evicting");
+                    tracing::debug!(dir = %self.dir.display(), path = %e.path, to_admit = %stat.path, prefetch, "evicting");
                 }
                 if let Some(ev) = evict_locked(&mut idx, &victim) {
                     freed += ev.bytes;
@@ -852,6 +863,17 @@ impl Store {
         }
         self.finish_evictions(evicted);
         result
+    }
+
+    /// The cache's capacity in bytes.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// How far over its capacity the cache may go while nodes exchange the cluster's
+    /// copies ([`EvictionPolicy::may_exceed`]): 1/16 of the capacity.
+    pub fn headroom(&self) -> u64 {
+        self.capacity / 16
     }
 
     /// Makes the data file of `key` exist durably; returns its generation.

@@ -385,6 +385,13 @@ fn paired<T>(
 }
 
 fn main() {
+    // The daemons run in this process: `RUST_LOG` shows their logs.
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+    }
     match Cli::parse().cmd {
         Cmd::Foundation(a) => foundation(&a),
         Cmd::Policy(a) => policy(&a),

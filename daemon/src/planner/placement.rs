@@ -1,0 +1,546 @@
+//! Cluster placement of a shuffle: which node keeps the cluster's copy of each file, as
+//! a deterministic simulation that every node runs over the same inputs (the manifest,
+//! which node runs which rank, how many files each node's cache holds) and so agrees
+//! on without talking.
+//!
+//! The simulation walks the job's world order round by round (round `k`: every rank's
+//! `k`-th read, the ranks of one job moving in lockstep) and treats the nodes' caches as
+//! one cache of `Σ slots` files with a placement constraint:
+//!
+//! - a file read in round `k` is placed on the reader's node for that read (it is
+//!   prefetched there, so the read is local);
+//! - the reader's node, when full, gives up the file it holds that the cluster needs
+//!   last (Belady over the whole world's order) — not dropping it but handing it to the
+//!   node the incoming file came from, whose slot that just freed (a swap); a file read
+//!   from the backing store instead grows the cluster's set, so the file the whole
+//!   cluster needs last is dropped (Belady's MIN over the union of the caches);
+//! - files read in the last `lookahead` rounds stay where they were read: the
+//!   simulation runs `lookahead` rounds ahead of the readers (to start the moves in
+//!   time), so those are the files the real readers are about to read.
+//!
+//! Hence at an aggregate cache of at least the dataset nothing is dropped after the
+//! first epoch and (almost) every read is local; below it, the cluster keeps the files
+//! it needs soonest and the backing store is read close to its floor of `1 − a` of the
+//! dataset per epoch. The daemon keeps what the simulation places on its node, keeps a
+//! file it placed elsewhere until that node has taken it (the copy is never lost in
+//! transit), and fetches what it is given from the node that held it.
+//!
+//! Pure logic: no I/O, no clock.
+
+use std::collections::{BTreeSet, VecDeque};
+use std::sync::Arc;
+
+use shardcache_plan::shuffle;
+
+use super::EpochIndex;
+
+/// No node.
+const NONE: u16 = u16::MAX;
+
+/// Which node runs which rank, and how many of the job's files each node's cache holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    /// The nodes that run ranks of the job, sorted (the same list on every node).
+    pub nodes: Vec<String>,
+    /// For each rank of the world, its node (index into `nodes`), if known.
+    pub node_of_rank: Vec<Option<u16>>,
+    /// For each node, the job's files its cache holds.
+    pub slots: Vec<u64>,
+}
+
+/// The shuffle the simulation walks.
+#[derive(Debug, Clone, Copy)]
+pub struct Walk {
+    /// Files in the manifest.
+    pub files: u64,
+    /// Shuffle seed.
+    pub seed: u64,
+    /// First epoch number.
+    pub first: u64,
+    /// Epochs in the plan.
+    pub epochs: u64,
+    /// World size.
+    pub world: u64,
+    /// `DistributedSampler(drop_last)`.
+    pub drop_last: bool,
+}
+
+impl Walk {
+    /// Rounds per epoch (each rank's reads per epoch).
+    pub fn rounds(&self) -> u64 {
+        shuffle::samples_per_rank(self.files, self.world, self.drop_last)
+    }
+}
+
+/// The simulation's state (see the module documentation).
+#[derive(Debug)]
+pub struct Placement {
+    walk: Walk,
+    layout: Layout,
+    /// This node's index in `layout.nodes`, if it runs ranks, and its name.
+    me: Option<u16>,
+    me_name: String,
+    lookahead: u64,
+    /// The next round to place (absolute: 0 is the first epoch's first round).
+    next: u64,
+    holder: Vec<u16>,
+    /// The nodes that held each file before, most recent first.
+    prev: Vec<[u16; 3]>,
+    /// Files this node was given and has not handed over since (see
+    /// [`Placement::is_owed`]).
+    owed: Vec<bool>,
+    /// Each held file's key: the absolute world position of its next read.
+    key: Vec<u64>,
+    /// The round after each file's last read (0: not read yet).
+    read_at: Vec<u64>,
+    held: Vec<BTreeSet<(u64, u32)>>,
+    all: BTreeSet<(u64, u32)>,
+    epochs: Vec<(u64, Arc<EpochIndex>)>,
+    /// Files moved onto this node, in the order they were, for the prefetcher.
+    incoming: VecDeque<u32>,
+    /// What the placed reads found.
+    pub stats: SimStats,
+}
+
+/// What the simulated reads found, counted since the start.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SimStats {
+    /// The file is on the reader's node for the read (it was, or it was moved there
+    /// `lookahead` rounds ahead).
+    pub local: u64,
+    /// It stays on another node (or in the backing store) and is read from there.
+    pub remote: u64,
+    /// No node held it: it is read from the backing store (once, by the reader's node).
+    pub backing: u64,
+    /// Copies moved from one node to another (reads' and swaps').
+    pub moves: u64,
+}
+
+/// Key of a file not read again within the current and next epoch.
+const NEVER: u64 = u64::MAX;
+
+impl Placement {
+    /// A simulation at the start of the plan. `me`: this node's name.
+    pub fn new(walk: Walk, layout: Layout, me_name: &str, lookahead: u64) -> Self {
+        let n = walk.files as usize;
+        let me = layout
+            .nodes
+            .iter()
+            .position(|x| x == me_name)
+            .map(|i| i as u16);
+        let nodes = layout.nodes.len();
+        Self {
+            walk,
+            me,
+            me_name: me_name.to_owned(),
+            lookahead,
+            next: 0,
+            holder: vec![NONE; n],
+            prev: vec![[NONE; 3]; n],
+            owed: vec![false; n],
+            key: vec![NEVER; n],
+            read_at: vec![0; n],
+            held: vec![BTreeSet::new(); nodes],
+            all: BTreeSet::new(),
+            epochs: Vec::new(),
+            incoming: VecDeque::new(),
+            stats: SimStats::default(),
+            layout,
+        }
+    }
+
+    /// The same simulation back at the start of the plan.
+    pub fn restarted(&self) -> Self {
+        Self::new(
+            self.walk,
+            self.layout.clone(),
+            &self.me_name,
+            self.lookahead,
+        )
+    }
+
+    /// This node's name.
+    pub fn me(&self) -> &str {
+        &self.me_name
+    }
+
+    /// The layout it simulates.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Rounds already placed (the simulation's position).
+    pub fn placed(&self) -> u64 {
+        self.next
+    }
+
+    /// Rounds the simulation runs ahead of the readers.
+    pub fn lookahead(&self) -> u64 {
+        self.lookahead
+    }
+
+    fn world_order(&mut self, rel: u64) -> Option<Arc<EpochIndex>> {
+        if rel >= self.walk.epochs {
+            return None;
+        }
+        if let Some((_, ix)) = self.epochs.iter().find(|(e, _)| *e == rel) {
+            return Some(ix.clone());
+        }
+        let w = self.walk;
+        let perm = shuffle::permutation(w.files, w.seed, w.first + rel);
+        let total = w.rounds() * w.world;
+        let order: Vec<u32> = (0..total)
+            .map(|p| perm[(p % w.files) as usize] as u32)
+            .collect();
+        let ix = Arc::new(EpochIndex::new(Arc::new(order), w.files as usize));
+        if self.epochs.len() >= 3 {
+            self.epochs.remove(0);
+        }
+        self.epochs.push((rel, ix.clone()));
+        Some(ix)
+    }
+
+    /// The absolute world position of `f`'s first read after position `pos` (absolute),
+    /// within `pos`'s epoch and the next.
+    fn next_use(&mut self, f: u32, pos: u64) -> u64 {
+        let per = self.walk.rounds() * self.walk.world;
+        let rel = pos / per;
+        if let Some(ix) = self.world_order(rel)
+            && let Some(p) = ix.next(f, pos % per + 1)
+        {
+            return rel * per + p;
+        }
+        match self.world_order(rel + 1).and_then(|ix| ix.next(f, 0)) {
+            Some(p) => (rel + 1) * per + p,
+            None => NEVER,
+        }
+    }
+
+    fn rekey(&mut self, f: u32, k: u64) {
+        let h = self.holder[f as usize];
+        let old = self.key[f as usize];
+        self.key[f as usize] = k;
+        if h != NONE {
+            self.held[h as usize].remove(&(old, f));
+            self.all.remove(&(old, f));
+            self.held[h as usize].insert((k, f));
+            self.all.insert((k, f));
+        }
+    }
+
+    fn set_holder(&mut self, f: u32, to: u16) {
+        let from = self.holder[f as usize];
+        if from == to {
+            return;
+        }
+        let k = self.key[f as usize];
+        if from != NONE {
+            self.held[from as usize].remove(&(k, f));
+            self.all.remove(&(k, f));
+        }
+        if to != NONE {
+            self.held[to as usize].insert((k, f));
+            self.all.insert((k, f));
+            if Some(to) == self.me {
+                self.incoming.push_back(f);
+                self.owed[f as usize] = true;
+            }
+        }
+        if from != NONE && to != NONE {
+            self.stats.moves += 1;
+        }
+        let p = &mut self.prev[f as usize];
+        *p = [from, p[0], p[1]];
+        self.holder[f as usize] = to;
+    }
+
+    /// True when `f` may leave its node in round `round`: not read within the
+    /// lookahead (the readers are about to read those).
+    fn movable(&self, f: u32, round: u64) -> bool {
+        self.read_at[f as usize] + self.lookahead <= round
+    }
+
+    /// The node whose rank reads at absolute world position `key`.
+    fn reader(&self, key: u64) -> Option<u16> {
+        if key == NEVER {
+            return None;
+        }
+        let r = (key % self.walk.world) as usize;
+        self.layout.node_of_rank.get(r).copied().flatten()
+    }
+
+    /// The file node `n` gives up to make room, among those that may move: the one it
+    /// needs last that node `to` reads next (the swap then brings it to its reader, where
+    /// it stays), else the one it needs last (Belady).
+    fn victim(&self, n: u16, to: u16, round: u64) -> Option<u32> {
+        let mut last = None;
+        for &(k, f) in self.held[n as usize].iter().rev().take(4096) {
+            if !self.movable(f, round) {
+                continue;
+            }
+            if to != NONE && self.reader(k) == Some(to) && self.reader(k) != Some(n) {
+                return Some(f);
+            }
+            last.get_or_insert(f);
+            if to == NONE {
+                break;
+            }
+        }
+        last
+    }
+
+    /// A node with a free slot, if any.
+    fn free_node(&self) -> Option<u16> {
+        (0..self.held.len())
+            .find(|&i| (self.held[i].len() as u64) < self.layout.slots[i])
+            .map(|i| i as u16)
+    }
+
+    /// Places the read of `f` by node `n` at absolute world position `pos`.
+    fn place(&mut self, f: u32, n: u16, pos: u64, round: u64) {
+        let after = self.next_use(f, pos);
+        self.read_at[f as usize] = round + 1;
+        let h = self.holder[f as usize];
+        if h == NONE {
+            self.stats.backing += 1;
+        }
+        if h == n {
+            self.stats.local += 1;
+            self.rekey(f, after);
+            return;
+        }
+        if (self.held[n as usize].len() as u64) >= self.layout.slots[n as usize] {
+            let Some(v) = self.victim(n, h, round) else {
+                // Everything there is about to be read: the read goes to `h` (or the
+                // backing store) and the copy stays where it is.
+                self.stats.remote += 1;
+                self.rekey(f, after);
+                return;
+            };
+            if h != NONE {
+                // A swap: `v` takes the slot `f` frees.
+                self.set_holder(v, h);
+            } else if let Some(x) = self.free_node().filter(|&x| x != n) {
+                self.set_holder(v, x);
+            } else {
+                // The cluster grows by `f`: the file it needs last goes.
+                let vk = self.key[v as usize];
+                let w = self
+                    .all
+                    .iter()
+                    .rev()
+                    .take(4096)
+                    .map(|&(_, g)| g)
+                    .find(|&g| self.movable(g, round));
+                match w {
+                    Some(w) if w != v && self.key[w as usize] > vk => {
+                        let x = self.holder[w as usize];
+                        self.set_holder(w, NONE);
+                        self.set_holder(v, x);
+                    }
+                    _ => self.set_holder(v, NONE),
+                }
+            }
+        }
+        self.stats.local += 1;
+        self.set_holder(f, n);
+        self.rekey(f, after);
+    }
+
+    /// Places rounds until `round` (exclusive). Files not read again within the
+    /// current and next epoch get their keys when an epoch begins.
+    pub fn advance(&mut self, round: u64) {
+        let rounds = self.walk.rounds();
+        let end = round.min(rounds * self.walk.epochs);
+        while self.next < end {
+            let k = self.next;
+            if k % rounds == 0 && k > 0 {
+                self.rekey_never(k * self.walk.world);
+            }
+            let base = k * self.walk.world;
+            let per = rounds * self.walk.world;
+            let Some(ix) = self.world_order(base / per) else {
+                break;
+            };
+            for r in 0..self.walk.world {
+                let pos = base + r;
+                let f = ix.order[(pos % per) as usize];
+                match self.layout.node_of_rank.get(r as usize).copied().flatten() {
+                    Some(n) => self.place(f, n, pos, k),
+                    None => {
+                        // A rank no node runs: its read only moves the file's next use.
+                        let after = self.next_use(f, pos);
+                        self.rekey(f, after);
+                    }
+                }
+            }
+            self.next += 1;
+        }
+    }
+
+    /// New keys for the held files not read within the last horizon (a new epoch comes
+    /// into view at absolute position `pos`).
+    fn rekey_never(&mut self, pos: u64) {
+        let fs: Vec<u32> = self.all.range((NEVER, 0)..).map(|&(_, f)| f).collect();
+        for f in fs {
+            // Its next read after the start of the epoch (`pos − 1` is before it).
+            let k = self.next_use(f, pos.saturating_sub(1));
+            let k = if k < pos { NEVER } else { k };
+            self.rekey(f, k);
+        }
+    }
+
+    /// The node the cluster's copy of `f` is on, if any.
+    pub fn holder(&self, f: u32) -> Option<&str> {
+        self.node(self.holder.get(f as usize).copied()?)
+    }
+
+    /// The node that held `f` before it moved to its holder.
+    pub fn prev(&self, f: u32) -> Option<&str> {
+        self.node(self.prev.get(f as usize)?[0])
+    }
+
+    /// The nodes that held `f` before, most recent first (up to 3).
+    pub fn earlier(&self, f: u32) -> impl Iterator<Item = &str> {
+        self.prev
+            .get(f as usize)
+            .into_iter()
+            .flatten()
+            .filter_map(|&i| self.node(i))
+    }
+
+    fn node(&self, i: u16) -> Option<&str> {
+        self.layout.nodes.get(i as usize).map(String::as_str)
+    }
+
+    /// True when this node holds the cluster's copy of `f`.
+    pub fn is_mine(&self, f: u32) -> bool {
+        self.me
+            .is_some_and(|m| self.holder.get(f as usize) == Some(&m))
+    }
+
+    /// True when this node was given `f` at some point and has not handed it to another
+    /// node since ([`Placement::discharge`]): it keeps its copy, even after the
+    /// placement moved the file on (possibly through nodes that never fetched it), until
+    /// some node has taken it.
+    pub fn is_owed(&self, f: u32) -> bool {
+        self.owed.get(f as usize).copied().unwrap_or(false)
+    }
+
+    /// This node has a copy of `f` the cluster counts on (it arrived while the file is
+    /// this node's): it keeps it until another node took it.
+    pub fn owe(&mut self, f: u32) {
+        if let Some(o) = self.owed.get_mut(f as usize) {
+            *o = true;
+        }
+    }
+
+    /// Another node took this node's copy of `f` to keep, or the copy is gone.
+    pub fn discharge(&mut self, f: u32) {
+        if let Some(o) = self.owed.get_mut(f as usize) {
+            *o = false;
+        }
+    }
+
+    /// True when the simulation places `f` (some node holds, or held, its copy).
+    pub fn places(&self, f: u32) -> bool {
+        self.holder.get(f as usize).is_some_and(|&h| h != NONE)
+            || self.prev.get(f as usize).is_some_and(|h| h[0] != NONE)
+    }
+
+    /// Files moved onto this node that `keep` says are still wanted, oldest first, at
+    /// most `max`; the others are dropped from the queue.
+    pub fn incoming(&mut self, max: usize, keep: &dyn Fn(u32) -> bool) -> Vec<u32> {
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < self.incoming.len() && out.len() < max {
+            let f = self.incoming[i];
+            if self.is_mine(f) && keep(f) {
+                out.push(f);
+                i += 1;
+            } else {
+                self.incoming.remove(i);
+            }
+        }
+        out
+    }
+
+    /// Files held per node (for tests and status).
+    pub fn counts(&self) -> Vec<usize> {
+        self.held.iter().map(BTreeSet::len).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layout(m: usize, slots: u64) -> Layout {
+        Layout {
+            nodes: (0..m).map(|i| format!("n{i}")).collect(),
+            node_of_rank: (0..m).map(|i| Some(i as u16)).collect(),
+            slots: vec![slots; m],
+        }
+    }
+
+    /// (backing ÷ dataset per epoch after the first, local fraction after the first).
+    use crate::planner::PLACEMENT_LOOKAHEAD;
+
+    fn run(m: usize, files: u64, a: f64, epochs: u64, lookahead: u64) -> (f64, f64) {
+        let walk = Walk {
+            files,
+            seed: 3,
+            first: 0,
+            epochs,
+            world: m as u64,
+            drop_last: false,
+        };
+        let slots = (a * files as f64 / m as f64).round() as u64;
+        let mut p = Placement::new(walk, layout(m, slots), "n0", lookahead);
+        p.advance(walk.rounds());
+        let s0 = p.stats;
+        p.advance(walk.rounds() * epochs);
+        let s = p.stats;
+        for (i, c) in p.counts().iter().enumerate() {
+            assert!(*c as u64 <= slots, "node {i} holds {c} > {slots}");
+        }
+        let reads = (s.local + s.remote - s0.local - s0.remote) as f64;
+        eprintln!("moves per read {:.2}", (s.moves - s0.moves) as f64 / reads);
+        (
+            (s.backing - s0.backing) as f64 / (files * (epochs - 1)) as f64,
+            (s.local - s0.local) as f64 / reads,
+        )
+    }
+
+    #[test]
+    fn reaches_the_floor_and_local_reads() {
+        for (a, floor) in [(0.5, 0.5), (1.0, 0.0), (1.5, 0.0), (2.0, 0.0)] {
+            let (backing, local) = run(4, 240, a, 5, PLACEMENT_LOOKAHEAD);
+            eprintln!("a={a}: backing {backing:.3} local {local:.3}");
+            assert!(backing <= floor + 0.01, "a={a}: backing {backing}");
+            if a >= 1.0 {
+                assert!(local >= 0.95, "a={a}: local {local}");
+            }
+        }
+    }
+
+    #[test]
+    fn every_node_computes_the_same_placement() {
+        let walk = Walk {
+            files: 100,
+            seed: 9,
+            first: 0,
+            epochs: 3,
+            world: 3,
+            drop_last: false,
+        };
+        let mut a = Placement::new(walk, layout(3, 30), "n0", 2);
+        let mut b = Placement::new(walk, layout(3, 30), "n2", 2);
+        a.advance(70);
+        b.advance(70);
+        for f in 0..100 {
+            assert_eq!(a.holder(f), b.holder(f));
+            assert_eq!(a.prev(f), b.prev(f));
+        }
+    }
+}
