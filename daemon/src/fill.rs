@@ -450,6 +450,13 @@ fn fill(inner: &Inner, t: &Target, index: usize, prefetch: bool) -> Result<(), F
             return Ok(());
         }
         PEER_BUF.set(buf);
+        if prefetch && peers.placed_elsewhere(root, &t.stat.path) {
+            // The cluster placement moved the file on (or dropped it) since this
+            // prefetch started: reading the backing store for it would be a read the
+            // cluster does not need.
+            inner.store.abort_fill(permit);
+            return Err(FillError::Store(StoreError::Gone));
+        }
     }
     let started = Instant::now();
     match read_block(inner, t, permit.offset(), permit.len()) {

@@ -122,6 +122,8 @@ pub struct Jobs {
     /// the cluster placement): the capacity ÷ the number of shuffles ÷ the files' mean
     /// size (over a sample), fixed when first computed.
     slots: Mutex<HashMap<String, u64>>,
+    /// Per shuffle, the mean file size its slots were computed with.
+    means: Mutex<HashMap<String, u64>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -153,6 +155,7 @@ impl Jobs {
             instruments,
             prefetcher_alive: Arc::new(AtomicBool::new(false)),
             slots: Mutex::new(HashMap::new()),
+            means: Mutex::new(HashMap::new()),
         }
     }
 
@@ -364,6 +367,7 @@ impl Jobs {
 
     pub fn unregister(&self, job: &str) -> bool {
         lock(&self.slots).remove(job);
+        lock(&self.means).remove(job);
         if let Some(old) = lock(&self.info).remove(job) {
             self.release(&old);
         }
@@ -404,6 +408,7 @@ impl Jobs {
                 let slots = (store.capacity() / n.max(1) / mean).max(1);
                 tracing::debug!(job = %job, slots, mean, "cluster placement: this node's slots");
                 lock(&self.slots).insert(job.clone(), slots);
+                lock(&self.means).insert(job.clone(), mean);
             }
             let layout = peers.layout(&job, world);
             lock(&self.planner).set_layout(&job, layout, &me);
@@ -1071,7 +1076,7 @@ impl EvictionPolicy for PlannedPolicy {
             };
             match (incoming, victim) {
                 // Under a cluster placement, its copies never displace each other (the
-                // store goes over capacity by its headroom instead, see `may_exceed`).
+                // store goes over capacity by the copies leaving, see `exchange_allowance`).
                 (true, true) if placed => return false,
                 // A local copy never displaces the cluster's copy of another file.
                 (false, true) => return false,
@@ -1101,16 +1106,26 @@ impl EvictionPolicy for PlannedPolicy {
         }
     }
 
-    fn may_exceed(&mut self, root: &str, path: &str, victim: &Key) -> bool {
+    fn exchange_allowance(&mut self, root: &str, path: &str, victim: &Key) -> u64 {
         let (Some(&r), Some(v)) = (self.jobs.root_index.get(root), self.files.get(victim)) else {
-            return false;
+            return 0;
         };
         let f = FileRef {
             root: r,
             path: path.to_owned(),
         };
-        let p = lock(&self.jobs.planner);
-        p.protects(&f) == Some(true) && p.protects(v) == Some(true)
+        let departing = {
+            let p = lock(&self.jobs.planner);
+            if p.protects(&f) != Some(true) || p.protects(v) != Some(true) {
+                return 0;
+            }
+            p.departing()
+        };
+        let means = lock(&self.jobs.means);
+        departing
+            .iter()
+            .map(|(job, n)| *n as u64 * means.get(job).copied().unwrap_or(0))
+            .sum()
     }
 
     fn order(&self) -> Vec<Key> {

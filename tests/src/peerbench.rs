@@ -328,6 +328,14 @@ pub fn placement(
         }
         let after = counters()?;
         if std::env::var_os("SHARDCACHE_BENCH_VERBOSE").is_some() {
+            for (i, c) in clients.iter().enumerate() {
+                let st = c.status()?;
+                let pos: Vec<(u64, u64)> = st.jobs.iter().map(|j| (j.epoch, j.step)).collect();
+                eprintln!(
+                    "a={a} epoch {epoch} node {i}: position {pos:?} used {} of {}",
+                    st.used_bytes, st.capacity_bytes
+                );
+            }
             for (i, (b, x)) in before.iter().zip(&after).enumerate() {
                 eprintln!(
                     "a={a} epoch {epoch} node {i}: backing_reads {} peer_in {} peer_out {} peer_errors {} opens_full {}/{} evicted {} fallback_bytes {}",

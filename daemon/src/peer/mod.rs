@@ -447,6 +447,14 @@ impl Peers {
         out
     }
 
+    /// True when the cluster placement places the file and not on this node (a
+    /// prefetch of it is no longer wanted).
+    pub fn placed_elsewhere(&self, root: &str, path: &str) -> bool {
+        self.plans
+            .get()
+            .is_some_and(|p| p.placed(root, path).is_some() && !p.keeps(root, path))
+    }
+
     /// The members and their health.
     pub fn membership(&self) -> &Membership {
         &self.membership

@@ -611,12 +611,10 @@ impl Planner {
                         job.rank(i);
                         // A copy arriving here that the placement gives this node is
                         // the cluster's; any other is a local one.
-                        if let Some(p) = &mut job.placement {
-                            if p.is_mine(i) {
-                                p.owe(i);
-                            } else {
-                                p.discharge(i);
-                            }
+                        if let Some(p) = &mut job.placement
+                            && !p.is_mine(i)
+                        {
+                            p.discharge(i);
                         }
                     }
                 }
@@ -684,9 +682,6 @@ impl Planner {
         }
         for (j, i) in self.files.get(f).cloned().unwrap_or_default() {
             let job = &mut self.jobs[j];
-            if let Some(p) = &mut job.placement {
-                p.discharge(i);
-            }
             if job.handed.insert(i) && job.rank_of.contains_key(&i) {
                 job.rank(i);
             }
@@ -770,10 +765,39 @@ impl Planner {
             if !p.places(i) {
                 continue;
             }
-            let keep = p.is_mine(i) || p.is_owed(i);
+            let keep = p.is_mine(i) || (p.is_owed(i) && !job.handed.contains(&i));
             out = Some(out.unwrap_or(false) || keep);
         }
         out
+    }
+
+    /// At most how many copies this node keeps for other nodes now, per job (see
+    /// [`placement::Placement::departing`]).
+    pub fn departing(&self) -> Vec<(String, usize)> {
+        self.jobs
+            .iter()
+            .filter_map(|j| j.placement.as_ref().map(|p| (j.id.clone(), p.departing())))
+            .collect()
+    }
+
+    /// Debugging: resident files by protection (mine, owed, other).
+    pub fn protection_counts(&self) -> (usize, usize, usize) {
+        let (mut mine, mut owed, mut other) = (0, 0, 0);
+        for f in self.resident.keys() {
+            for &(j, i) in self.files.get(f).into_iter().flatten() {
+                let job = &self.jobs[j];
+                if let Some(p) = &job.placement {
+                    if p.is_mine(i) {
+                        mine += 1;
+                    } else if p.is_owed(i) && !job.handed.contains(&i) {
+                        owed += 1;
+                    } else {
+                        other += 1;
+                    }
+                }
+            }
+        }
+        (mine, owed, other)
     }
 
     /// Debugging: where the placements put `f`.
@@ -783,9 +807,10 @@ impl Planner {
             let job = &self.jobs[j];
             if let Some(p) = &job.placement {
                 out += &format!(
-                    "round {} placed {} file {i} holder {:?} earlier {:?} mine {} owed {}; ",
+                    "round {} placed {} file {i} frombacking {} holder {:?} earlier {:?} mine {} owed {}; ",
                     job.round(),
                     p.placed(),
+                    p.from_backing(i),
                     p.holder(i),
                     p.earlier(i).collect::<Vec<_>>(),
                     p.is_mine(i),

@@ -86,9 +86,15 @@ pub struct Placement {
     holder: Vec<u16>,
     /// The nodes that held each file before, most recent first.
     prev: Vec<[u16; 3]>,
-    /// Files this node was given and has not handed over since (see
+    /// For files the placement moved away from this node: the round until which this
+    /// node keeps its copy unless the new holder took it first (0: none; see
     /// [`Placement::is_owed`]).
-    owed: Vec<bool>,
+    owed: Vec<u64>,
+    /// The round being placed.
+    at: u64,
+    /// The rounds of the latest moves away from this node (those of the last two
+    /// lookaheads: the copies it may still keep for their new holders).
+    departures: VecDeque<u64>,
     /// Each held file's key: the absolute world position of its next read.
     key: Vec<u64>,
     /// The round after each file's last read (0: not read yet).
@@ -137,7 +143,9 @@ impl Placement {
             next: 0,
             holder: vec![NONE; n],
             prev: vec![[NONE; 3]; n],
-            owed: vec![false; n],
+            owed: vec![0; n],
+            at: 0,
+            departures: VecDeque::new(),
             key: vec![NEVER; n],
             read_at: vec![0; n],
             held: vec![BTreeSet::new(); nodes],
@@ -243,12 +251,26 @@ impl Placement {
             self.all.insert((k, f));
             if Some(to) == self.me {
                 self.incoming.push_back(f);
-                self.owed[f as usize] = true;
             }
         }
         if from != NONE && to != NONE {
             self.stats.moves += 1;
         }
+        self.owed[f as usize] = if to == NONE || Some(to) == self.me {
+            // Dropped (nobody will take a copy), or this node's own.
+            0
+        } else if Some(from) == self.me {
+            // The new holder fetches it when its readers are where this node's are,
+            // within a round or two; the copy is kept two lookaheads at most.
+            let until = self.at + 2 * self.lookahead.max(1);
+            self.departures.push_back(until);
+            while self.departures.front().is_some_and(|&u| u <= self.at) {
+                self.departures.pop_front();
+            }
+            until
+        } else {
+            self.owed[f as usize]
+        };
         let p = &mut self.prev[f as usize];
         *p = [from, p[0], p[1]];
         self.holder[f as usize] = to;
@@ -354,6 +376,7 @@ impl Placement {
         let end = round.min(rounds * self.walk.epochs);
         while self.next < end {
             let k = self.next;
+            self.at = k;
             if k % rounds == 0 && k > 0 {
                 self.rekey_never(k * self.walk.world);
             }
@@ -400,6 +423,11 @@ impl Placement {
         self.node(self.prev.get(f as usize)?[0])
     }
 
+    /// True when `f` came to its holder from the backing store (no node held it).
+    pub fn from_backing(&self, f: u32) -> bool {
+        self.prev.get(f as usize).is_some_and(|p| p[0] == NONE)
+    }
+
     /// The nodes that held `f` before, most recent first (up to 3).
     pub fn earlier(&self, f: u32) -> impl Iterator<Item = &str> {
         self.prev
@@ -419,26 +447,24 @@ impl Placement {
             .is_some_and(|m| self.holder.get(f as usize) == Some(&m))
     }
 
-    /// True when this node was given `f` at some point and has not handed it to another
-    /// node since ([`Placement::discharge`]): it keeps its copy, even after the
-    /// placement moved the file on (possibly through nodes that never fetched it), until
-    /// some node has taken it.
+    /// True when the placement moved `f` from this node to another that has not taken
+    /// it yet ([`Placement::discharge`]): this node keeps its copy (the cluster's only
+    /// one, perhaps) until then, or until the readers are two lookaheads past the move
+    /// (the new holder took it from another node, or already had a copy of its own).
     pub fn is_owed(&self, f: u32) -> bool {
-        self.owed.get(f as usize).copied().unwrap_or(false)
+        self.owed.get(f as usize).is_some_and(|&u| u > self.next)
     }
 
-    /// This node has a copy of `f` the cluster counts on (it arrived while the file is
-    /// this node's): it keeps it until another node took it.
-    pub fn owe(&mut self, f: u32) {
-        if let Some(o) = self.owed.get_mut(f as usize) {
-            *o = true;
-        }
+    /// At most how many copies this node keeps for other nodes now (the files moved
+    /// away from it within the last two lookaheads).
+    pub fn departing(&self) -> usize {
+        self.departures.iter().filter(|&&u| u > self.next).count()
     }
 
     /// Another node took this node's copy of `f` to keep, or the copy is gone.
     pub fn discharge(&mut self, f: u32) {
         if let Some(o) = self.owed.get_mut(f as usize) {
-            *o = false;
+            *o = 0;
         }
     }
 

@@ -29,12 +29,12 @@ pub trait EvictionPolicy: Send + fmt::Debug {
         true
     }
 
-    /// Whether a fill of `path` under `root` may go over the capacity (by at most the
-    /// store's exchange headroom) instead of evicting `victim`: both are copies the
-    /// cluster keeps here, the victim only until another node has taken it (see
-    /// `crate::planner::placement`). The default never does.
-    fn may_exceed(&mut self, _root: &str, _path: &str, _victim: &Key) -> bool {
-        false
+    /// How far a fill of `path` under `root` may go over the capacity instead of
+    /// evicting `victim`, in bytes (0: not at all): when both are copies the cluster
+    /// keeps here, the victim only until another node has taken it, by the copies this
+    /// node keeps for other nodes (see `crate::planner::placement`). The default: 0.
+    fn exchange_allowance(&mut self, _root: &str, _path: &str, _victim: &Key) -> u64 {
+        0
     }
 
     /// Every file, least recently used first.

@@ -818,11 +818,12 @@ impl Store {
                     return Err(StoreError::NoSpace);
                 };
                 // Two nodes exchanging the cluster's copies each need a file's room
-                // before the other lets go of its copy: a bounded overcommit, never past
-                // the free-space floor.
+                // before the other lets go of its copy: the cache may go over its
+                // capacity by the copies it keeps until other nodes take them (a
+                // bounded number, for a bounded time), never past the free-space floor.
                 if short == 0
-                    && wanted <= self.capacity + self.headroom()
-                    && policy.may_exceed(root, &stat.path, &victim)
+                    && wanted
+                        <= self.capacity + policy.exchange_allowance(root, &stat.path, &victim)
                 {
                     tracing::debug!(path = %stat.path, over = wanted - self.capacity, "over capacity for an exchange");
                     break;
@@ -868,12 +869,6 @@ impl Store {
     /// The cache's capacity in bytes.
     pub fn capacity(&self) -> u64 {
         self.capacity
-    }
-
-    /// How far over its capacity the cache may go while nodes exchange the cluster's
-    /// copies ([`EvictionPolicy::may_exceed`]): 1/16 of the capacity.
-    pub fn headroom(&self) -> u64 {
-        self.capacity / 16
     }
 
     /// Makes the data file of `key` exist durably; returns its generation.
