@@ -749,13 +749,16 @@ impl Jobs {
                 b.refill();
             }
             let mut fetches = Vec::new();
+            let mut claims: Vec<FileRef> = Vec::new();
             {
                 let mut p = lock(&self.planner);
                 let reads = p.reads();
                 ahead.retain(|_, due| reads < *due);
                 // First what the cluster placement moved here (the reads of the next
                 // rounds, and copies parked here), from the nodes that hold them.
-                for f in p.incoming(cfg.concurrency) {
+                let (moved, here) = p.incoming(cfg.concurrency);
+                claims.extend(here);
+                for f in moved {
                     if flights.len() + fetches.len() >= cfg.concurrency {
                         break;
                     }
@@ -791,6 +794,17 @@ impl Jobs {
             }
             drop(view);
             drop(sizes);
+            if let Some(peers) = self.peers.get() {
+                for f in claims {
+                    let root = &self.roots.get(f.root).name;
+                    if !store.is_cached(root, &f.path) {
+                        // Part of it only: the rest comes with the next round's fetches.
+                        fetches.push(f);
+                    } else if let Ok(stat) = meta.stat(f.root, &f.path) {
+                        peers.release(root, &stat);
+                    }
+                }
+            }
             for f in fetches {
                 let Ok(stat) = meta.stat(f.root, &f.path) else {
                     continue;
@@ -859,9 +873,7 @@ impl crate::peer::PlanHooks for Hooks {
     fn placed(&self, root: &str, path: &str) -> Option<Vec<String>> {
         let jobs = self.0.upgrade()?;
         let f = jobs.file_ref(root, path)?;
-        let p = lock(&jobs.planner);
-        tracing::debug!(path, state = %p.placement_debug(&f), "placed?");
-        p.sources(&f)
+        lock(&jobs.planner).sources(&f)
     }
 
     fn holders(&self, root: &str, path: &str) -> Vec<(String, u64)> {
@@ -1051,6 +1063,9 @@ impl EvictionPolicy for PlannedPolicy {
             let local =
                 |p: &Planner, k: &Key| evictable(k) && files.get(k).is_none_or(|f| !owned(p, f));
             if let Some(v) = choose(lru, keys, jobs, &local) {
+                if let Some(f) = files.get(&v) {
+                    tracing::trace!(path = %f.path, placement = %lock(&jobs.planner).describe_placement(f), "victim");
+                }
                 return Some(v);
             }
         }

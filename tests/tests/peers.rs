@@ -450,6 +450,7 @@ fn fetch_request(bed: &Bed, rel: &str, index: u64) -> proto::FetchRequest {
         block_size: BLOCK as u32,
         fill: false,
         keep: false,
+        release: false,
     }
 }
 

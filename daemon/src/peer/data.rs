@@ -264,6 +264,16 @@ impl DataServer {
 
     fn answer(&self, s: &mut TcpStream, req: &FetchRequest, data: &mut Vec<u8>) -> io::Result<()> {
         let svc = &self.svc;
+        if req.release {
+            svc.released(req);
+            let head = BlockHeader {
+                code: 0,
+                message: String::new(),
+                length: 0,
+                xxh3: xxhash_rust::xxh3::xxh3_64(&[]),
+            };
+            return wire::write_frame(s, &head);
+        }
         let got = serve_block(
             &svc.store,
             &svc.meta,

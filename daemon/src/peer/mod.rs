@@ -383,12 +383,40 @@ impl Peers {
                         slots.insert((j.job, peer.clone()), j.slots);
                     }
                 }
-                Ok(Err(e)) => tracing::debug!(peer = %peer, error = %e, "peer ranks: no answer"),
-                Err(_) => tracing::debug!(peer = %peer, "peer ranks: timed out"),
+                Ok(Err(e)) => {
+                    tracing::debug!(peer = %peer, error = %e, "peer ranks: no answer");
+                    self.keep_ranks_of(&peer, &mut map, &mut slots);
+                }
+                Err(_) => {
+                    tracing::debug!(peer = %peer, "peer ranks: timed out");
+                    self.keep_ranks_of(&peer, &mut map, &mut slots);
+                }
             }
         }
         *self.ranks.lock().unwrap_or_else(|e| e.into_inner()) = map;
         *self.slots.lock().unwrap_or_else(|e| e.into_inner()) = slots;
+    }
+
+    /// Keeps what a healthy peer that did not answer this time said last time (a busy
+    /// peer is not a changed one: the cluster placement stays as it is).
+    fn keep_ranks_of(
+        &self,
+        peer: &str,
+        map: &mut HashMap<(String, u64), String>,
+        slots: &mut HashMap<(String, String), u64>,
+    ) {
+        let old = self.ranks.lock().unwrap_or_else(|e| e.into_inner());
+        map.extend(
+            old.iter()
+                .filter(|(_, n)| n.as_str() == peer)
+                .map(|(k, n)| (k.clone(), n.clone())),
+        );
+        let old = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        slots.extend(
+            old.iter()
+                .filter(|((_, n), _)| n.as_str() == peer)
+                .map(|(k, v)| (k.clone(), *v)),
+        );
     }
 
     /// The cluster layout of shuffle `job` over `world` ranks, once every rank's node
@@ -445,6 +473,39 @@ impl Peers {
         }
         out.truncate(MAX_HOLDERS);
         out
+    }
+
+    /// Tells the nodes the cluster placement says held file `stat` under `root` before
+    /// this node (which has it whole and keeps it now) that their copies may go: they
+    /// keep a copy they were moved away from until its new holder took it, and this one
+    /// did not need to fetch it. Best effort: a node that does not answer keeps its copy
+    /// a little longer.
+    pub fn release(&self, root: &str, stat: &Stat) {
+        let Some(sources) = self.plans.get().and_then(|p| p.placed(root, &stat.path)) else {
+            return;
+        };
+        let (healthy, me) = self.view();
+        let v = &stat.version;
+        let req = proto::FetchRequest {
+            root: root.to_owned(),
+            path: stat.path.clone(),
+            size: v.size,
+            mtime_ns: v.mtime_ns,
+            ctime_ns: v.ctime_ns,
+            ino: v.ino,
+            dev: v.dev,
+            index: 0,
+            block_size: self.block_size,
+            fill: false,
+            keep: true,
+            release: true,
+        };
+        let mut buf = Vec::new();
+        for s in sources.iter().filter(|s| **s != me && healthy.contains(s)) {
+            if let Err(e) = self.fetch_from(s, &req, 0, Instant::now() + self.timeout, &mut buf) {
+                tracing::debug!(peer = %s, path = %stat.path, error = %e, "release not delivered");
+            }
+        }
     }
 
     /// True when the cluster placement places the file and not on this node (a
@@ -525,6 +586,7 @@ impl Peers {
             block_size: self.block_size,
             fill,
             keep,
+            release: false,
         };
         let (healthy, me) = self.view();
         if let Some(sources) = self.plans.get().and_then(|p| p.placed(root, &stat.path)) {

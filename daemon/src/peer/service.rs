@@ -112,6 +112,14 @@ impl Service {
         add(&self.stats.peer_bytes_out, len as u64);
     }
 
+    /// A peer that holds the whole file keeps it as the cluster's copy: this node's copy
+    /// is handed over (see `PlanHooks::handed`).
+    pub(super) fn released(&self, r: &FetchRequest) {
+        if let Some(p) = self.plans.get() {
+            p.handed(&r.root, &r.path);
+        }
+    }
+
     /// Counts a block served to a peer that keeps it; when it has had every block of
     /// the file, this node's copy is handed over (see `PlanHooks::handed`).
     fn count_handoff(&self, key: Key, root: &str, path: &str, index: u64, nblocks: u64) {

@@ -163,9 +163,27 @@ struct Job {
     placement: Option<placement::Placement>,
 }
 
-/// Rounds the cluster placement runs ahead of the job's position: the moves it decides
-/// for a round start this many rounds before the round is read.
-pub const PLACEMENT_LOOKAHEAD: u64 = 8;
+/// Rounds the cluster placement runs ahead of the job's position, at most: the moves it
+/// decides for a round start this many rounds before the round is read.
+pub const PLACEMENT_LOOKAHEAD: u64 = 16;
+
+/// The lookahead for a layout: [`PLACEMENT_LOOKAHEAD`], less when the files a node reads
+/// within it (which stay where they are read) would take more than a quarter of the
+/// smallest node's slots; 2 at least.
+fn lookahead_for(l: &placement::Layout) -> u64 {
+    let per_node = (0..l.nodes.len())
+        .map(|n| {
+            l.node_of_rank
+                .iter()
+                .filter(|r| **r == Some(n as u16))
+                .count() as u64
+        })
+        .max()
+        .unwrap_or(1)
+        .max(1);
+    let slots = l.slots.iter().copied().min().unwrap_or(0);
+    (slots / (4 * per_node)).clamp(2, PLACEMENT_LOOKAHEAD)
+}
 
 /// A member list and the index in it of each file's owner.
 type Owners = (Vec<String>, Arc<Vec<u16>>);
@@ -741,7 +759,10 @@ impl Planner {
             return;
         }
         tracing::debug!(job = %id, layout = ?layout, "cluster placement layout");
-        job.placement = layout.map(|l| placement::Placement::new(walk, l, me, PLACEMENT_LOOKAHEAD));
+        job.placement = layout.map(|l| {
+            let lookahead = lookahead_for(&l);
+            placement::Placement::new(walk, l, me, lookahead)
+        });
         job.sync_placement();
     }
 
@@ -771,50 +792,39 @@ impl Planner {
         out
     }
 
-    /// At most how many copies this node keeps for other nodes now, per job (see
-    /// [`placement::Placement::departing`]).
+    /// How many resident copies this node keeps for other nodes now, per job (files the
+    /// placement moved away from it that their new holder has not taken yet).
     pub fn departing(&self) -> Vec<(String, usize)> {
         self.jobs
             .iter()
-            .filter_map(|j| j.placement.as_ref().map(|p| (j.id.clone(), p.departing())))
+            .filter_map(|j| {
+                let p = j.placement.as_ref()?;
+                let n = p
+                    .departing()
+                    .filter(|&i| {
+                        !j.handed.contains(&i) && self.resident.contains_key(&j.files[i as usize])
+                    })
+                    .count();
+                Some((j.id.clone(), n))
+            })
             .collect()
     }
 
-    /// Debugging: resident files by protection (mine, owed, other).
-    pub fn protection_counts(&self) -> (usize, usize, usize) {
-        let (mut mine, mut owed, mut other) = (0, 0, 0);
-        for f in self.resident.keys() {
-            for &(j, i) in self.files.get(f).into_iter().flatten() {
-                let job = &self.jobs[j];
-                if let Some(p) = &job.placement {
-                    if p.is_mine(i) {
-                        mine += 1;
-                    } else if p.is_owed(i) && !job.handed.contains(&i) {
-                        owed += 1;
-                    } else {
-                        other += 1;
-                    }
-                }
-            }
-        }
-        (mine, owed, other)
-    }
-
-    /// Debugging: where the placements put `f`.
-    pub fn placement_debug(&self, f: &FileRef) -> String {
+    /// Where the cluster placements put `f`, for debug logs.
+    pub fn describe_placement(&self, f: &FileRef) -> String {
         let mut out = String::new();
         for &(j, i) in self.files.get(f).into_iter().flatten() {
             let job = &self.jobs[j];
             if let Some(p) = &job.placement {
                 out += &format!(
-                    "round {} placed {} file {i} frombacking {} holder {:?} earlier {:?} mine {} owed {}; ",
-                    job.round(),
+                    "{}: round {} holder {:?} before {:?} mine {} owed {} handed {}; ",
+                    job.id,
                     p.placed(),
-                    p.from_backing(i),
                     p.holder(i),
                     p.earlier(i).collect::<Vec<_>>(),
                     p.is_mine(i),
-                    p.is_owed(i)
+                    p.is_owed(i),
+                    job.handed.contains(&i)
                 );
             }
         }
@@ -853,10 +863,11 @@ impl Planner {
         out
     }
 
-    /// Files the placements moved onto this node that are not resident, oldest move
-    /// first, at most `max`.
-    pub fn incoming(&mut self, max: usize) -> Vec<FileRef> {
-        let mut out = Vec::new();
+    /// Files the placements moved onto this node that are not resident, the reads of
+    /// this node first, at most `max`; and those that were resident already (their
+    /// earlier holders may let go of their copies: see [`crate::peer::Peers::release`]).
+    pub fn incoming(&mut self, max: usize) -> (Vec<FileRef>, Vec<FileRef>) {
+        let (mut out, mut claimed) = (Vec::new(), Vec::new());
         let resident = &self.resident;
         for job in &mut self.jobs {
             let files = job.files.clone();
@@ -864,11 +875,17 @@ impl Planner {
                 continue;
             };
             let want = max.saturating_sub(out.len());
-            for i in p.incoming(want, &|i| !resident.contains_key(&files[i as usize])) {
+            let mut here = Vec::new();
+            for i in p.incoming(
+                want,
+                &|i| !resident.contains_key(&files[i as usize]),
+                &mut here,
+            ) {
                 out.push(files[i as usize].clone());
             }
+            claimed.extend(here.into_iter().map(|i| files[i as usize].clone()));
         }
-        out
+        (out, claimed)
     }
 
     /// The files of job `id`, in manifest order (shared: cloning is cheap, so callers

@@ -94,7 +94,7 @@ pub struct Placement {
     at: u64,
     /// The rounds of the latest moves away from this node (those of the last two
     /// lookaheads: the copies it may still keep for their new holders).
-    departures: VecDeque<u64>,
+    departures: VecDeque<(u64, u32)>,
     /// Each held file's key: the absolute world position of its next read.
     key: Vec<u64>,
     /// The round after each file's last read (0: not read yet).
@@ -103,7 +103,10 @@ pub struct Placement {
     all: BTreeSet<(u64, u32)>,
     epochs: Vec<(u64, Arc<EpochIndex>)>,
     /// Files moved onto this node, in the order they were, for the prefetcher.
-    incoming: VecDeque<u32>,
+    /// With the round of this node's read it came for (`u64::MAX`: parked here).
+    incoming: VecDeque<(u32, u64)>,
+    /// Set while placing a read by this node (the round), for `set_holder`.
+    reading: u64,
     /// What the placed reads found.
     pub stats: SimStats,
 }
@@ -121,6 +124,10 @@ pub struct SimStats {
     /// Copies moved from one node to another (reads' and swaps').
     pub moves: u64,
 }
+
+/// Lookaheads a node keeps a copy the placement moved away from it, at most, when the
+/// new holder neither took it nor said it has one.
+const OWED_LOOKAHEADS: u64 = 4;
 
 /// Key of a file not read again within the current and next epoch.
 const NEVER: u64 = u64::MAX;
@@ -152,6 +159,7 @@ impl Placement {
             all: BTreeSet::new(),
             epochs: Vec::new(),
             incoming: VecDeque::new(),
+            reading: u64::MAX,
             stats: SimStats::default(),
             layout,
         }
@@ -250,7 +258,7 @@ impl Placement {
             self.held[to as usize].insert((k, f));
             self.all.insert((k, f));
             if Some(to) == self.me {
-                self.incoming.push_back(f);
+                self.incoming.push_back((f, self.reading));
             }
         }
         if from != NONE && to != NONE {
@@ -260,11 +268,12 @@ impl Placement {
             // Dropped (nobody will take a copy), or this node's own.
             0
         } else if Some(from) == self.me {
-            // The new holder fetches it when its readers are where this node's are,
-            // within a round or two; the copy is kept two lookaheads at most.
-            let until = self.at + 2 * self.lookahead.max(1);
-            self.departures.push_back(until);
-            while self.departures.front().is_some_and(|&u| u <= self.at) {
+            // The new holder fetches it (or says it has it) when its readers are where
+            // this node's are, within a round or two; the copy is kept four lookaheads
+            // at most.
+            let until = self.at + OWED_LOOKAHEADS * self.lookahead.max(1);
+            self.departures.push_back((until, f));
+            while self.departures.front().is_some_and(|&(u, _)| u <= self.at) {
                 self.departures.pop_front();
             }
             until
@@ -365,7 +374,9 @@ impl Placement {
             }
         }
         self.stats.local += 1;
+        self.reading = round;
         self.set_holder(f, n);
+        self.reading = u64::MAX;
         self.rekey(f, after);
     }
 
@@ -377,7 +388,7 @@ impl Placement {
         while self.next < end {
             let k = self.next;
             self.at = k;
-            if k % rounds == 0 && k > 0 {
+            if k.is_multiple_of(rounds) && k > 0 {
                 self.rekey_never(k * self.walk.world);
             }
             let base = k * self.walk.world;
@@ -423,11 +434,6 @@ impl Placement {
         self.node(self.prev.get(f as usize)?[0])
     }
 
-    /// True when `f` came to its holder from the backing store (no node held it).
-    pub fn from_backing(&self, f: u32) -> bool {
-        self.prev.get(f as usize).is_some_and(|p| p[0] == NONE)
-    }
-
     /// The nodes that held `f` before, most recent first (up to 3).
     pub fn earlier(&self, f: u32) -> impl Iterator<Item = &str> {
         self.prev
@@ -449,16 +455,19 @@ impl Placement {
 
     /// True when the placement moved `f` from this node to another that has not taken
     /// it yet ([`Placement::discharge`]): this node keeps its copy (the cluster's only
-    /// one, perhaps) until then, or until the readers are two lookaheads past the move
-    /// (the new holder took it from another node, or already had a copy of its own).
+    /// one, perhaps) until then, or until the readers are four lookaheads past the move
+    /// (a new holder that had gone, say).
     pub fn is_owed(&self, f: u32) -> bool {
         self.owed.get(f as usize).is_some_and(|&u| u > self.next)
     }
 
-    /// At most how many copies this node keeps for other nodes now (the files moved
-    /// away from it within the last two lookaheads).
-    pub fn departing(&self) -> usize {
-        self.departures.iter().filter(|&&u| u > self.next).count()
+    /// The files moved away from this node that it may still keep for their new
+    /// holders (see [`Placement::is_owed`]; some may have been taken already).
+    pub fn departing(&self) -> impl Iterator<Item = u32> + '_ {
+        self.departures
+            .iter()
+            .filter(|&&(u, f)| u > self.next && self.owed[f as usize] == u)
+            .map(|&(_, f)| f)
     }
 
     /// Another node took this node's copy of `f` to keep, or the copy is gone.
@@ -474,21 +483,34 @@ impl Placement {
             || self.prev.get(f as usize).is_some_and(|h| h[0] != NONE)
     }
 
-    /// Files moved onto this node that `keep` says are still wanted, oldest first, at
-    /// most `max`; the others are dropped from the queue.
-    pub fn incoming(&mut self, max: usize, keep: &dyn Fn(u32) -> bool) -> Vec<u32> {
-        let mut out = Vec::new();
+    /// Files moved onto this node, at most `max`, that `fetch` says are to be fetched
+    /// (not here yet): the ones this node reads first, soonest first, then the copies
+    /// parked here, in the order they came (a read has a deadline, a parked copy only
+    /// frees its sender's room). Those already here go to `claimed` (their earlier
+    /// holders are told to let go of theirs) and leave the queue, as do the files the
+    /// placement moved on since.
+    pub fn incoming(
+        &mut self,
+        max: usize,
+        fetch: &dyn Fn(u32) -> bool,
+        claimed: &mut Vec<u32>,
+    ) -> Vec<u32> {
+        let mut wanted: Vec<(u64, usize, u32)> = Vec::new();
         let mut i = 0;
-        while i < self.incoming.len() && out.len() < max {
-            let f = self.incoming[i];
-            if self.is_mine(f) && keep(f) {
-                out.push(f);
-                i += 1;
-            } else {
+        while i < self.incoming.len() {
+            let (f, round) = self.incoming[i];
+            if !self.is_mine(f) || wanted.iter().any(|w| w.2 == f) {
                 self.incoming.remove(i);
+            } else if !fetch(f) {
+                claimed.push(f);
+                self.incoming.remove(i);
+            } else {
+                wanted.push((round, i, f));
+                i += 1;
             }
         }
-        out
+        wanted.sort_unstable();
+        wanted.into_iter().take(max).map(|w| w.2).collect()
     }
 
     /// Files held per node (for tests and status).
