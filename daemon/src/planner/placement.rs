@@ -573,6 +573,84 @@ mod tests {
     }
 
     #[test]
+    fn a_copy_moved_away_is_kept_until_taken_or_four_lookaheads_later() {
+        let walk = Walk {
+            files: 40,
+            seed: 5,
+            first: 0,
+            epochs: 4,
+            world: 2,
+            drop_last: false,
+        };
+        let l = 2;
+        let mut a = Placement::new(walk, layout(2, 20), "n0", l);
+        let mut checked = 0;
+        for round in 1..70 {
+            let before: Vec<Option<String>> =
+                (0..40).map(|f| a.holder(f).map(str::to_owned)).collect();
+            a.advance(round);
+            for f in 0..40u32 {
+                let moved_away = before[f as usize].as_deref() == Some("n0")
+                    && a.holder(f).is_some_and(|h| h != "n0");
+                if moved_away {
+                    assert!(a.is_owed(f), "file {f} moved away in round {round}");
+                    assert!(a.departing().any(|x| x == f));
+                    checked += 1;
+                }
+                if a.is_owed(f) {
+                    assert!(!a.is_mine(f), "a file held here is not owed");
+                }
+            }
+        }
+        assert!(checked > 10, "only {checked} moves away seen");
+        // Copies moved away long ago are not kept any more.
+        let owed_now: Vec<u32> = (0..40).filter(|&f| a.is_owed(f)).collect();
+        a.advance(70 + OWED_LOOKAHEADS * l);
+        for f in owed_now {
+            assert!(
+                !a.is_owed(f) || a.departing().any(|x| x == f),
+                "file {f} still kept"
+            );
+        }
+        // Taken: nothing is owed any more.
+        for f in 0..40 {
+            a.discharge(f);
+            assert!(!a.is_owed(f));
+        }
+    }
+
+    #[test]
+    fn incoming_lists_this_nodes_reads_first_and_claims_what_is_here() {
+        let walk = Walk {
+            files: 60,
+            seed: 1,
+            first: 0,
+            epochs: 3,
+            world: 3,
+            drop_last: false,
+        };
+        let mut p = Placement::new(walk, layout(3, 20), "n1", 4);
+        p.advance(walk.rounds() + 6);
+        let queued: Vec<(u32, u64)> = p.incoming.iter().copied().collect();
+        assert!(queued.iter().any(|q| q.1 == u64::MAX), "no parked copy");
+        assert!(queued.iter().any(|q| q.1 != u64::MAX), "no read");
+        // Pretend the first queued file is here already: it is claimed, not fetched.
+        let here = queued.iter().find(|q| p.is_mine(q.0)).unwrap().0;
+        let mut claimed = Vec::new();
+        let got = p.incoming(usize::MAX, &|f| f != here, &mut claimed);
+        assert_eq!(claimed, vec![here]);
+        assert!(!got.contains(&here));
+        assert!(got.iter().all(|&f| p.is_mine(f)));
+        let rounds: Vec<u64> = got
+            .iter()
+            .map(|f| queued.iter().find(|q| q.0 == *f).unwrap().1)
+            .collect();
+        let mut sorted = rounds.clone();
+        sorted.sort_unstable();
+        assert_eq!(rounds, sorted, "reads first, soonest first, then parked");
+    }
+
+    #[test]
     fn every_node_computes_the_same_placement() {
         let walk = Walk {
             files: 100,

@@ -442,3 +442,56 @@ fn plan_owners_are_balanced_and_shared_by_every_node() {
         .unwrap();
     assert_eq!(p.plan_owner(&fs[0], &members, &id), None, "not a shuffle");
 }
+
+#[test]
+fn a_cluster_placement_protects_what_it_puts_here_and_says_where_the_rest_is() {
+    let (n, world) = (40usize, 2u64);
+    let fs = files(n);
+    let layout = placement::Layout {
+        nodes: vec!["a".into(), "b".into()],
+        node_of_rank: vec![Some(0), Some(1)],
+        slots: vec![20, 20],
+    };
+    let mut p = Planner::new();
+    p.register("j", fs.clone(), shuffle_of(world, vec![0], 3))
+        .unwrap();
+    assert_eq!(p.protects(&fs[0]), None, "no placement yet");
+    assert_eq!(p.sources(&fs[0]), None);
+    p.set_layout("j", Some(layout.clone()), "a");
+    assert_eq!(p.layout("j"), Some(&layout));
+    // Every file this node reads within the lookahead is moved here first.
+    let (moved, claimed) = p.incoming(usize::MAX);
+    assert!(claimed.is_empty());
+    let first = shuffle::rank_order(n as u64, 7, 0, world, 0, false)[0] as usize;
+    assert_eq!(moved[0], fs[first], "this node's first read comes first");
+    assert!(p.is_mine(&fs[first]));
+    assert_eq!(p.protects(&fs[first]), Some(true));
+    // From the backing store: no node held it before.
+    assert_eq!(p.sources(&fs[first]), Some(Vec::new()));
+    // The other node's first read is placed there: fetched from there, not kept here.
+    let theirs = shuffle::rank_order(n as u64, 7, 0, world, 1, false)[0] as usize;
+    assert!(!p.is_mine(&fs[theirs]));
+    assert_eq!(p.sources(&fs[theirs]), Some(vec!["b".to_owned()]));
+    p.set_resident(&fs[theirs], true);
+    assert_eq!(p.protects(&fs[theirs]), Some(false), "a local copy");
+    // Reading through the plan keeps the placement ahead of the position: once this
+    // node's copies are moved away, they are kept until taken.
+    let order: Vec<usize> = (0..2)
+        .flat_map(|e| shuffle::rank_order(n as u64, 7, e, world, 0, false))
+        .map(|f| f as usize)
+        .collect();
+    for &f in &order {
+        p.set_resident(&fs[f], true);
+        p.on_access(&fs[f], 1);
+    }
+    let kept: Vec<usize> = (0..n)
+        .filter(|&f| !p.is_mine(&fs[f]) && p.protects(&fs[f]) == Some(true))
+        .collect();
+    for &f in &kept {
+        p.set_handed(&fs[f]);
+        assert_eq!(p.protects(&fs[f]), Some(false), "file {f} taken: not kept");
+    }
+    // A new layout starts over; none clears the placement.
+    p.set_layout("j", None, "a");
+    assert_eq!(p.protects(&fs[first]), None);
+}
