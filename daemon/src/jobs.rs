@@ -410,8 +410,16 @@ impl Jobs {
                 lock(&self.slots).insert(job.clone(), slots);
                 lock(&self.means).insert(job.clone(), mean);
             }
-            let layout = peers.layout(&job, world);
-            lock(&self.planner).set_layout(&job, layout, &me);
+            let Some(layout) = peers.layout(&job, world) else {
+                lock(&self.planner).set_layout(&job, None, &me);
+                continue;
+            };
+            let made = lock(&self.planner).placement_for(&job, layout, &me);
+            if let Some((mut p, target)) = made {
+                // The replay from the start of the plan, without the planner lock.
+                p.advance(target);
+                lock(&self.planner).install_placement(&job, p);
+            }
         }
     }
 

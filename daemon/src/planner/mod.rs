@@ -748,21 +748,56 @@ impl Planner {
     /// it; `me` is this node. A new layout starts the placement over from the start of
     /// the plan (every node does the same) and brings it to the job's position.
     pub fn set_layout(&mut self, id: &str, layout: Option<placement::Layout>, me: &str) {
-        let Some(job) = self.job_mut(id) else { return };
-        let Some(walk) = job.walk() else { return };
-        let same = match (&job.placement, &layout) {
-            (Some(p), Some(l)) => p.layout() == l && p.me() == me,
-            (None, None) => true,
-            _ => false,
+        let Some(layout) = layout else {
+            if let Some(job) = self.job_mut(id)
+                && job.placement.take().is_some()
+            {
+                tracing::debug!(job = %id, "cluster placement off");
+            }
+            return;
         };
-        if same {
+        if let Some((p, _)) = self.placement_for(id, layout, me) {
+            self.install_placement(id, p);
+        }
+    }
+
+    /// A new placement for shuffle `id` under `layout` (see [`Planner::set_layout`]),
+    /// with the round to bring it to: `None` when the job has that placement already (or
+    /// is not a shuffle). The replay ([`placement::Placement::advance`]) may take a while
+    /// for a long plan: callers run it without the planner lock, then
+    /// [`Planner::install_placement`].
+    pub fn placement_for(
+        &self,
+        id: &str,
+        layout: placement::Layout,
+        me: &str,
+    ) -> Option<(placement::Placement, u64)> {
+        let job = self.jobs.iter().find(|j| j.id == id)?;
+        let walk = job.walk()?;
+        if job
+            .placement
+            .as_ref()
+            .is_some_and(|p| *p.layout() == layout && p.me() == me)
+        {
+            return None;
+        }
+        let lookahead = lookahead_for(&layout);
+        let target = job.round() + lookahead;
+        Some((
+            placement::Placement::new(walk, layout, me, lookahead),
+            target,
+        ))
+    }
+
+    /// Installs a placement made by [`Planner::placement_for`] (and brought forward) for
+    /// shuffle `id`, and brings it to the job's position.
+    pub fn install_placement(&mut self, id: &str, p: placement::Placement) {
+        let Some(job) = self.job_mut(id) else { return };
+        if job.walk().is_none() {
             return;
         }
-        tracing::debug!(job = %id, layout = ?layout, "cluster placement layout");
-        job.placement = layout.map(|l| {
-            let lookahead = lookahead_for(&l);
-            placement::Placement::new(walk, l, me, lookahead)
-        });
+        tracing::debug!(job = %id, layout = ?p.layout(), "cluster placement layout");
+        job.placement = Some(p);
         job.sync_placement();
     }
 
