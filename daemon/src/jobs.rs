@@ -562,12 +562,18 @@ impl Jobs {
         let prefetching = self.prefetching.load(Ordering::Relaxed);
         let mut out = Vec::new();
         for (job, files, u, rate) in info {
-            let (pos, len, upcoming) = {
+            let (pos, len, upcoming, placed) = {
                 let mut p = lock(&self.planner);
+                let placed = p.placement_status(&job).unwrap_or_default();
                 let pos = p.position(&job).unwrap_or_default();
                 let len = p.epoch_len(&job).unwrap_or_default();
                 let left = (len as u64).saturating_sub(pos.1).max(1) as usize;
-                (pos, len, p.upcoming_of(&job, left.min(STATUS_WINDOW)))
+                (
+                    pos,
+                    len,
+                    p.upcoming_of(&job, left.min(STATUS_WINDOW)),
+                    placed,
+                )
             };
             let (mut window, mut window_bytes, mut resident, mut resident_bytes) = (0, 0, 0, 0);
             for f in &upcoming {
@@ -601,6 +607,10 @@ impl Jobs {
                 fallback_seconds: u.fallback_ns as f64 / 1e9,
                 rate: rate.unwrap_or(0.0),
                 prefetching,
+                placement_nodes: placed.0,
+                placement_slots: placed.1,
+                placement_here: placed.2,
+                placement_departing: placed.3,
             });
         }
         out

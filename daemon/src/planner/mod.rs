@@ -801,6 +801,26 @@ impl Planner {
         job.sync_placement();
     }
 
+    /// The cluster placement of job `id` as `shardcache status` shows it: (nodes, this
+    /// node's slots, files placed here, copies kept for other nodes); `None` when off.
+    pub fn placement_status(&self, id: &str) -> Option<(u64, u64, u64, u64)> {
+        let job = self.jobs.iter().find(|j| j.id == id)?;
+        let p = job.placement.as_ref()?;
+        let (slots, here) = p.mine();
+        let departing = p
+            .departing()
+            .filter(|&i| {
+                !job.handed.contains(&i) && self.resident.contains_key(&job.files[i as usize])
+            })
+            .count();
+        Some((
+            p.layout().nodes.len() as u64,
+            slots,
+            here as u64,
+            departing as u64,
+        ))
+    }
+
     /// The cluster layout a shuffle's placement uses, if any.
     pub fn layout(&self, id: &str) -> Option<&placement::Layout> {
         self.jobs

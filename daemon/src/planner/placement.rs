@@ -513,6 +513,13 @@ impl Placement {
         wanted.into_iter().take(max).map(|w| w.2).collect()
     }
 
+    /// This node's slots and the files placed on it now (0, 0 when it runs no rank).
+    pub fn mine(&self) -> (u64, usize) {
+        self.me.map_or((0, 0), |m| {
+            (self.layout.slots[m as usize], self.held[m as usize].len())
+        })
+    }
+
     /// Files held per node (for tests and status).
     pub fn counts(&self) -> Vec<usize> {
         self.held.iter().map(BTreeSet::len).collect()

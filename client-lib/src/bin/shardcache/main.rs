@@ -327,6 +327,14 @@ fn status_text(s: &pb::StatusReply) -> String {
             s.peer_id,
             s.peers.len()
         ));
+        for j in &s.jobs {
+            if j.placement_nodes > 0 {
+                out.push_str(&format!(
+                    "  job {}: placed over {} nodes; here {} of {} slots, {} copies kept until other nodes take them\n",
+                    j.job, j.placement_nodes, j.placement_here, j.placement_slots, j.placement_departing
+                ));
+            }
+        }
         let mut t = Table::new(&[
             ("PEER", Align::Left),
             ("STATE", Align::Left),
@@ -981,6 +989,10 @@ mod tests {
                 window_resident_bytes: 1 << 30,
                 hit_bytes: 3,
                 filled_bytes: 1,
+                placement_nodes: 4,
+                placement_slots: 60,
+                placement_here: 58,
+                placement_departing: 2,
                 ..Default::default()
             }],
             peer_id: "node-a".into(),
@@ -1032,6 +1044,12 @@ mod tests {
             "{job}"
         );
         assert!(job.contains("75.0%"), "hit ratio: {job}");
+        assert!(
+            text.contains(
+                "  job resnet: placed over 4 nodes; here 58 of 60 slots, 2 copies kept until other nodes take them\n"
+            ),
+            "{text}"
+        );
         let down = text.lines().find(|l| l.contains("node-b")).unwrap();
         assert!(down.contains("DOWN") && down.contains("never"), "{down}");
         // The reads table: numbers right-aligned in one column.
