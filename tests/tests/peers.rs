@@ -351,6 +351,14 @@ fn a_distributed_shuffle_reads_the_backing_store_once_per_cluster() {
             );
         }
     }
+    // Every node runs the job's cluster placement over the 3 nodes, and holds at most
+    // its slots (its capacity in files) of it.
+    for (i, client) in (0..3).map(|r| (r, bed.node_client(r))) {
+        let job = client.status().unwrap().jobs.into_iter().next().unwrap();
+        assert_eq!(job.placement_nodes, 3, "node {i}: {job:?}");
+        assert_eq!(job.placement_slots, n / 2, "node {i}: {job:?}");
+        assert!(job.placement_here <= n / 2, "node {i}: {job:?}");
+    }
 }
 
 #[test]
