@@ -9,6 +9,7 @@
 //! - [`meta`]: backing roots and the metadata cache (the TTL that spares the shared file
 //!   system a stat per open);
 //! - [`access`]: who may read what through the cache;
+//! - [`checksum`]: the block checksum (XXH3-64) the store records and peers check;
 //! - [`store`]: blocks on NVMe, the index journal, capacity and eviction;
 //! - [`fill`]: single-flight block fills with a bounded priority queue;
 //! - [`server`]: the local Unix-socket API (descriptors, not bytes);
@@ -18,6 +19,7 @@
 
 pub mod access;
 pub mod backing;
+pub mod checksum;
 pub mod config;
 pub mod daemon;
 pub mod fill;

@@ -270,7 +270,7 @@ impl DataServer {
                 code: 0,
                 message: String::new(),
                 length: 0,
-                xxh3: xxhash_rust::xxh3::xxh3_64(&[]),
+                xxh3: crate::checksum::block_xxh3(&[]),
             };
             return wire::write_frame(s, &head);
         }

@@ -29,7 +29,6 @@ use std::time::{Duration, Instant};
 
 use tonic::metadata::AsciiMetadataValue;
 use tonic::transport::{Channel, Endpoint};
-use xxhash_rust::xxh3::Xxh3;
 
 use crate::backing::Stat;
 use crate::fill::Filler;
@@ -804,7 +803,7 @@ fn exchange(
     // Every byte is overwritten below: with a buffer kept from the last block (the same
     // length, most often) this is free. Each piece is hashed while it is in cache.
     data.resize(len, 0);
-    let mut hash = Xxh3::new();
+    let mut hash = crate::checksum::BlockHasher::new();
     let mut at = 0;
     while at < len {
         let t = left(deadline).map_err(|e| midway(e.to_string()))?;

@@ -39,9 +39,10 @@ use std::time::Instant;
 
 use shardcache_proto::store::v1 as jpb;
 use shardcache_proto::store::v1::record::Kind;
-use xxhash_rust::xxh3::{xxh3_64, xxh3_128};
+use xxhash_rust::xxh3::xxh3_128;
 
 use crate::backing::{Stat, Version};
+use crate::checksum::{BlockHasher, block_xxh3};
 use crate::config::SizeSpec;
 use crate::stats::{Stats, add, inc};
 use evict::{EvictionPolicy, Lru};
@@ -697,7 +698,7 @@ impl Store {
         // Every byte is overwritten by the reads below: only growth is zero-filled.
         buf.resize(meta.len as usize, 0);
         let base = i as u64 * bs as u64;
-        let mut hash = xxhash_rust::xxh3::Xxh3::new();
+        let mut hash = BlockHasher::new();
         for (n, piece) in buf.chunks_mut(PIECE).enumerate() {
             f.read_exact_at(piece, base + (n * PIECE) as u64).ok()?;
             hash.update(piece);
@@ -947,7 +948,7 @@ impl Store {
         f.sync_data()?;
         let meta = BlockMeta {
             len: permit.len,
-            xxh3: xxh3_64(data),
+            xxh3: block_xxh3(data),
             verified: true,
         };
         self.journal.append(&Record::block_added(
@@ -1011,7 +1012,7 @@ impl Store {
             let b = &mut buf[..meta.len as usize];
             let ok = match &file {
                 Ok(f) => {
-                    f.read_exact_at(b, i as u64 * bs as u64).is_ok() && xxh3_64(b) == meta.xxh3
+                    f.read_exact_at(b, i as u64 * bs as u64).is_ok() && block_xxh3(b) == meta.xxh3
                 }
                 Err(_) => false,
             };
