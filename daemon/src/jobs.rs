@@ -707,10 +707,12 @@ impl Jobs {
                     // A copy the cluster placement gives this node is asked for again
                     // soon (it was turned away while exchanges were under way: the
                     // room comes back as peers take their copies).
+                    let now = Instant::now();
                     let at = if lock(&self.planner).is_mine(f) {
-                        Instant::now() - (DECLINED_BACKOFF - PLACED_BACKOFF)
+                        now.checked_sub(DECLINED_BACKOFF - PLACED_BACKOFF)
+                            .unwrap_or(now)
                     } else {
-                        Instant::now()
+                        now
                     };
                     declined.insert(f.clone(), at);
                     prefetched.remove(f);
@@ -816,8 +818,10 @@ impl Jobs {
                 for f in claims {
                     let root = &self.roots.get(f.root).name;
                     if !store.is_cached(root, &f.path) {
-                        // Part of it only: the rest comes with the next round's fetches.
-                        fetches.push(f);
+                        // Part of it only: the rest is fetched now.
+                        if !flights.contains_key(&f) && !fetches.contains(&f) {
+                            fetches.push(f);
+                        }
                     } else if let Ok(stat) = meta.stat(f.root, &f.path) {
                         peers.release(root, &stat);
                     }

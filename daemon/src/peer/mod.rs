@@ -552,13 +552,17 @@ impl Peers {
             })
     }
 
-    /// Block `index` of the file version `stat` under `root`, from the cluster: first
-    /// from the node the plan says read the file last (it likely holds it), then from
-    /// the file's owner, which fills it from the backing store if no node has it (once
-    /// for the cluster). `None` when this node owns it and no other node read it last,
-    /// or the peers failed (the caller reads the backing store; `buf`'s contents are then
+    /// Block `index` of the file version `stat` under `root`, from the cluster. Under a
+    /// cluster placement (see [`crate::planner::placement`]): from the node holding the
+    /// cluster's copy and the ones that held it before, never filled there (no node
+    /// holding it: the placement gave the backing read to this node, once for the
+    /// cluster). Otherwise: first from the nodes the plan says read the file last or
+    /// read it next (they likely hold it), then from the file's owner, which fills it
+    /// from the backing store if no node has it (once for the cluster). False when no
+    /// peer supplied it (the caller reads the backing store; `buf`'s contents are then
     /// unspecified). `keep`: the caller stores the block in its cache (the sender's copy
-    /// may then go). The block lands in `buf` (a buffer kept from one block to the next
+    /// may then go; under a placement only when the placement gave the file to this
+    /// node). The block lands in `buf` (a buffer kept from one block to the next
     /// spares an allocation and its page faults per block).
     pub fn fetch(
         &self,

@@ -793,8 +793,8 @@ impl Planner {
     /// shuffle `id`, and brings it to the job's position.
     pub fn install_placement(&mut self, id: &str, p: placement::Placement) {
         let Some(job) = self.job_mut(id) else { return };
-        if job.walk().is_none() {
-            return;
+        if job.walk() != Some(p.walk()) {
+            return; // registered again meanwhile, with another plan
         }
         tracing::debug!(job = %id, layout = ?p.layout(), "cluster placement layout");
         job.placement = Some(p);

@@ -49,7 +49,7 @@ pub struct Layout {
 }
 
 /// The shuffle the simulation walks.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Walk {
     /// Files in the manifest.
     pub files: u64,
@@ -173,6 +173,11 @@ impl Placement {
             &self.me_name,
             self.lookahead,
         )
+    }
+
+    /// The shuffle it walks.
+    pub fn walk(&self) -> Walk {
+        self.walk
     }
 
     /// This node's name.
