@@ -528,6 +528,28 @@ fn the_block_stream_serves_only_callers_that_prove_the_secret() {
     assert!(block == want, "the right bytes");
     assert_eq!(head.xxh3, xxhash_rust::xxh3::xxh3_64(want));
     assert_eq!(nodes[0].counters().peer_blocks_out, 1);
+
+    // A release (the caller holds the file and keeps it) on the same connection: an
+    // empty answer, no block sent; the connection goes on serving blocks.
+    let release = proto::FetchRequest {
+        release: true,
+        keep: true,
+        ..req.clone()
+    };
+    wire::write_frame(&mut s, &release).unwrap();
+    let head: proto::BlockHeader = wire::read_frame(&mut s).unwrap().unwrap();
+    assert_eq!((head.code, head.length), (0, 0), "{head:?}");
+    assert_eq!(head.xxh3, xxhash_rust::xxh3::xxh3_64(&[]));
+    assert_eq!(
+        nodes[0].counters().peer_blocks_out,
+        1,
+        "nothing sent for it"
+    );
+    wire::write_frame(&mut s, &req).unwrap();
+    let head: proto::BlockHeader = wire::read_frame(&mut s).unwrap().unwrap();
+    assert_eq!((head.code, head.length), (0, BLOCK), "{head:?}");
+    s.read_exact(&mut block).unwrap();
+    assert!(block == want);
 }
 
 /// A peer (holding the secret) whose bytes do not match the checksum it announces, as

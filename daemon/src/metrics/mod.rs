@@ -188,6 +188,14 @@ defs! {
         "Bytes of the readiness window that are cached.";
     JOB_WINDOW_RESIDENT_RATIO: Gauge "shardcache_job_window_resident_ratio" NONE, ["job_id"],
         "Fraction (0-1) of the readiness window's bytes that are cached (1 for an empty window).";
+    JOB_PLACEMENT_NODES: Gauge "shardcache_job_placement_nodes" COUNT, ["job_id"],
+        "Nodes the job's cluster placement spans (0: not placed; fetches go by ownership).";
+    JOB_PLACEMENT_SLOTS: Gauge "shardcache_job_placement_slots_files" COUNT, ["job_id"],
+        "The job's files this node's cache holds under its cluster placement.";
+    JOB_PLACEMENT_HERE: Gauge "shardcache_job_placement_here_files" COUNT, ["job_id"],
+        "Files the job's cluster placement puts on this node now.";
+    JOB_PLACEMENT_DEPARTING: Gauge "shardcache_job_placement_departing_files" COUNT, ["job_id"],
+        "Copies the cluster placement moved to other nodes that this node keeps until they take them.";
 }
 
 /// Label values of the fixed sets.
@@ -442,6 +450,10 @@ impl Writer<'_> {
             (&JOB_WINDOW_RESIDENT_FILES, j.window_resident as f64),
             (&JOB_WINDOW_BYTES, j.window_bytes as f64),
             (&JOB_WINDOW_RESIDENT_BYTES, j.window_resident_bytes as f64),
+            (&JOB_PLACEMENT_NODES, j.placement_nodes as f64),
+            (&JOB_PLACEMENT_SLOTS, j.placement_slots as f64),
+            (&JOB_PLACEMENT_HERE, j.placement_here as f64),
+            (&JOB_PLACEMENT_DEPARTING, j.placement_departing as f64),
             (
                 &JOB_WINDOW_RESIDENT_RATIO,
                 if j.window_bytes == 0 {
