@@ -120,10 +120,15 @@ pub struct Jobs {
     prefetcher_alive: Arc<AtomicBool>,
     /// Per shuffle, how many of its files this node's cache holds (told to peers for
     /// the cluster placement): the capacity ÷ the number of shuffles ÷ the files' mean
-    /// size (over a sample), fixed when first computed.
-    slots: Mutex<HashMap<String, u64>>,
-    /// Per shuffle, the mean file size its slots were computed with.
-    means: Mutex<HashMap<String, u64>>,
+    /// size (over a sample), fixed when first computed; and that mean size.
+    slots: Mutex<HashMap<String, Slots>>,
+}
+
+/// A shuffle's slots on this node (see `Jobs::slots`).
+#[derive(Debug, Clone, Copy)]
+struct Slots {
+    files: u64,
+    mean_size: u64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -155,7 +160,6 @@ impl Jobs {
             instruments,
             prefetcher_alive: Arc::new(AtomicBool::new(false)),
             slots: Mutex::new(HashMap::new()),
-            means: Mutex::new(HashMap::new()),
         }
     }
 
@@ -367,7 +371,6 @@ impl Jobs {
 
     pub fn unregister(&self, job: &str) -> bool {
         lock(&self.slots).remove(job);
-        lock(&self.means).remove(job);
         if let Some(old) = lock(&self.info).remove(job) {
             self.release(&old);
         }
@@ -407,8 +410,13 @@ impl Jobs {
                 let mean = (sizes.iter().sum::<u64>() / sizes.len() as u64).max(1);
                 let slots = (store.capacity() / n.max(1) / mean).max(1);
                 tracing::debug!(job = %job, slots, mean, "cluster placement: this node's slots");
-                lock(&self.slots).insert(job.clone(), slots);
-                lock(&self.means).insert(job.clone(), mean);
+                lock(&self.slots).insert(
+                    job.clone(),
+                    Slots {
+                        files: slots,
+                        mean_size: mean,
+                    },
+                );
             }
             let Some(layout) = peers.layout(&job, world) else {
                 lock(&self.planner).set_layout(&job, None, &me);
@@ -876,7 +884,7 @@ impl crate::peer::PlanHooks for Hooks {
         let slots = lock(&jobs.slots);
         list.into_iter()
             .map(|(job, world, ranks)| crate::peer::Shuffle {
-                slots: slots.get(&job).copied().unwrap_or(0),
+                slots: slots.get(&job).map_or(0, |s| s.files),
                 job,
                 world,
                 ranks,
@@ -1103,13 +1111,10 @@ impl EvictionPolicy for PlannedPolicy {
             path: path.to_owned(),
         };
         if let Some(owned) = self.owner_test() {
-            let (incoming, victim) = {
+            let (incoming, victim, placed) = {
                 let p = lock(&self.jobs.planner);
-                (owned(&p, &f), owned(&p, v))
-            };
-            let placed = {
-                let p = lock(&self.jobs.planner);
-                p.protects(&f).is_some() && p.protects(v).is_some()
+                let placed = p.protects(&f).is_some() && p.protects(v).is_some();
+                (owned(&p, &f), owned(&p, v), placed)
             };
             match (incoming, victim) {
                 // Under a cluster placement, its copies never displace each other (the
@@ -1158,10 +1163,10 @@ impl EvictionPolicy for PlannedPolicy {
             }
             p.departing()
         };
-        let means = lock(&self.jobs.means);
+        let slots = lock(&self.jobs.slots);
         departing
             .iter()
-            .map(|(job, n)| *n as u64 * means.get(job).copied().unwrap_or(0))
+            .map(|(job, n)| *n as u64 * slots.get(job).map_or(0, |s| s.mean_size))
             .sum()
     }
 

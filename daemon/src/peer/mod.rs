@@ -484,8 +484,24 @@ impl Peers {
             return;
         };
         let (healthy, me) = self.view();
-        let v = &stat.version;
         let req = proto::FetchRequest {
+            keep: true,
+            release: true,
+            ..self.request(root, stat, 0)
+        };
+        let mut buf = Vec::new();
+        for s in sources.iter().filter(|s| **s != me && healthy.contains(s)) {
+            if let Err(e) = self.fetch_from(s, &req, 0, Instant::now() + self.timeout, &mut buf) {
+                tracing::debug!(peer = %s, path = %stat.path, error = %e, "release not delivered");
+            }
+        }
+    }
+
+    /// The request for block `index` of file version `stat` under `root` (no fill, not
+    /// kept, not a release).
+    fn request(&self, root: &str, stat: &Stat, index: u64) -> proto::FetchRequest {
+        let v = &stat.version;
+        proto::FetchRequest {
             root: root.to_owned(),
             path: stat.path.clone(),
             size: v.size,
@@ -493,17 +509,11 @@ impl Peers {
             ctime_ns: v.ctime_ns,
             ino: v.ino,
             dev: v.dev,
-            index: 0,
+            index,
             block_size: self.block_size,
             fill: false,
-            keep: true,
-            release: true,
-        };
-        let mut buf = Vec::new();
-        for s in sources.iter().filter(|s| **s != me && healthy.contains(s)) {
-            if let Err(e) = self.fetch_from(s, &req, 0, Instant::now() + self.timeout, &mut buf) {
-                tracing::debug!(peer = %s, path = %stat.path, error = %e, "release not delivered");
-            }
+            keep: false,
+            release: false,
         }
     }
 
@@ -576,20 +586,10 @@ impl Peers {
         if self.closed.load(std::sync::atomic::Ordering::Acquire) {
             return false;
         }
-        let v = &stat.version;
         let req = |fill: bool| proto::FetchRequest {
-            root: root.to_owned(),
-            path: stat.path.clone(),
-            size: v.size,
-            mtime_ns: v.mtime_ns,
-            ctime_ns: v.ctime_ns,
-            ino: v.ino,
-            dev: v.dev,
-            index: index as u64,
-            block_size: self.block_size,
             fill,
             keep,
-            release: false,
+            ..self.request(root, stat, index as u64)
         };
         let (healthy, me) = self.view();
         if let Some(sources) = self.plans.get().and_then(|p| p.placed(root, &stat.path)) {

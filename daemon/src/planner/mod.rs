@@ -807,12 +807,7 @@ impl Planner {
         let job = self.jobs.iter().find(|j| j.id == id)?;
         let p = job.placement.as_ref()?;
         let (slots, here) = p.mine();
-        let departing = p
-            .departing()
-            .filter(|&i| {
-                !job.handed.contains(&i) && self.resident.contains_key(&job.files[i as usize])
-            })
-            .count();
+        let departing = self.departing_of(job)?;
         Some((
             p.layout().nodes.len() as u64,
             slots,
@@ -852,17 +847,21 @@ impl Planner {
     pub fn departing(&self) -> Vec<(String, usize)> {
         self.jobs
             .iter()
-            .filter_map(|j| {
-                let p = j.placement.as_ref()?;
-                let n = p
-                    .departing()
-                    .filter(|&i| {
-                        !j.handed.contains(&i) && self.resident.contains_key(&j.files[i as usize])
-                    })
-                    .count();
-                Some((j.id.clone(), n))
-            })
+            .filter_map(|j| Some((j.id.clone(), self.departing_of(j)?)))
             .collect()
+    }
+
+    /// The resident copies job `j`'s placement moved away from this node that their new
+    /// holders have not taken yet (`None`: no placement).
+    fn departing_of(&self, j: &Job) -> Option<usize> {
+        let p = j.placement.as_ref()?;
+        Some(
+            p.departing()
+                .filter(|&i| {
+                    !j.handed.contains(&i) && self.resident.contains_key(&j.files[i as usize])
+                })
+                .count(),
+        )
     }
 
     /// Where the cluster placements put `f`, for debug logs.
