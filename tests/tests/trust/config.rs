@@ -1,0 +1,1 @@
+//! Trust suite: config (see main.rs).

@@ -1,0 +1,1 @@
+//! Trust suite: floods (see main.rs).

@@ -1,0 +1,1 @@
+//! Trust suite: fuzz (see main.rs).

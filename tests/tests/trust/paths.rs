@@ -1,0 +1,1 @@
+//! Trust suite: paths (see main.rs).

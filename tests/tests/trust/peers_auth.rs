@@ -1,0 +1,1 @@
+//! Trust suite: peers_auth (see main.rs).

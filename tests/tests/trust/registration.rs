@@ -1,0 +1,1 @@
+//! Trust suite: registration (see main.rs).

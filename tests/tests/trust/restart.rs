@@ -1,0 +1,1 @@
+//! Trust suite: restart (see main.rs).

@@ -1,0 +1,1 @@
+//! Trust suite: stalls (see main.rs).
