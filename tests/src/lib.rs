@@ -259,6 +259,13 @@ impl Daemon {
         }
     }
 
+    /// True while the daemon process has not exited (it is reaped if it has).
+    pub fn running(&mut self) -> bool {
+        self.child
+            .as_mut()
+            .is_some_and(|c| matches!(c.try_wait(), Ok(None)))
+    }
+
     /// The daemon's log so far.
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
