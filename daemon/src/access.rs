@@ -69,6 +69,24 @@ pub fn may_list(dir: &Owner, creds: &Creds) -> Decision {
     may(dir, creds, READ)
 }
 
+/// Decides whether `creds` may list the last of `dirs` and look inside it: search on
+/// every directory from the root to it, and read on it (`dirs` as
+/// [`crate::backing::Backing::dir_owners`] gives them).
+pub fn may_walk(dirs: &[Owner], creds: &Creds) -> Decision {
+    let Some(last) = dirs.last() else {
+        return Decision::Deny;
+    };
+    let mut verdict = may(last, creds, READ);
+    for d in dirs {
+        match may(d, creds, SEARCH) {
+            Decision::Deny => return Decision::Deny,
+            Decision::Uncertain => verdict = Decision::Uncertain,
+            Decision::Allow => {}
+        }
+    }
+    verdict
+}
+
 fn may(o: &Owner, c: &Creds, want: u32) -> Decision {
     if o.acl {
         return Decision::Uncertain;
@@ -149,6 +167,39 @@ mod tests {
         let s = stat(&[(0, 0, 0o755), (1000, 100, 0o700)], (1000, 100, 0o644));
         assert_eq!(check(&s, &creds(1000, 100, &[])), Decision::Allow);
         assert_eq!(check(&s, &creds(2000, 100, &[])), Decision::Deny);
+    }
+
+    #[test]
+    fn walking_a_directory_needs_search_on_every_one_and_read_on_it() {
+        let o = |uid, mode| Owner {
+            uid,
+            gid: 100,
+            mode,
+            acl: false,
+        };
+        let alice = creds(1000, 1000, &[]);
+        let root_dir = o(0, 0o755);
+        assert_eq!(may_walk(&[root_dir, o(0, 0o755)], &alice), Decision::Allow);
+        assert_eq!(
+            may_walk(&[root_dir, o(0, 0o700)], &alice),
+            Decision::Deny,
+            "a 0700 directory of another user"
+        );
+        assert_eq!(
+            may_walk(&[root_dir, o(0, 0o711)], &alice),
+            Decision::Deny,
+            "search without read: its names may not be listed"
+        );
+        assert_eq!(
+            may_walk(&[o(0, 0o700), o(1000, 0o755)], &alice),
+            Decision::Deny,
+            "its own directory below one it may not search"
+        );
+        assert_eq!(
+            may_walk(&[root_dir, o(1000, 0o700)], &alice),
+            Decision::Allow
+        );
+        assert_eq!(may_walk(&[], &alice), Decision::Deny);
     }
 
     #[test]

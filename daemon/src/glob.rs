@@ -5,24 +5,37 @@
 //! pattern's literal leading directories, descends only as deep as the pattern can match
 //! (unless it has `**`), lists only directories (never follows symbolic links), and
 //! stops at a bound on matches and on entries looked at, so a pattern cannot make the
-//! daemon walk a whole shared file system.
+//! daemon walk a whole shared file system. It lists only the directories its caller
+//! lets it (the registrant's rights: the daemon's own are broader), and counts the rest.
 
 use globset::GlobBuilder;
 
-use crate::backing::{Backing, EntryKind};
+use crate::backing::{Backing, BackingError, EntryKind};
 
 /// Most directory entries looked at for one pattern.
 pub const MAX_SCANNED: usize = 20_000_000;
 
+/// What a pattern matched.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Expansion {
+    /// The matching files, relative to the base, sorted.
+    pub files: Vec<String>,
+    /// Directories the walk would have listed but was not let into.
+    pub skipped_dirs: usize,
+}
+
 /// Regular files under `base` (a directory relative to the backing root, `""` for the
 /// root) whose path relative to `base` matches `pattern`, sorted by path; at most `max`.
-/// The error says what went wrong in words a manifest author can act on.
+/// Before listing a directory the walk asks `may_list` (with the directory's path
+/// relative to the backing root) and skips, and counts, those it refuses. The error
+/// says what went wrong in words a manifest author can act on.
 pub fn expand(
     backing: &dyn Backing,
     base: &str,
     pattern: &str,
     max: usize,
-) -> Result<Vec<String>, String> {
+    may_list: &mut dyn FnMut(&str) -> Result<bool, BackingError>,
+) -> Result<Expansion, String> {
     let glob = GlobBuilder::new(pattern)
         .literal_separator(true)
         .backslash_escape(true)
@@ -46,15 +59,25 @@ pub fn expand(
     };
     let start = parts[..lead].join("/");
     let mut out = Vec::new();
+    let mut skipped_dirs = 0;
     let mut scanned = 0usize;
     // (directory relative to `base`, depth in components)
     let mut stack = vec![(start, lead)];
     while let Some((dir, depth)) = stack.pop() {
-        let entries = match backing.list(&join(base, &dir)) {
+        let full = join(base, &dir);
+        let listed = match may_list(&full) {
+            Ok(true) => backing.list(&full),
+            Ok(false) => {
+                skipped_dirs += 1;
+                continue;
+            }
+            Err(e) => Err(e),
+        };
+        let entries = match listed {
             Ok(e) => e,
             // The literal part names nothing: no match (an empty result is reported by
             // the caller); a subdirectory that vanished mid-walk likewise.
-            Err(crate::backing::BackingError::NotFound(_)) => continue,
+            Err(BackingError::NotFound(_)) => continue,
             Err(e) => return Err(format!("files.glob: listing {dir:?}: {e}")),
         };
         for e in entries {
@@ -82,7 +105,10 @@ pub fn expand(
         }
     }
     out.sort();
-    Ok(out)
+    Ok(Expansion {
+        files: out,
+        skipped_dirs,
+    })
 }
 
 #[cfg(test)]
@@ -116,7 +142,7 @@ mod tests {
             "ds/val/e.tar",
             "other/f.tar",
         ]);
-        let x = |base: &str, p: &str| expand(&m, base, p, 100).unwrap();
+        let x = |base: &str, p: &str| expand(&m, base, p, 100, &mut |_| Ok(true)).unwrap().files;
         assert_eq!(x("ds", "train/*.tar"), ["train/a.tar", "train/b.tar"]);
         assert_eq!(
             x("ds", "**/*.tar"),
@@ -136,9 +162,48 @@ mod tests {
     #[test]
     fn bounds_and_bad_patterns_are_reported() {
         let m = store(&["d/a", "d/b", "d/c"]);
-        let e = expand(&m, "", "d/*", 2).unwrap_err();
+        let e = expand(&m, "", "d/*", 2, &mut |_| Ok(true)).unwrap_err();
         assert!(e.contains("more than 2 files"), "{e}");
-        let e = expand(&m, "", "d/[", 10).unwrap_err();
+        let e = expand(&m, "", "d/[", 10, &mut |_| Ok(true)).unwrap_err();
         assert!(e.starts_with("files.glob:"), "{e}");
+    }
+
+    #[test]
+    fn directories_it_is_not_let_into_are_skipped_and_counted() {
+        let m = store(&[
+            "ds/a.tar",
+            "ds/closed/b.tar",
+            "ds/closed/deeper/c.tar",
+            "ds/open/d.tar",
+        ]);
+        let mut asked = Vec::new();
+        let got = expand(&m, "ds", "**/*.tar", 100, &mut |d| {
+            asked.push(d.to_owned());
+            Ok(d != "ds/closed")
+        })
+        .unwrap();
+        assert_eq!(got.files, ["a.tar", "open/d.tar"]);
+        assert_eq!(got.skipped_dirs, 1, "closed/ (and so nothing below it)");
+        assert!(
+            !asked.iter().any(|d| d.starts_with("ds/closed/")),
+            "nothing below a refused directory is even asked about: {asked:?}"
+        );
+        let none = expand(&m, "ds", "*.tar", 100, &mut |_| Ok(false)).unwrap();
+        assert_eq!(
+            none,
+            Expansion {
+                files: Vec::new(),
+                skipped_dirs: 1
+            },
+            "the base itself refused"
+        );
+        let e = expand(&m, "ds", "*.tar", 100, &mut |d| {
+            Err(BackingError::Io {
+                path: d.to_owned(),
+                source: std::io::Error::other("disk on fire"),
+            })
+        })
+        .unwrap_err();
+        assert!(e.contains("disk on fire"), "{e}");
     }
 }

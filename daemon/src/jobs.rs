@@ -3,6 +3,13 @@
 //! started by [`Jobs::start_prefetcher`]). Reads move a job's position (`on_open`), and
 //! so does an explicit progress report.
 //!
+//! A registration acts with its registrant's rights, never the daemon's: a glob lists
+//! only directories the registrant may list, the prefetcher fetches (from the backing
+//! store or a peer) only files the registrant may read, and `immutable` holds only
+//! what the registrant may vouch for ([`crate::meta::Voucher`]). Root and the daemon's
+//! user (operators) vouch for the node's data and are not checked. What was left out
+//! is counted per job (status, metrics).
+//!
 //! Locking: the planner lock is never held while the store's index lock is taken by
 //! this module; the store calls into the planner (through the policy) with its own lock
 //! held, so the order is always store → planner.
@@ -16,8 +23,10 @@ use std::time::{Duration, Instant};
 use shardcache_plan::manifest::{Files, Item, Manifest, Plan};
 use shardcache_proto::local::v1 as pb;
 
+use crate::access::{self, Creds, Decision};
+use crate::backing::Stat;
 use crate::fill::{Filler, Flight, Priority, Scheduled, Target};
-use crate::meta::{Meta, Roots};
+use crate::meta::{Hold, Meta, Roots, Voucher};
 use crate::metrics::PrefetchInstruments;
 use crate::planner::prefetch::{self, CacheView, Pace};
 use crate::planner::{FileRef, Need, Planner, Source};
@@ -39,6 +48,9 @@ const PLACED_BACKOFF: Duration = Duration::from_millis(50);
 /// Most prefetched files remembered until their first open (for the lead time); past it
 /// the record is cleared (files prefetched and evicted unread would pile up otherwise).
 const MAX_PREFETCHED: usize = 1 << 16;
+/// How long a file no registrant of a job reading it may read is not looked at again
+/// (a chmod that grants access is noticed this late by prefetch; reads are unaffected).
+const DENIED_BACKOFF: Duration = Duration::from_secs(10);
 
 /// A prefetched file not yet opened by its job.
 #[derive(Debug, Clone, Copy)]
@@ -77,12 +89,18 @@ struct Usage {
 #[derive(Debug)]
 struct JobInfo {
     /// Who registered it: only that user, root and the daemon's user may replace,
-    /// unregister or move it.
-    uid: u32,
+    /// unregister or move it; its prefetches are what this user may read.
+    creds: Creds,
+    /// The registrant is root or the daemon's user: it vouches for the node's data.
+    operator: bool,
     files: usize,
-    /// Files held immutable in the metadata cache (an immutable manifest), and how many
-    /// of them were held.
-    immutable: Option<(Arc<Vec<FileRef>>, usize)>,
+    /// Files held immutable in the metadata cache (an immutable manifest), how many of
+    /// them were held, and the hold (in the registrant's name).
+    immutable: Option<(Arc<Vec<FileRef>>, usize, Arc<Hold>)>,
+    /// Directories its glob did not list (the registrant may not).
+    dirs_denied: u64,
+    /// Its files (indices) the registrant may not read, as the prefetcher last checked.
+    denied: HashSet<u32>,
     /// Names this registration in Opened replies and client reports (a job registered
     /// again gets a new tag, so late reports of the old one are not mixed in).
     tag: u64,
@@ -91,6 +109,48 @@ struct JobInfo {
     rate_mark: (u64, Instant),
     /// Steps per second, once measured.
     rate: Option<f64>,
+}
+
+/// What a registration did (the reply to it).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Registered {
+    /// The job id.
+    pub job: String,
+    /// Files in the job.
+    pub files: usize,
+    /// Directories its glob did not list: the registrant may not.
+    pub dirs_denied: usize,
+    /// Files held as immutable (an immutable manifest): for everyone when an operator
+    /// registered it, else for the registrant's own lookups of its own files (decided
+    /// at each file's first stat).
+    pub immutable_held: usize,
+    /// Files not held: the daemon holds [`crate::meta::MAX_IMMUTABLE`] already.
+    pub immutable_over_limit: usize,
+    /// The registrant vouches only for its own files (it is not an operator).
+    pub immutable_owner_only: bool,
+}
+
+/// What a job's registrant's rights left out of it (for status).
+#[derive(Debug, Clone, Copy)]
+struct Left {
+    files_denied: u64,
+    dirs_denied: u64,
+    immutable_not_owned: u64,
+    immutable_over_limit: u64,
+}
+
+impl Left {
+    fn of(j: &JobInfo) -> Self {
+        let (not_owned, over) = j.immutable.as_ref().map_or((0, 0), |(f, held, hold)| {
+            (hold.not_owned(), (f.len() - held) as u64)
+        });
+        Self {
+            files_denied: j.denied.len() as u64,
+            dirs_denied: j.dirs_denied,
+            immutable_not_owned: not_owned,
+            immutable_over_limit: over,
+        }
+    }
 }
 
 /// The registered jobs and their planner.
@@ -201,16 +261,17 @@ impl Jobs {
         self.wake.1.notify_all();
     }
 
-    /// Registers a manifest (replacing a job with the same id). The error names the
-    /// field and nothing changes.
+    /// Registers a manifest for the user `creds` (`operator`: root or the daemon's
+    /// user), replacing a job with the same id. The error names the field and nothing
+    /// changes.
     pub fn register(
         &self,
         json: &str,
-        uid: u32,
+        creds: &Creds,
         operator: bool,
-    ) -> Result<(String, usize), String> {
+    ) -> Result<Registered, String> {
         let m = Manifest::from_json(json).map_err(|e| e.to_string())?;
-        self.may_change(&m.job, uid, operator)?;
+        self.may_change(&m.job, creds.uid, operator)?;
         let (root, prefix) = self.locate(&m.root).ok_or_else(|| {
             format!(
                 "root: {} is not under a backing root of this daemon",
@@ -224,22 +285,39 @@ impl Jobs {
                 format!("{prefix}/{p}")
             }
         };
+        let mut dirs_denied = 0;
         let names: Vec<String> = match &m.files {
             Files::List(list) => list.iter().map(|f| f.path().to_owned()).collect(),
             Files::Glob { glob } => {
+                let backing = &*self.roots.get(root).backing;
+                // The registrant's rights, not the daemon's: a directory it may not list
+                // (or reach) is not listed.
+                let mut may_list = |dir: &str| {
+                    Ok(operator
+                        || access::may_walk(&backing.dir_owners(dir)?, creds) == Decision::Allow)
+                };
                 let found = crate::glob::expand(
-                    &*self.roots.get(root).backing,
+                    backing,
                     &prefix,
                     glob,
                     shardcache_plan::manifest::MAX_FILES,
+                    &mut may_list,
                 )?;
-                if found.is_empty() {
+                dirs_denied = found.skipped_dirs;
+                if found.files.is_empty() {
+                    let skipped = match found.skipped_dirs {
+                        0 => String::new(),
+                        n => format!(
+                            " (uid {} may not list {n} of its directories, which were skipped)",
+                            creds.uid
+                        ),
+                    };
                     return Err(format!(
-                        "files.glob: {glob:?} matches no regular file under {}",
+                        "files.glob: {glob:?} matches no regular file under {}{skipped}",
                         m.root
                     ));
                 }
-                found
+                found.files
             }
         };
         let files: Vec<FileRef> = names
@@ -315,17 +393,35 @@ impl Jobs {
             .register(&m.job, files, source)
             .map_err(|e| format!("plan: {e}"))?;
         let immutable = immutable.map(|f| {
-            let held = self.meta.hold(f.iter().map(|x| (x.root, x.path.as_str())));
-            (f, held)
+            let hold = Hold::new(if operator {
+                Voucher::Operator
+            } else {
+                Voucher::User(creds.uid)
+            });
+            let held = self
+                .meta
+                .hold(f.iter().map(|x| (x.root, x.path.as_str())), &hold);
+            (f, held, hold)
         });
+        let registered = Registered {
+            job: m.job.clone(),
+            files: n,
+            dirs_denied,
+            immutable_held: immutable.as_ref().map_or(0, |i| i.1),
+            immutable_over_limit: immutable.as_ref().map_or(0, |i| n - i.1),
+            immutable_owner_only: immutable.is_some() && !operator,
+        };
         let tag = self.next_tag.fetch_add(1, Ordering::Relaxed);
         let done = lock(&self.planner).steps_done(&m.job).unwrap_or(0);
         let old = lock(&self.info).insert(
             m.job.clone(),
             JobInfo {
-                uid,
+                creds: creds.clone(),
+                operator,
                 files: n,
                 immutable,
+                dirs_denied: dirs_denied as u64,
+                denied: HashSet::new(),
                 tag,
                 usage: Usage::default(),
                 rate_mark: (done, Instant::now()),
@@ -335,9 +431,15 @@ impl Jobs {
         if let Some(old) = old {
             self.release(&old);
         }
-        tracing::info!(job = %m.job, files = n, "prefetch manifest registered");
+        tracing::info!(
+            job = %m.job,
+            files = n,
+            uid = creds.uid,
+            dirs_denied,
+            "prefetch manifest registered"
+        );
         self.poke();
-        Ok((m.job, n))
+        Ok(registered)
     }
 
     /// The root containing directory `abs` and the path of `abs` inside it.
@@ -361,9 +463,9 @@ impl Jobs {
     /// registered by anyone. The error says who may.
     pub fn may_change(&self, job: &str, uid: u32, operator: bool) -> Result<(), String> {
         match lock(&self.info).get(job) {
-            Some(j) if j.uid != uid && !operator => Err(format!(
+            Some(j) if j.creds.uid != uid && !operator => Err(format!(
                 "job {job:?} was registered by uid {}; only that user, root or the daemon's user may change it (run as them, or pick another job id)",
-                j.uid
+                j.creds.uid
             )),
             _ => Ok(()),
         }
@@ -432,10 +534,60 @@ impl Jobs {
     }
 
     fn release(&self, job: &JobInfo) {
-        if let Some((files, held)) = &job.immutable {
+        if let Some((files, held, hold)) = &job.immutable {
             self.meta
-                .release(files.iter().map(|x| (x.root, x.path.as_str())), *held);
+                .release(files.iter().map(|x| (x.root, x.path.as_str())), *held, hold);
         }
+    }
+
+    /// The metadata of planned file `f` as a registrant of a job reading it sees it, if
+    /// one of them may read it (an operator's job always may): what a prefetch of `f`
+    /// may fetch. Each job whose registrant may not read it counts it (and stops
+    /// counting it once it may). `None`: no fetch.
+    fn stat_for_plan(&self, meta: &Meta, f: &FileRef) -> Option<Arc<Stat>> {
+        let readers = lock(&self.planner).readers_of(f);
+        let who: Vec<(String, u32, Creds, bool)> = {
+            let info = lock(&self.info);
+            readers
+                .into_iter()
+                .filter_map(|(job, i)| {
+                    let j = info.get(&job)?;
+                    Some((job, i, j.creds.clone(), j.operator))
+                })
+                .collect()
+        };
+        // Stat'ed without a lock held (it may go to the backing store).
+        let mut allowed = None;
+        let mut verdicts = Vec::with_capacity(who.len());
+        for (job, i, creds, operator) in who {
+            let ok = if operator {
+                allowed = allowed.or_else(|| meta.stat(f.root, &f.path).ok());
+                true
+            } else {
+                match meta.stat_for(f.root, &f.path, creds.uid) {
+                    Ok(st) if access::check(&st, &creds) == Decision::Allow => {
+                        allowed = allowed.or(Some(st));
+                        true
+                    }
+                    Ok(_) => false,
+                    // Gone or unreadable for the daemon itself: not the registrant's
+                    // denial.
+                    Err(_) => true,
+                }
+            };
+            verdicts.push((job, i, ok));
+        }
+        let mut info = lock(&self.info);
+        for (job, i, ok) in verdicts {
+            if let Some(j) = info.get_mut(&job) {
+                if ok {
+                    j.denied.remove(&i);
+                } else if j.denied.insert(i) {
+                    tracing::debug!(job, path = %f.path, uid = j.creds.uid, "not prefetched: its registrant may not read it");
+                }
+            }
+        }
+        allowed
     }
 
     /// Sets a job's position explicitly: `Ok(false)` when no such job is registered; an
@@ -563,13 +715,13 @@ impl Jobs {
         cached: &dyn Fn(usize, &str) -> bool,
         capacity: u64,
     ) -> Vec<pb::JobStatus> {
-        let info: Vec<(String, usize, Usage, Option<f64>)> = lock(&self.info)
+        let info: Vec<(String, usize, Usage, Option<f64>, Left)> = lock(&self.info)
             .iter()
-            .map(|(k, v)| (k.clone(), v.files, v.usage, v.rate))
+            .map(|(k, v)| (k.clone(), v.files, v.usage, v.rate, Left::of(v)))
             .collect();
         let prefetching = self.prefetching.load(Ordering::Relaxed);
         let mut out = Vec::new();
-        for (job, files, u, rate) in info {
+        for (job, files, u, rate, left) in info {
             let (pos, len, upcoming, placed) = {
                 let mut p = lock(&self.planner);
                 let placed = p.placement_status(&job).unwrap_or_default();
@@ -619,6 +771,10 @@ impl Jobs {
                 placement_slots: placed.1,
                 placement_here: placed.2,
                 placement_departing: placed.3,
+                files_denied: left.files_denied,
+                dirs_denied: left.dirs_denied,
+                immutable_not_owned: left.immutable_not_owned,
+                immutable_over_limit: left.immutable_over_limit,
             });
         }
         out
@@ -678,6 +834,10 @@ impl Jobs {
     ) {
         let mut flights: HashMap<FileRef, Vec<Arc<Flight>>> = HashMap::new();
         let mut declined: HashMap<FileRef, Instant> = HashMap::new();
+        // Files no registrant of a job reading them may read, and since when; checked
+        // again after a while, or when a job is registered (its registrant may read them).
+        let mut denied: HashMap<FileRef, Instant> = HashMap::new();
+        let mut registrations = 0;
         // Prefetched (or being prefetched) and not yet read: the planner's read count at
         // which each will have been read.
         let mut ahead: HashMap<FileRef, u64> = HashMap::new();
@@ -699,6 +859,7 @@ impl Jobs {
             if !self.any() {
                 flights.clear();
                 ahead.clear();
+                denied.clear();
                 lock(&self.prefetched).clear();
                 self.prefetching.store(0, Ordering::Relaxed);
                 continue;
@@ -733,6 +894,12 @@ impl Jobs {
                 false
             });
             declined.retain(|_, at| at.elapsed() < DECLINED_BACKOFF);
+            let now_registered = self.next_tag.load(Ordering::Relaxed);
+            if now_registered != registrations {
+                registrations = now_registered;
+                denied.clear();
+            }
+            denied.retain(|_, at| at.elapsed() < DENIED_BACKOFF);
             self.prefetching
                 .store(flights.len() as u64, Ordering::Relaxed);
             if flights.len() >= cfg.concurrency {
@@ -748,7 +915,12 @@ impl Jobs {
             let sizes = lock(&self.sizes);
             let mut view = Snapshot {
                 evicted: HashSet::new(),
-                busy: flights.keys().chain(declined.keys()).cloned().collect(),
+                busy: flights
+                    .keys()
+                    .chain(declined.keys())
+                    .chain(denied.keys())
+                    .cloned()
+                    .collect(),
                 room,
                 sizes: &sizes,
                 default_size: store.block_size() as u64,
@@ -836,7 +1008,11 @@ impl Jobs {
                 }
             }
             for f in fetches {
-                let Ok(stat) = meta.stat(f.root, &f.path) else {
+                // Fetched (from the backing store or a peer) only if a registrant of a
+                // job reading it could read it.
+                let Some(stat) = self.stat_for_plan(meta, &f) else {
+                    ahead.remove(&f);
+                    denied.insert(f, Instant::now());
                     continue;
                 };
                 let root_name = &self.roots.get(f.root).name;

@@ -6,11 +6,14 @@
 //! This is what spares the shared file system a stat storm: within the TTL, an open
 //! through the cache costs the backing store nothing. Files of a manifest registered as
 //! `immutable` are stat'ed once and then trusted while the job is registered
-//! ([`Meta::hold`]).
+//! ([`Meta::hold`]), as far as its registrant may vouch for them: an operator (root, the
+//! daemon's user) for everyone, another user only for its own files and its own
+//! lookups ([`Meta::stat_for`]). No registration changes what another user's lookup
+//! sees.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -104,18 +107,115 @@ fn cache_key(root: usize, rel: &str) -> u128 {
 /// immutable manifests are revalidated like any other).
 pub const MAX_IMMUTABLE: usize = 4 << 20;
 
-/// A path a registered manifest declared immutable: stat once, then trusted for as long
-/// as some job holds it.
+/// Who vouches that a manifest's files do not change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Voucher {
+    /// Root or the daemon's own user: the node's administrator vouches for the dataset,
+    /// for every reader.
+    Operator,
+    /// Another user: it vouches only for the files it owns, below directories that only
+    /// it or an operator own, and only for its own reads.
+    User(u32),
+}
+
+/// One registration's hold on its files (see [`Meta::hold`]): who vouches, and how many
+/// of its files the first stat found not to be its to vouch for.
+#[derive(Debug)]
+pub struct Hold {
+    voucher: Voucher,
+    not_owned: AtomicU64,
+}
+
+impl Hold {
+    /// A hold in `voucher`'s name.
+    pub fn new(voucher: Voucher) -> Arc<Self> {
+        Arc::new(Self {
+            voucher,
+            not_owned: AtomicU64::new(0),
+        })
+    }
+
+    /// Who vouches.
+    pub fn voucher(&self) -> Voucher {
+        self.voucher
+    }
+
+    /// Files of this hold not held because another user owns them or a directory above
+    /// them (counted at each file's first stat).
+    pub fn not_owned(&self) -> u64 {
+        self.not_owned.load(Ordering::Relaxed)
+    }
+}
+
+/// Whose lookups a held stat answers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Trust {
+    /// Everyone's (an operator holds it).
+    Everyone,
+    /// Only those of this uid: the owner that holds it.
+    Owner(u32),
+    /// Nobody's: no holder may vouch for it (it follows the TTL).
+    Nobody,
+}
+
+/// A path some registered manifest declared immutable: stat once, then trusted (by
+/// whom its holders may vouch to) for as long as some job holds it.
 #[derive(Debug)]
 struct Held {
     rel: String,
-    /// Registrations holding it.
-    refs: u32,
-    stat: Option<Arc<Stat>>,
+    /// The registrations holding it, each with whether its vouching for this file was
+    /// decided (and counted) yet.
+    holds: Vec<(Arc<Hold>, bool)>,
+    /// The stat every holder trusts, and whose lookups it answers; `None` until stat'ed.
+    stat: Option<(Arc<Stat>, Trust)>,
+}
+
+impl Held {
+    /// Decides whom `stat` is trusted for under the current holders, counting each
+    /// holder's refusal once.
+    fn trust(&mut self, stat: &Stat, operators: [u32; 2]) -> Trust {
+        let mut trust = Trust::Nobody;
+        for (h, decided) in &mut self.holds {
+            let vouches = match h.voucher {
+                Voucher::Operator => {
+                    trust = Trust::Everyone;
+                    true
+                }
+                Voucher::User(uid) => {
+                    let mine =
+                        |o: &crate::backing::Owner| o.uid == uid || operators.contains(&o.uid);
+                    let owns = stat.owner.uid == uid && stat.dirs.iter().all(mine);
+                    if owns && trust == Trust::Nobody {
+                        trust = Trust::Owner(uid);
+                    }
+                    owns
+                }
+            };
+            if !*decided {
+                *decided = true;
+                if !vouches {
+                    h.not_owned.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        trust
+    }
+}
+
+/// What the held map says about a path, for one caller.
+enum HeldView {
+    /// Not held: the TTL rules.
+    No,
+    /// Held, not yet stat'ed: the next stat is the one its holders trust.
+    Unknown,
+    /// Held and trusted for this caller.
+    Trusted(Arc<Stat>),
+    /// Held, but not for this caller: the TTL rules for it.
+    NotForYou,
 }
 
 /// Metadata of backing files, trusted for `ttl` (or, for files of immutable manifests,
-/// until the manifest is unregistered).
+/// until the manifest is unregistered, for the readers their registrant may vouch to).
 #[derive(Debug)]
 pub struct Meta {
     roots: Arc<Roots>,
@@ -124,6 +224,9 @@ pub struct Meta {
     held: RwLock<HashMap<u128, Held>>,
     /// `held` is not empty (spares the common case the lock).
     any_held: AtomicBool,
+    /// Owners whose directories a user's hold accepts above its files: root and the
+    /// daemon's user.
+    operators: [u32; 2],
     stats: Arc<Stats>,
 }
 
@@ -140,21 +243,36 @@ impl Meta {
             cache,
             held: RwLock::new(HashMap::new()),
             any_held: AtomicBool::new(false),
+            operators: [0, rustix::process::geteuid().as_raw()],
             stats,
         }
     }
 
-    /// Declares `files` (root index, relative path) immutable until [`Meta::release`]:
-    /// each is stat'ed once more at most, then trusted. Returns how many are held (all,
-    /// unless [`MAX_IMMUTABLE`] is reached).
-    pub fn hold<'a>(&self, files: impl Iterator<Item = (usize, &'a str)>) -> usize {
+    /// Declares `files` (root index, relative path) immutable in `hold`'s name until
+    /// [`Meta::release`]: each is stat'ed once more at most, then trusted as far as the
+    /// voucher may vouch for it (an operator: for everyone; a user: for its own lookups,
+    /// of files it owns below directories only it or an operator own, which the first
+    /// stat decides). Returns how many are held (all, unless [`MAX_IMMUTABLE`] is
+    /// reached).
+    pub fn hold<'a>(
+        &self,
+        files: impl Iterator<Item = (usize, &'a str)>,
+        hold: &Arc<Hold>,
+    ) -> usize {
         let mut held = self.held.write().unwrap_or_else(|e| e.into_inner());
         let mut n = 0;
         for (root, rel) in files {
             let key = cache_key(root, rel);
             let full = held.len() >= MAX_IMMUTABLE;
             match held.get_mut(&key) {
-                Some(h) if h.rel == rel => h.refs += 1,
+                Some(h) if h.rel == rel => {
+                    h.holds.push((hold.clone(), false));
+                    if let Some((stat, _)) = &h.stat {
+                        let stat = stat.clone();
+                        let trust = h.trust(&stat, self.operators);
+                        h.stat = Some((stat, trust));
+                    }
+                }
                 Some(_) => {} // a hash collision: this one is revalidated as usual
                 None if full => break,
                 None => {
@@ -162,7 +280,7 @@ impl Meta {
                         key,
                         Held {
                             rel: rel.to_owned(),
-                            refs: 1,
+                            holds: vec![(hold.clone(), false)],
                             stat: None,
                         },
                     );
@@ -174,31 +292,48 @@ impl Meta {
         n
     }
 
-    /// Undoes a [`Meta::hold`] of the same files (the first `n` of them).
-    pub fn release<'a>(&self, files: impl Iterator<Item = (usize, &'a str)>, n: usize) {
+    /// Undoes a [`Meta::hold`] of the same files (the first `n` of them) by `hold`.
+    pub fn release<'a>(
+        &self,
+        files: impl Iterator<Item = (usize, &'a str)>,
+        n: usize,
+        hold: &Arc<Hold>,
+    ) {
         let mut held = self.held.write().unwrap_or_else(|e| e.into_inner());
         for (root, rel) in files.take(n) {
             let key = cache_key(root, rel);
             if let Some(h) = held.get_mut(&key)
                 && h.rel == rel
             {
-                h.refs -= 1;
-                if h.refs == 0 {
+                if let Some(i) = h.holds.iter().position(|(x, _)| Arc::ptr_eq(x, hold)) {
+                    h.holds.swap_remove(i);
+                }
+                if h.holds.is_empty() {
                     held.remove(&key);
+                } else if let Some((stat, _)) = &h.stat {
+                    let stat = stat.clone();
+                    let trust = h.trust(&stat, self.operators);
+                    h.stat = Some((stat, trust));
                 }
             }
         }
         self.any_held.store(!held.is_empty(), Ordering::Release);
     }
 
-    fn held_stat(&self, key: u128, rel: &str) -> Option<Option<Arc<Stat>>> {
+    fn held_view(&self, key: u128, rel: &str, uid: Option<u32>) -> HeldView {
         if !self.any_held.load(Ordering::Acquire) {
-            return None;
+            return HeldView::No;
         }
         let held = self.held.read().unwrap_or_else(|e| e.into_inner());
-        held.get(&key)
-            .filter(|h| h.rel == rel)
-            .map(|h| h.stat.clone())
+        match held.get(&key).filter(|h| h.rel == rel).map(|h| &h.stat) {
+            None => HeldView::No,
+            Some(None) => HeldView::Unknown,
+            Some(Some((stat, trust))) => match (*trust, uid) {
+                (Trust::Everyone, _) => HeldView::Trusted(stat.clone()),
+                (Trust::Owner(o), Some(u)) if o == u => HeldView::Trusted(stat.clone()),
+                _ => HeldView::NotForYou,
+            },
+        }
     }
 
     /// The roots this cache serves.
@@ -206,11 +341,25 @@ impl Meta {
         &self.roots
     }
 
-    /// The metadata of `rel` under root `root`, fresh within the TTL.
+    /// The metadata of `rel` under root `root`, fresh within the TTL, for the daemon's
+    /// own use (prefetch, status, peers): a held file's stat when an operator holds it.
     pub fn stat(&self, root: usize, rel: &str) -> Result<Arc<Stat>, BackingError> {
+        self.lookup(root, rel, None)
+    }
+
+    /// The metadata of `rel` under root `root` for a lookup on behalf of user `uid` (a
+    /// client's open, the prefetch of a job `uid` registered): fresh within the TTL, or
+    /// a held stat trusted for `uid`. Another user's hold never answers it, so what
+    /// `uid` may read is never decided on a stat older than the TTL unless `uid` itself
+    /// or an operator vouched for the file.
+    pub fn stat_for(&self, root: usize, rel: &str, uid: u32) -> Result<Arc<Stat>, BackingError> {
+        self.lookup(root, rel, Some(uid))
+    }
+
+    fn lookup(&self, root: usize, rel: &str, uid: Option<u32>) -> Result<Arc<Stat>, BackingError> {
         let key = cache_key(root, rel);
-        let held = self.held_stat(key, rel);
-        if let Some(Some(stat)) = held {
+        let held = self.held_view(key, rel, uid);
+        if let HeldView::Trusted(stat) = held {
             return Ok(stat);
         }
         if !self.ttl.is_zero()
@@ -223,12 +372,14 @@ impl Meta {
         let at = Instant::now();
         inc(&self.stats.backing_stats);
         let stat = Arc::new(self.roots.get(root).backing.stat(rel)?);
-        if held.is_some() {
+        if matches!(held, HeldView::Unknown) {
             let mut all = self.held.write().unwrap_or_else(|e| e.into_inner());
             if let Some(h) = all.get_mut(&key)
                 && h.rel == rel
+                && h.stat.is_none()
             {
-                h.stat = Some(stat.clone());
+                let trust = h.trust(&stat, self.operators);
+                h.stat = Some((stat.clone(), trust));
             }
         }
         if !self.ttl.is_zero() {
@@ -357,9 +508,10 @@ mod tests {
         let stats = Arc::new(Stats::default());
         let m = Meta::new(r, Duration::ZERO, 100, stats.clone());
         let files = [(0usize, "f")];
-        assert_eq!(m.hold(files.iter().copied()), 1);
+        let (a, b) = (Hold::new(Voucher::Operator), Hold::new(Voucher::Operator));
+        assert_eq!(m.hold(files.iter().copied(), &a), 1);
         assert_eq!(
-            m.hold(files.iter().copied()),
+            m.hold(files.iter().copied(), &b),
             1,
             "a second job holds it too"
         );
@@ -373,14 +525,115 @@ mod tests {
         m.invalidate(0, "f");
         let v2 = m.stat(0, "f").unwrap().version;
         assert_ne!(v2, v1, "a change the store reported is believed");
-        m.release(files.iter().copied(), 1);
+        m.release(files.iter().copied(), 1, &a);
         assert_eq!(m.stat(0, "f").unwrap().version, v2, "still held by one job");
-        m.release(files.iter().copied(), 1);
+        m.release(files.iter().copied(), 1, &b);
         put(b"three");
         assert_ne!(
             m.stat(0, "f").unwrap().version,
             v2,
             "released: TTL rules again"
+        );
+    }
+
+    fn owned(uid: u32, mode: u32) -> Owner {
+        Owner {
+            uid,
+            gid: uid,
+            mode,
+            acl: false,
+        }
+    }
+
+    /// A store with `mine` (uid 1000's), `theirs` (root's), and `shared/f` (uid 1000's,
+    /// in a directory of uid 2000); a meta cache with a zero TTL over it.
+    fn three_files() -> (Meta, Arc<MemBacking>, Arc<Stats>) {
+        let (r, mem) = roots(&["/data"]);
+        mem.put("mine", b"1".to_vec(), owned(1000, 0o644));
+        mem.put("theirs", b"2".to_vec(), owned(0, 0o644));
+        mem.put("shared/f", b"3".to_vec(), owned(1000, 0o644));
+        mem.set_dir("shared", owned(2000, 0o755));
+        let stats = Arc::new(Stats::default());
+        (Meta::new(r, Duration::ZERO, 100, stats.clone()), mem, stats)
+    }
+
+    #[test]
+    fn a_users_hold_answers_only_its_own_lookups_of_its_own_files() {
+        let (m, mem, stats) = three_files();
+        let files = [(0usize, "mine"), (0, "theirs"), (0, "shared/f")];
+        let hold = Hold::new(Voucher::User(1000));
+        assert_eq!(m.hold(files.iter().copied(), &hold), 3);
+        for (_, f) in files {
+            m.stat_for(0, f, 1000).unwrap();
+        }
+        assert_eq!(
+            hold.not_owned(),
+            2,
+            "root's file, and one below uid 2000's directory"
+        );
+        let v1 = m.stat_for(0, "mine", 1000).unwrap().version;
+        mem.rewrite_in_place("mine", b"x".to_vec());
+        mem.rewrite_in_place("theirs", b"y".to_vec());
+        mem.set_dir("", owned(0, 0o700));
+        let stats_now = || stats.snapshot().backing_stats;
+
+        let before = stats_now();
+        assert_eq!(
+            m.stat_for(0, "mine", 1000).unwrap().version,
+            v1,
+            "held for its owner"
+        );
+        assert_eq!(stats_now(), before, "no backing stat");
+        let other = m.stat_for(0, "mine", 2000).unwrap();
+        assert_ne!(other.version, v1, "another user sees the store (TTL 0)");
+        assert_eq!(other.dirs[0].mode, 0o700, "and decides on fresh owners");
+        assert_ne!(m.stat(0, "mine").unwrap().version, v1, "so does the daemon");
+        assert_eq!(
+            m.stat_for(0, "mine", 1000).unwrap().version,
+            v1,
+            "another user's lookup does not replace the owner's held stat"
+        );
+        let before = stats_now();
+        m.stat_for(0, "theirs", 1000).unwrap();
+        m.stat_for(0, "shared/f", 1000).unwrap();
+        assert_eq!(stats_now(), before + 2, "not its to vouch for: TTL rules");
+        assert_eq!(hold.not_owned(), 2, "counted once");
+    }
+
+    #[test]
+    fn an_operators_hold_answers_everyone_and_outlives_a_users_hold() {
+        let (m, mem, stats) = three_files();
+        let files = [(0usize, "theirs"), (0, "mine")];
+        let user = Hold::new(Voucher::User(1000));
+        let op = Hold::new(Voucher::Operator);
+        m.hold(files.iter().copied(), &user);
+        let v_mine = m.stat_for(0, "mine", 1000).unwrap().version;
+        assert_eq!(m.hold(files.iter().copied(), &op), 2);
+        let v_theirs = m.stat(0, "theirs").unwrap().version;
+        assert_eq!(op.not_owned(), 0);
+        mem.rewrite_in_place("theirs", b"y".to_vec());
+        mem.rewrite_in_place("mine", b"x".to_vec());
+        let before = stats.snapshot().backing_stats;
+        for uid in [0, 1000, 2000] {
+            assert_eq!(m.stat_for(0, "theirs", uid).unwrap().version, v_theirs);
+            assert_eq!(m.stat_for(0, "mine", uid).unwrap().version, v_mine);
+        }
+        assert_eq!(m.stat(0, "mine").unwrap().version, v_mine);
+        assert_eq!(stats.snapshot().backing_stats, before, "held for everyone");
+
+        m.release(files.iter().copied(), 2, &op);
+        assert_eq!(
+            m.stat_for(0, "mine", 1000).unwrap().version,
+            v_mine,
+            "its owner's still"
+        );
+        assert_ne!(m.stat_for(0, "mine", 2000).unwrap().version, v_mine);
+        assert_ne!(m.stat_for(0, "theirs", 1000).unwrap().version, v_theirs);
+        m.release(files.iter().copied(), 2, &user);
+        assert_ne!(
+            m.stat_for(0, "mine", 1000).unwrap().version,
+            v_mine,
+            "released"
         );
     }
 }

@@ -23,6 +23,7 @@ pub fn run_all<F: Fixture>(new: &dyn Fn() -> F) {
     dot_dot_cannot_leave_the_root(&new());
     list_names_files_and_directories(&new());
     rewrite_in_place_changes_the_version(&new());
+    dir_owners_names_every_directory_from_the_root(&new());
 }
 
 fn stat_reports_canonical_path_version_and_owners(fx: &dyn Fixture) {
@@ -149,4 +150,27 @@ fn rewrite_in_place_changes_the_version(fx: &dyn Fixture) {
         after.version, before.version,
         "same size, same inode, new content: new version"
     );
+}
+
+fn dir_owners_names_every_directory_from_the_root(fx: &dyn Fixture) {
+    fx.put("d1/d2/f.bin", b"x", 0o644);
+    fx.set_dir_mode("d1", 0o750);
+    let owners = fx.backing().dir_owners("d1/d2").unwrap();
+    assert_eq!(owners.len(), 3, "root, d1, d2");
+    assert_eq!(owners[1].mode, 0o750);
+    assert_eq!(
+        owners,
+        fx.backing().stat("d1/d2/f.bin").unwrap().dirs,
+        "the same owners a stat of a file inside reports"
+    );
+    assert_eq!(fx.backing().dir_owners("").unwrap().len(), 1, "the root");
+    for missing in ["nope", "d1/d2/f.bin", "d1/nope/d2"] {
+        assert!(
+            matches!(
+                fx.backing().dir_owners(missing),
+                Err(BackingError::NotFound(_))
+            ),
+            "{missing}"
+        );
+    }
 }

@@ -7,7 +7,7 @@ use std::io;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
-use super::{Backing, BackingError, BackingFile, DirEntry, Stat, Version};
+use super::{Backing, BackingError, BackingFile, DirEntry, Owner, Stat, Version};
 
 /// Counters and switches shared by a [`FaultyBacking`] and the files opened through it.
 #[derive(Debug, Default)]
@@ -63,6 +63,10 @@ impl Backing for FaultyBacking {
 
     fn list(&self, dir: &str) -> Result<Vec<DirEntry>, BackingError> {
         self.inner.list(dir)
+    }
+
+    fn dir_owners(&self, dir: &str) -> Result<Vec<Owner>, BackingError> {
+        self.inner.dir_owners(dir)
     }
 }
 

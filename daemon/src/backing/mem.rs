@@ -183,6 +183,21 @@ impl Backing for MemBacking {
             })
             .collect())
     }
+
+    fn dir_owners(&self, dir: &str) -> Result<Vec<Owner>, BackingError> {
+        let comps = if dir.is_empty() {
+            Vec::new()
+        } else {
+            normalize(dir)?
+        };
+        let nodes = self.nodes.read().unwrap_or_else(|e| e.into_inner());
+        (0..=comps.len())
+            .map(|i| match nodes.get(&comps[..i].join("/")) {
+                Some(Node::Dir(o)) => Ok(*o),
+                _ => Err(BackingError::NotFound(dir.to_owned())),
+            })
+            .collect()
+    }
 }
 
 /// A snapshot of one file version: later changes to the tree do not alter its bytes, so

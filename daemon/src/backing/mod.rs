@@ -135,6 +135,12 @@ pub trait Backing: Send + Sync + fmt::Debug {
 
     /// Lists a directory (relative to the root; `""` is the root itself).
     fn list(&self, dir: &str) -> Result<Vec<DirEntry>, BackingError>;
+
+    /// The owner and mode of every directory from the root to `dir` (relative to the
+    /// root, `""` is the root itself), the root first and `dir` last, resolved as
+    /// [`Backing::list`] resolves it (no symlink followed): what deciding whether a user
+    /// may list `dir` takes ([`crate::access::may_walk`]).
+    fn dir_owners(&self, dir: &str) -> Result<Vec<Owner>, BackingError>;
 }
 
 /// An open backing file.

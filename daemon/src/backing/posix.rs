@@ -353,6 +353,31 @@ impl Backing for PosixBacking {
         out.sort_by(|a, b| a.name.cmp(&b.name));
         Ok(out)
     }
+
+    fn dir_owners(&self, dir: &str) -> Result<Vec<Owner>, BackingError> {
+        let comps = if dir.is_empty() {
+            Vec::new()
+        } else {
+            normalize(dir)?
+        };
+        if let Some(s) = self.dirs.as_ref().and_then(|d| d.get(&comps.join("/"))) {
+            return Ok(s.iter().map(|(_, o, _)| *o).collect());
+        }
+        let mut stack = self.root_stack(dir)?;
+        for (i, c) in comps.iter().enumerate() {
+            let (parent, _, _) = stack.last().expect("stack holds the root");
+            // The owner of the directory actually opened (its descriptor's), not of
+            // whatever the name points to a moment later.
+            let fd = self
+                .open_dir_at(parent, c)
+                .map_err(|e| Self::io_err(dir, e))?;
+            let st = rustix::fs::fstat(&fd).map_err(|e| Self::io_err(dir, e))?;
+            let acl = Self::has_acl(parent, Some(c)).map_err(|e| Self::io_err(dir, e))?;
+            stack.push((Arc::new(fd), Self::owner(&st, acl), (*c).to_owned()));
+            self.remember(&comps[..=i].join("/"), &stack);
+        }
+        Ok(stack.iter().map(|(_, o, _)| *o).collect())
+    }
 }
 
 /// An open POSIX backing file.

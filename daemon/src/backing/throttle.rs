@@ -7,7 +7,7 @@ use std::io;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::{Backing, BackingError, BackingFile, DirEntry, Stat, Version};
+use super::{Backing, BackingError, BackingFile, DirEntry, Owner, Stat, Version};
 
 /// A token bucket shared by every file opened through one [`ThrottledBacking`].
 #[derive(Debug)]
@@ -90,6 +90,10 @@ impl Backing for ThrottledBacking {
 
     fn list(&self, dir: &str) -> Result<Vec<DirEntry>, BackingError> {
         self.inner.list(dir)
+    }
+
+    fn dir_owners(&self, dir: &str) -> Result<Vec<Owner>, BackingError> {
+        self.inner.dir_owners(dir)
     }
 }
 

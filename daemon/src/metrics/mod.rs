@@ -196,6 +196,12 @@ defs! {
         "Files the job's cluster placement puts on this node now.";
     JOB_PLACEMENT_DEPARTING: Gauge "shardcache_job_placement_departing_files" COUNT, ["job_id"],
         "Copies the cluster placement moved to other nodes that this node keeps until they take them.";
+    JOB_FILES_DENIED: Gauge "shardcache_job_files_denied" COUNT, ["job_id"],
+        "Files of the job its registrant may not read (as the prefetcher last checked them): never fetched for it.";
+    JOB_DIRS_DENIED: Gauge "shardcache_job_dirs_denied" COUNT, ["job_id"],
+        "Directories the job's glob did not list because its registrant may not list or search them.";
+    JOB_IMMUTABLE_NOT_HELD: Gauge "shardcache_job_immutable_not_held_files" COUNT, ["job_id", "reason"],
+        "Files of an immutable manifest not held as immutable (they follow metadata_ttl), by reason: not_owned (another user owns the file or a directory above it), over_limit (the daemon holds its most).";
 }
 
 /// Label values of the fixed sets.
@@ -212,6 +218,8 @@ pub mod label {
     pub const PEER_STATE: [&str; 2] = ["healthy", "down"];
     /// `cause` of a data stall.
     pub const STALL: [&str; 2] = ["fill_wait", "fallback_read"];
+    /// `reason` a file of an immutable manifest is not held.
+    pub const NOT_HELD: [&str; 2] = ["not_owned", "over_limit"];
 }
 
 /// The `reason` label of a client fallback (exhaustive: a new reason must be named here).
@@ -454,6 +462,8 @@ impl Writer<'_> {
             (&JOB_PLACEMENT_SLOTS, j.placement_slots as f64),
             (&JOB_PLACEMENT_HERE, j.placement_here as f64),
             (&JOB_PLACEMENT_DEPARTING, j.placement_departing as f64),
+            (&JOB_FILES_DENIED, j.files_denied as f64),
+            (&JOB_DIRS_DENIED, j.dirs_denied as f64),
             (
                 &JOB_WINDOW_RESIDENT_RATIO,
                 if j.window_bytes == 0 {
@@ -473,6 +483,12 @@ impl Writer<'_> {
         }
         self.counter(&JOB_OPENS, &[id], j.opens);
         self.counter(&JOB_OPENS_CACHED, &[id], j.opens_hit);
+        for (v, n) in label::NOT_HELD
+            .iter()
+            .zip([j.immutable_not_owned, j.immutable_over_limit])
+        {
+            self.gauge(&JOB_IMMUTABLE_NOT_HELD, &[id, v], n as f64);
+        }
     }
 }
 

@@ -951,6 +951,16 @@ impl Planner {
             .map(|j| j.files.clone())
     }
 
+    /// The jobs that read `f` (their ids), each with `f`'s index in its files: whose
+    /// registrants' rights a prefetch of `f` is checked against.
+    pub fn readers_of(&self, f: &FileRef) -> Vec<(String, u32)> {
+        self.files.get(f).map_or_else(Vec::new, |refs| {
+            refs.iter()
+                .map(|&(j, i)| (self.jobs[j].id.clone(), i))
+                .collect()
+        })
+    }
+
     /// True when some registered job reads `f`.
     pub fn is_planned(&self, f: &FileRef) -> bool {
         self.files.contains_key(f)

@@ -101,7 +101,7 @@ fn absolute(root: &str, rel: &str) -> String {
 /// The metadata of `rel` when `creds` may read it (as an open would decide; an ACL, which
 /// the daemon does not evaluate, hides the file too).
 fn readable(ctx: &Ctx, creds: &Creds, root: usize, rel: &str) -> Option<Arc<Stat>> {
-    let stat = ctx.meta.stat(root, rel).ok()?;
+    let stat = ctx.meta.stat_for(root, rel, creds.uid).ok()?;
     (access::check(&stat, creds) == Decision::Allow).then_some(stat)
 }
 
@@ -292,7 +292,7 @@ fn list_path(
             format!("{path}: not found on the backing store"),
         )
     };
-    match ctx.meta.stat(root, rel) {
+    match ctx.meta.stat_for(root, rel, creds.uid) {
         Ok(stat) => {
             if !operator && access::check(&stat, creds) != Decision::Allow {
                 return Err(error(

@@ -377,11 +377,15 @@ fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::K
         Some(request::Kind::Status(_)) => (response::Kind::Status(status(ctx)), Vec::new()),
         Some(request::Kind::Register(r)) => {
             let operator = admin::is_operator(creds);
-            match ctx.jobs.register(&r.manifest_json, creds.uid, operator) {
-                Ok((job, files)) => (
+            match ctx.jobs.register(&r.manifest_json, creds, operator) {
+                Ok(r) => (
                     response::Kind::Register(pb::RegisterReply {
-                        job,
-                        files: files as u64,
+                        job: r.job,
+                        files: r.files as u64,
+                        dirs_denied: r.dirs_denied as u64,
+                        immutable_held: r.immutable_held as u64,
+                        immutable_over_limit: r.immutable_over_limit as u64,
+                        immutable_owner_only: r.immutable_owner_only,
                     }),
                     Vec::new(),
                 ),
@@ -506,7 +510,7 @@ fn authorize(
         .map_err(|e| refuse_resolve(&ctx.stats, e))?;
     let stat = ctx
         .meta
-        .stat(root, rel)
+        .stat_for(root, rel, creds.uid)
         .map_err(|e| refuse_resolve(&ctx.stats, e.into()))?;
     match access::check(&stat, creds) {
         Decision::Allow => Ok((root, rel.to_owned(), stat)),

@@ -200,6 +200,66 @@ macro_rules! outln {
     };
 }
 
+/// `n` and the noun, singular or plural.
+fn count(n: u64, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
+}
+
+/// What a registration left out or narrowed, one line each (docs/SEMANTICS.md, "What a
+/// registration may change").
+fn registration_notes(r: &pb::RegisterReply) -> Vec<String> {
+    let mut out = Vec::new();
+    if r.dirs_denied > 0 {
+        out.push(format!(
+            "skipped {} you may not list (their files are not part of the job)",
+            count(r.dirs_denied, "directory", "directories")
+        ));
+    }
+    if r.immutable_owner_only {
+        out.push(
+            "immutable: held only for the files you own (below directories only you, root or the daemon's user own), and only for your own reads; the others follow metadata_ttl (`shardcache status` counts them once looked up)"
+                .into(),
+        );
+    }
+    if r.immutable_over_limit > 0 {
+        out.push(format!(
+            "immutable: {} not held, the daemon holds its most already (they follow metadata_ttl)",
+            count(r.immutable_over_limit, "file", "files")
+        ));
+    }
+    out
+}
+
+/// What a job's registrant's rights left out of it, if anything.
+fn left_out(j: &pb::JobStatus) -> Option<String> {
+    let mut parts = Vec::new();
+    if j.files_denied > 0 {
+        parts.push(format!(
+            "{} its registrant may not read (not prefetched)",
+            count(j.files_denied, "file", "files")
+        ));
+    }
+    if j.dirs_denied > 0 {
+        parts.push(format!(
+            "{} its glob could not list",
+            count(j.dirs_denied, "directory", "directories")
+        ));
+    }
+    if j.immutable_not_owned > 0 {
+        parts.push(format!(
+            "{} not held as immutable (not its registrant's own)",
+            count(j.immutable_not_owned, "file", "files")
+        ));
+    }
+    if j.immutable_over_limit > 0 {
+        parts.push(format!(
+            "{} not held as immutable (over the daemon's limit)",
+            count(j.immutable_over_limit, "file", "files")
+        ));
+    }
+    (!parts.is_empty()).then(|| parts.join("; "))
+}
+
 /// What a failed exchange with the daemon means, and what to do about it.
 fn daemon_failure(socket: &Path, e: &io::Error) -> Failure {
     Failure::Error(match e.kind() {
@@ -315,6 +375,15 @@ fn status_text(s: &pb::StatusReply) -> String {
             ]);
         }
         out.push_str(&t.render());
+        for j in &s.jobs {
+            if let Some(left) = left_out(j) {
+                out.push_str(&format!(
+                    "  job {}: {left}
+",
+                    j.job
+                ));
+            }
+        }
     }
 
     out.push_str("\npeers\n");
@@ -762,6 +831,9 @@ fn run(cli: Cli) -> Result<(), Failure> {
                 _ => daemon_failure(socket, &e),
             })?;
             outln!("registered job {} ({} files)", r.job, r.files);
+            for line in registration_notes(&r) {
+                outln!("  {line}");
+            }
             if let Some(fraction) = wait {
                 wait_ready(
                     &client,
