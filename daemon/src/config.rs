@@ -130,6 +130,11 @@ fn de_opt_count<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error
     Ok((n > 0).then_some(n))
 }
 
+fn de_opt_usize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<usize>, D::Error> {
+    let n = usize::deserialize(d)?;
+    Ok((n > 0).then_some(n))
+}
+
 fn de_opt_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     de_bytes(d).map(|b| if b == 0 { None } else { Some(b) })
 }
@@ -183,6 +188,10 @@ fn de_metrics_listen<'de, D: Deserializer<'de>>(d: D) -> Result<MetricsListen, D
         .map_err(serde::de::Error::custom)
 }
 
+/// Client connections beyond `max_connections` that only root and the daemon's user may
+/// hold, so that an operator's `shardcache status` is answered however busy the socket.
+pub const OPERATOR_RESERVE: usize = 8;
+
 /// Default socket path for the local API.
 pub const DEFAULT_SOCKET: &str = "/run/shardcache/shardcached.sock";
 /// Default cache directory.
@@ -233,9 +242,17 @@ pub struct Config {
     /// Default no limit.
     #[serde(deserialize_with = "de_opt_bytes")]
     pub backing_bandwidth: Option<u64>,
-    /// Most simultaneous client connections; more are refused (clients then read the
-    /// backing store). Default 1024.
+    /// Most simultaneous client connections. When they are all held, a newcomer takes
+    /// the place of an idle connection of the uid holding the most (or is refused, and
+    /// reads the backing store, when none is idle). Root and the daemon's user have
+    /// [`OPERATOR_RESERVE`] more. Default 1024.
     pub max_connections: usize,
+    /// Most simultaneous client connections of one uid (root and the daemon's user
+    /// excepted); beyond it, a newcomer of that uid takes the place of its connection
+    /// idle longest (or is refused when none is idle). Unset or 0: a quarter of
+    /// `max_connections` (see [`Config::connections_per_uid`]).
+    #[serde(deserialize_with = "de_opt_usize")]
+    pub max_connections_per_uid: Option<usize>,
     /// How long a connection thread keeps polling for a client's next request before it
     /// sleeps. Waking a sleeping thread costs tens of microseconds on virtual machines,
     /// more than a whole cached open; `0` never polls. Default 50 µs.
@@ -301,6 +318,7 @@ impl Default for Config {
             max_wait: Duration::from_secs(30),
             backing_bandwidth: None,
             max_connections: 1024,
+            max_connections_per_uid: None,
             spin: Duration::from_micros(50),
             prefetch_ahead: 1024,
             prefetch_concurrency: 16,
@@ -319,6 +337,14 @@ impl Default for Config {
 }
 
 impl Config {
+    /// The most connections one uid may hold: `max_connections_per_uid`, by default a
+    /// quarter of `max_connections` (at least 1).
+    pub fn connections_per_uid(&self) -> usize {
+        self.max_connections_per_uid
+            .unwrap_or(self.max_connections / 4)
+            .clamp(1, self.max_connections.max(1))
+    }
+
     /// Checks every field once; the message names the offending key.
     pub fn validate(&self) -> Result<(), String> {
         if let Some(listen) = self.peer_listen {
@@ -377,6 +403,14 @@ impl Config {
         }
         if self.max_connections == 0 {
             return Err("max_connections: must be at least 1".into());
+        }
+        if let Some(n) = self.max_connections_per_uid
+            && n > self.max_connections
+        {
+            return Err(format!(
+                "max_connections_per_uid: {n} is more than max_connections ({})",
+                self.max_connections
+            ));
         }
         if self.socket_mode > 0o777 {
             return Err(format!(
@@ -479,6 +513,7 @@ mod packaged {
         assert_eq!(c.max_wait, d.max_wait);
         assert_eq!(c.backing_bandwidth, d.backing_bandwidth);
         assert_eq!(c.max_connections, d.max_connections);
+        assert_eq!(c.max_connections_per_uid, d.max_connections_per_uid);
         assert_eq!(c.spin, d.spin);
         assert_eq!(c.prefetch_ahead, d.prefetch_ahead);
         assert_eq!(c.prefetch_concurrency, d.prefetch_concurrency);

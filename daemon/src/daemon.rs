@@ -201,13 +201,13 @@ impl Daemon {
             spinners: Default::default(),
             metrics_addr,
         });
-        let server = Server::start(
-            listener,
-            cfg.socket.clone(),
-            ctx.clone(),
-            cfg.max_connections,
-        )
-        .context("starting the server")?;
+        let limits = server::Limits {
+            max: cfg.max_connections,
+            per_uid: cfg.connections_per_uid(),
+            reserve: crate::config::OPERATOR_RESERVE,
+        };
+        let server = Server::start(listener, cfg.socket.clone(), ctx.clone(), limits)
+            .context("starting the server")?;
         tracing::info!(socket = %cfg.socket.display(), "shardcached ready");
         let scrub = Self::start_scrub(&store)?;
         let prefetch = match cfg.prefetch_ahead {
