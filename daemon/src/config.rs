@@ -364,6 +364,9 @@ impl Config {
             if self.peer_timeout.is_zero() || self.peer_refresh.is_zero() {
                 return Err("peer_timeout, peer_refresh: must be more than 0".into());
             }
+            if let Some(name) = &self.peer_dns {
+                parse_dns(name)?;
+            }
         } else if !self.peers.is_empty() || self.peer_dns.is_some() {
             return Err("peer_listen: required when peers or peer_dns is set".into());
         }
@@ -426,6 +429,142 @@ impl Config {
         }
         Ok(())
     }
+
+    /// Everything start-up refuses: [`Config::validate`], then what this machine must
+    /// offer ([`Config::check_node`]). `shardcached --check-config` and the daemon's
+    /// start both call it, so that the check passes exactly the configurations a start
+    /// accepts (bar what another process holds; see `check_node`).
+    pub fn check(&self) -> Result<(), String> {
+        self.validate()?;
+        self.check_node()
+    }
+
+    /// What the daemon needs of this machine, checked without changing anything: every
+    /// backing root is a directory with a UTF-8 path; the cache directory and the
+    /// socket's directory are directories this process may write (or can be created);
+    /// the socket path is free or a socket; the peer secret file is readable and holds a
+    /// valid secret ([`read_peer_secret`]); the listen addresses belong to this host.
+    ///
+    /// Not checked, because they are not the configuration's doing and a new
+    /// configuration must be checkable beside the running daemon: a port another process
+    /// listens on, a socket a live daemon answers on, a cache directory another daemon
+    /// has locked. Start-up refuses those with the key named.
+    pub fn check_node(&self) -> Result<(), String> {
+        for r in &self.backing_roots {
+            let canonical = std::fs::canonicalize(r)
+                .map_err(|e| format!("backing_roots: {}: {e}", r.display()))?;
+            if !canonical.is_dir() {
+                return Err(format!("backing_roots: {}: not a directory", r.display()));
+            }
+            if canonical.to_str().is_none() {
+                return Err(format!(
+                    "backing_roots: {}: backing root paths must be UTF-8",
+                    canonical.display()
+                ));
+            }
+        }
+        writable_dir("cache_dir", &self.cache_dir)?;
+        match std::fs::symlink_metadata(&self.socket) {
+            Ok(m) if !std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
+                return Err(format!(
+                    "socket: {}: exists and is not a socket; refusing to replace it",
+                    self.socket.display()
+                ));
+            }
+            _ => {}
+        }
+        if let Some(dir) = self.socket.parent() {
+            writable_dir("socket", dir)?;
+        }
+        if let MetricsListen::Addr(a) = self.metrics_listen {
+            local_address("metrics_listen", a)?;
+        }
+        if let Some(a) = self.peer_listen {
+            local_address("peer_listen", a)?;
+            if let Some(f) = &self.peer_secret_file {
+                read_peer_secret(f)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Splits a `peer_dns` value, `name:port`.
+pub fn parse_dns(name: &str) -> Result<(String, u16), String> {
+    name.rsplit_once(':')
+        .and_then(|(h, p)| Some((h.to_owned(), p.parse().ok()?)))
+        .filter(|(h, _)| !h.is_empty())
+        .ok_or_else(|| format!("peer_dns: `{name}`: expected name:port"))
+}
+
+/// Reads the cluster's shared secret from `file`: its text, trimmed, at least 16
+/// characters of printable ASCII (it travels in a gRPC header). The error names the key.
+pub fn read_peer_secret(file: &std::path::Path) -> Result<String, String> {
+    let bad = |why: String| format!("peer_secret_file: {}: {why}", file.display());
+    let secret = std::fs::read_to_string(file)
+        .map_err(|e| bad(format!("cannot read the peer secret ({e})")))?
+        .trim()
+        .to_owned();
+    if secret.len() < 16 {
+        return Err(bad(format!(
+            "the peer secret must be at least 16 characters (it has {})",
+            secret.chars().count()
+        )));
+    }
+    if !secret
+        .bytes()
+        .all(|b| b == b'\t' || (b' '..=b'~').contains(&b))
+    {
+        return Err(bad("the peer secret must be printable ASCII".into()));
+    }
+    Ok(secret)
+}
+
+/// `dir` is a directory this process may create entries in, or the nearest existing
+/// directory above it is (it would be created).
+fn writable_dir(key: &str, dir: &std::path::Path) -> Result<(), String> {
+    use rustix::fs::Access;
+    let mut at = dir;
+    loop {
+        match std::fs::metadata(at) {
+            Ok(m) if m.is_dir() => break,
+            Ok(_) => {
+                return Err(format!("{key}: {}: not a directory", at.display()));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => match at.parent() {
+                Some(p) if !p.as_os_str().is_empty() => at = p,
+                _ => return Ok(()),
+            },
+            Err(e) => return Err(format!("{key}: {}: {e}", at.display())),
+        }
+    }
+    // As this process will create them: with its effective ids and capabilities.
+    let ok = rustix::fs::accessat(
+        rustix::fs::CWD,
+        at,
+        Access::WRITE_OK | Access::EXEC_OK,
+        rustix::fs::AtFlags::EACCESS,
+    );
+    ok.map_err(|e| {
+        let what = if at == dir {
+            String::new()
+        } else {
+            format!(" (to create {})", dir.display())
+        };
+        format!(
+            "{key}: {}: not writable by this user{what}: {}",
+            at.display(),
+            std::io::Error::from(e)
+        )
+    })
+}
+
+/// `addr`'s IP is one this host can listen on (checked on a free port, so that a port
+/// the running daemon holds does not fail the check).
+fn local_address(key: &str, addr: std::net::SocketAddr) -> Result<(), String> {
+    std::net::TcpListener::bind(std::net::SocketAddr::new(addr.ip(), 0))
+        .map(drop)
+        .map_err(|e| format!("{key}: cannot listen on {addr}: {e}"))
 }
 
 #[cfg(test)]
