@@ -346,6 +346,18 @@ fn root_and_other_uids_are_served_when_one_uid_takes_every_connection() {
     let cfg = bed.tmp.path().join("c.toml");
     std::fs::write(&cfg, "max_connections = 16\nmax_connections_per_uid = 16\n").unwrap();
     let d = bed.start(&["--config", cfg.to_str().unwrap()]);
+    // The harness's own status connection is gone first (its thread ends a moment after
+    // the client closes it), so that uid 65534 gets all 16.
+    let addr = d.metrics_addr().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while sample(
+        &http_get(addr, "/metrics").unwrap().1,
+        "shardcache_connections",
+    ) > 0.0
+    {
+        assert!(Instant::now() < deadline, "connections left open");
+        std::thread::sleep(Duration::from_millis(10));
+    }
     let mut flood = unix_flood_as(65534, &bed.socket, 16);
     // Each asks for status once and reads the answer: every connection is admitted
     // (answered) and now idle.
