@@ -564,9 +564,29 @@ impl Inner {
                     .map(|k| (k, fds))
                     .ok_or_else(|| CallError::Protocol("empty reply".into()))
             }
+            // Id 0 answers no request: the daemon refused the connection, saying why.
+            Ok((resp, _)) if resp.id == 0 => {
+                let why = match resp.kind {
+                    Some(response::Kind::Error(e)) => e.message,
+                    _ => "shardcached refused the connection".into(),
+                };
+                Err(self.refused(&pending, why))
+            }
             Ok(_) => Err(CallError::Protocol("reply to another request".into())),
             Err(e) => Err(self.failed(&pending, e)),
         }
+    }
+
+    /// The daemon refused the connection of `pending` (a new one is refused for a
+    /// while, as when it could not be reached; a pooled one may be retried at once).
+    fn refused(&self, pending: &Pending, why: String) -> CallError {
+        if let Some(r) = &pending.report {
+            self.report.give_back(r);
+        }
+        if !pending.was_pooled {
+            self.mark_down();
+        }
+        CallError::Unavailable(why)
     }
 
     fn failed(&self, pending: &Pending, e: WireError) -> CallError {

@@ -130,6 +130,11 @@ fn de_opt_count<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error
     Ok((n > 0).then_some(n))
 }
 
+fn de_opt_usize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<usize>, D::Error> {
+    let n = usize::deserialize(d)?;
+    Ok((n > 0).then_some(n))
+}
+
 fn de_opt_bytes<'de, D: Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
     de_bytes(d).map(|b| if b == 0 { None } else { Some(b) })
 }
@@ -183,6 +188,10 @@ fn de_metrics_listen<'de, D: Deserializer<'de>>(d: D) -> Result<MetricsListen, D
         .map_err(serde::de::Error::custom)
 }
 
+/// Client connections beyond `max_connections` that only root and the daemon's user may
+/// hold, so that an operator's `shardcache status` is answered however busy the socket.
+pub const OPERATOR_RESERVE: usize = 8;
+
 /// Default socket path for the local API.
 pub const DEFAULT_SOCKET: &str = "/run/shardcache/shardcached.sock";
 /// Default cache directory.
@@ -233,9 +242,17 @@ pub struct Config {
     /// Default no limit.
     #[serde(deserialize_with = "de_opt_bytes")]
     pub backing_bandwidth: Option<u64>,
-    /// Most simultaneous client connections; more are refused (clients then read the
-    /// backing store). Default 1024.
+    /// Most simultaneous client connections. When they are all held, a newcomer takes
+    /// the place of an idle connection of the uid holding the most (or is refused, and
+    /// reads the backing store, when none is idle). Root and the daemon's user have
+    /// [`OPERATOR_RESERVE`] more. Default 1024.
     pub max_connections: usize,
+    /// Most simultaneous client connections of one uid (root and the daemon's user
+    /// excepted); beyond it, a newcomer of that uid takes the place of its connection
+    /// idle longest (or is refused when none is idle). Unset or 0: a quarter of
+    /// `max_connections` (see [`Config::connections_per_uid`]).
+    #[serde(deserialize_with = "de_opt_usize")]
+    pub max_connections_per_uid: Option<usize>,
     /// How long a connection thread keeps polling for a client's next request before it
     /// sleeps. Waking a sleeping thread costs tens of microseconds on virtual machines,
     /// more than a whole cached open; `0` never polls. Default 50 µs.
@@ -301,6 +318,7 @@ impl Default for Config {
             max_wait: Duration::from_secs(30),
             backing_bandwidth: None,
             max_connections: 1024,
+            max_connections_per_uid: None,
             spin: Duration::from_micros(50),
             prefetch_ahead: 1024,
             prefetch_concurrency: 16,
@@ -319,6 +337,14 @@ impl Default for Config {
 }
 
 impl Config {
+    /// The most connections one uid may hold: `max_connections_per_uid`, by default a
+    /// quarter of `max_connections` (at least 1).
+    pub fn connections_per_uid(&self) -> usize {
+        self.max_connections_per_uid
+            .unwrap_or(self.max_connections / 4)
+            .clamp(1, self.max_connections.max(1))
+    }
+
     /// Checks every field once; the message names the offending key.
     pub fn validate(&self) -> Result<(), String> {
         if let Some(listen) = self.peer_listen {
@@ -337,6 +363,9 @@ impl Config {
             }
             if self.peer_timeout.is_zero() || self.peer_refresh.is_zero() {
                 return Err("peer_timeout, peer_refresh: must be more than 0".into());
+            }
+            if let Some(name) = &self.peer_dns {
+                parse_dns(name)?;
             }
         } else if !self.peers.is_empty() || self.peer_dns.is_some() {
             return Err("peer_listen: required when peers or peer_dns is set".into());
@@ -378,6 +407,14 @@ impl Config {
         if self.max_connections == 0 {
             return Err("max_connections: must be at least 1".into());
         }
+        if let Some(n) = self.max_connections_per_uid
+            && n > self.max_connections
+        {
+            return Err(format!(
+                "max_connections_per_uid: {n} is more than max_connections ({})",
+                self.max_connections
+            ));
+        }
         if self.socket_mode > 0o777 {
             return Err(format!(
                 "socket_mode: {:o} is not a permission mode",
@@ -392,6 +429,142 @@ impl Config {
         }
         Ok(())
     }
+
+    /// Everything start-up refuses: [`Config::validate`], then what this machine must
+    /// offer ([`Config::check_node`]). `shardcached --check-config` and the daemon's
+    /// start both call it, so that the check passes exactly the configurations a start
+    /// accepts (bar what another process holds; see `check_node`).
+    pub fn check(&self) -> Result<(), String> {
+        self.validate()?;
+        self.check_node()
+    }
+
+    /// What the daemon needs of this machine, checked without changing anything: every
+    /// backing root is a directory with a UTF-8 path; the cache directory and the
+    /// socket's directory are directories this process may write (or can be created);
+    /// the socket path is free or a socket; the peer secret file is readable and holds a
+    /// valid secret ([`read_peer_secret`]); the listen addresses belong to this host.
+    ///
+    /// Not checked, because they are not the configuration's doing and a new
+    /// configuration must be checkable beside the running daemon: a port another process
+    /// listens on, a socket a live daemon answers on, a cache directory another daemon
+    /// has locked. Start-up refuses those with the key named.
+    pub fn check_node(&self) -> Result<(), String> {
+        for r in &self.backing_roots {
+            let canonical = std::fs::canonicalize(r)
+                .map_err(|e| format!("backing_roots: {}: {e}", r.display()))?;
+            if !canonical.is_dir() {
+                return Err(format!("backing_roots: {}: not a directory", r.display()));
+            }
+            if canonical.to_str().is_none() {
+                return Err(format!(
+                    "backing_roots: {}: backing root paths must be UTF-8",
+                    canonical.display()
+                ));
+            }
+        }
+        writable_dir("cache_dir", &self.cache_dir)?;
+        match std::fs::symlink_metadata(&self.socket) {
+            Ok(m) if !std::os::unix::fs::FileTypeExt::is_socket(&m.file_type()) => {
+                return Err(format!(
+                    "socket: {}: exists and is not a socket; refusing to replace it",
+                    self.socket.display()
+                ));
+            }
+            _ => {}
+        }
+        if let Some(dir) = self.socket.parent() {
+            writable_dir("socket", dir)?;
+        }
+        if let MetricsListen::Addr(a) = self.metrics_listen {
+            local_address("metrics_listen", a)?;
+        }
+        if let Some(a) = self.peer_listen {
+            local_address("peer_listen", a)?;
+            if let Some(f) = &self.peer_secret_file {
+                read_peer_secret(f)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Splits a `peer_dns` value, `name:port`.
+pub fn parse_dns(name: &str) -> Result<(String, u16), String> {
+    name.rsplit_once(':')
+        .and_then(|(h, p)| Some((h.to_owned(), p.parse().ok()?)))
+        .filter(|(h, _)| !h.is_empty())
+        .ok_or_else(|| format!("peer_dns: `{name}`: expected name:port"))
+}
+
+/// Reads the cluster's shared secret from `file`: its text, trimmed, at least 16
+/// characters of printable ASCII (it travels in a gRPC header). The error names the key.
+pub fn read_peer_secret(file: &std::path::Path) -> Result<String, String> {
+    let bad = |why: String| format!("peer_secret_file: {}: {why}", file.display());
+    let secret = std::fs::read_to_string(file)
+        .map_err(|e| bad(format!("cannot read the peer secret ({e})")))?
+        .trim()
+        .to_owned();
+    if secret.len() < 16 {
+        return Err(bad(format!(
+            "the peer secret must be at least 16 characters (it has {})",
+            secret.chars().count()
+        )));
+    }
+    if !secret
+        .bytes()
+        .all(|b| b == b'\t' || (b' '..=b'~').contains(&b))
+    {
+        return Err(bad("the peer secret must be printable ASCII".into()));
+    }
+    Ok(secret)
+}
+
+/// `dir` is a directory this process may create entries in, or the nearest existing
+/// directory above it is (it would be created).
+fn writable_dir(key: &str, dir: &std::path::Path) -> Result<(), String> {
+    use rustix::fs::Access;
+    let mut at = dir;
+    loop {
+        match std::fs::metadata(at) {
+            Ok(m) if m.is_dir() => break,
+            Ok(_) => {
+                return Err(format!("{key}: {}: not a directory", at.display()));
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => match at.parent() {
+                Some(p) if !p.as_os_str().is_empty() => at = p,
+                _ => return Ok(()),
+            },
+            Err(e) => return Err(format!("{key}: {}: {e}", at.display())),
+        }
+    }
+    // As this process will create them: with its effective ids and capabilities.
+    let ok = rustix::fs::accessat(
+        rustix::fs::CWD,
+        at,
+        Access::WRITE_OK | Access::EXEC_OK,
+        rustix::fs::AtFlags::EACCESS,
+    );
+    ok.map_err(|e| {
+        let what = if at == dir {
+            String::new()
+        } else {
+            format!(" (to create {})", dir.display())
+        };
+        format!(
+            "{key}: {}: not writable by this user{what}: {}",
+            at.display(),
+            std::io::Error::from(e)
+        )
+    })
+}
+
+/// `addr`'s IP is one this host can listen on (checked on a free port, so that a port
+/// the running daemon holds does not fail the check).
+fn local_address(key: &str, addr: std::net::SocketAddr) -> Result<(), String> {
+    std::net::TcpListener::bind(std::net::SocketAddr::new(addr.ip(), 0))
+        .map(drop)
+        .map_err(|e| format!("{key}: cannot listen on {addr}: {e}"))
 }
 
 #[cfg(test)]
@@ -479,6 +652,7 @@ mod packaged {
         assert_eq!(c.max_wait, d.max_wait);
         assert_eq!(c.backing_bandwidth, d.backing_bandwidth);
         assert_eq!(c.max_connections, d.max_connections);
+        assert_eq!(c.max_connections_per_uid, d.max_connections_per_uid);
         assert_eq!(c.spin, d.spin);
         assert_eq!(c.prefetch_ahead, d.prefetch_ahead);
         assert_eq!(c.prefetch_concurrency, d.prefetch_concurrency);

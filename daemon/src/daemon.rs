@@ -110,18 +110,20 @@ impl Endpoint for Probes {
 }
 
 impl Daemon {
-    /// Validates `cfg`, opens the store, binds the socket and starts serving.
+    /// Checks `cfg` ([`Config::check`], as `shardcached --check-config` does), opens the
+    /// store, binds the socket and starts serving.
     pub fn start(cfg: &Config) -> anyhow::Result<Self> {
-        cfg.validate().map_err(anyhow::Error::msg)?;
+        cfg.check()
+            .map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;
         let mut roots = Vec::new();
         for r in &cfg.backing_roots {
             // Directories are trusted as long as file metadata (metadata_ttl).
             let posix = PosixBacking::with_dir_ttl(r, cfg.metadata_ttl)
-                .with_context(|| format!("backing root {}", r.display()))?;
+                .with_context(|| format!("backing_roots: {}", r.display()))?;
             let path = posix.root().to_owned();
             let name = path
                 .to_str()
-                .context("backing root paths must be UTF-8")?
+                .context("backing_roots: backing root paths must be UTF-8")?
                 .to_owned();
             let backing: Arc<dyn Backing> = match cfg.backing_bandwidth {
                 Some(bw) => Arc::new(ThrottledBacking::new(Arc::new(posix), bw)),
@@ -164,8 +166,12 @@ impl Daemon {
         let jobs = Arc::new(Jobs::new(meta.clone(), metrics.prefetch()));
         let policy = Box::new(PlannedPolicy::new(jobs.clone()));
         let store = Arc::new(
-            Store::open_with_policy(&store_cfg, stats.clone(), policy)
-                .with_context(|| format!("opening the cache in {}", cfg.cache_dir.display()))?,
+            Store::open_with_policy(&store_cfg, stats.clone(), policy).with_context(|| {
+                format!(
+                    "cache_dir: opening the cache in {}",
+                    cfg.cache_dir.display()
+                )
+            })?,
         );
         let filler = Arc::new(
             Filler::new(
@@ -184,7 +190,7 @@ impl Daemon {
             None => None,
         };
         let listener = server::bind(&cfg.socket, cfg.socket_mode)
-            .with_context(|| format!("binding the socket {}", cfg.socket.display()))?;
+            .with_context(|| format!("socket: binding {}", cfg.socket.display()))?;
         let meta_for_prefetch = meta.clone();
         let ctx = Arc::new(Ctx {
             meta,
@@ -201,13 +207,13 @@ impl Daemon {
             spinners: Default::default(),
             metrics_addr,
         });
-        let server = Server::start(
-            listener,
-            cfg.socket.clone(),
-            ctx.clone(),
-            cfg.max_connections,
-        )
-        .context("starting the server")?;
+        let limits = server::Limits {
+            max: cfg.max_connections,
+            per_uid: cfg.connections_per_uid(),
+            reserve: crate::config::OPERATOR_RESERVE,
+        };
+        let server = Server::start(listener, cfg.socket.clone(), ctx.clone(), limits)
+            .context("starting the server")?;
         tracing::info!(socket = %cfg.socket.display(), "shardcached ready");
         let scrub = Self::start_scrub(&store)?;
         let prefetch = match cfg.prefetch_ahead {
@@ -288,23 +294,12 @@ impl Daemon {
         let file = cfg
             .peer_secret_file
             .as_ref()
-            .context("peer_secret_file is required with peer_listen")?;
-        let secret = std::fs::read_to_string(file)
-            .with_context(|| format!("reading the peer secret {}", file.display()))?
-            .trim()
-            .to_owned();
-        anyhow::ensure!(
-            secret.len() >= 16,
-            "{}: the peer secret must be at least 16 characters",
-            file.display()
-        );
+            .context("peer_secret_file: required with peer_listen")?;
+        let secret = crate::config::read_peer_secret(file).map_err(anyhow::Error::msg)?;
         let source = match &cfg.peer_dns {
             Some(name) => {
-                let (host, port) = name
-                    .rsplit_once(':')
-                    .and_then(|(h, p)| Some((h.to_owned(), p.parse().ok()?)))
-                    .with_context(|| format!("peer_dns `{name}`: expected name:port"))?;
-                Source::Dns { name: host, port }
+                let (name, port) = crate::config::parse_dns(name).map_err(anyhow::Error::msg)?;
+                Source::Dns { name, port }
             }
             None => Source::Static(cfg.peers.clone()),
         };
@@ -319,7 +314,8 @@ impl Daemon {
             timeout: cfg.peer_timeout,
             refresh: cfg.peer_refresh,
         };
-        let (peers, fill_cell) = Peers::start(&pc, store.clone(), meta.clone(), stats.clone())?;
+        let (peers, fill_cell) = Peers::start(&pc, store.clone(), meta.clone(), stats.clone())
+            .with_context(|| format!("peer_listen: starting the peer service on {listen}"))?;
         let _ = fill_cell.set(filler.clone());
         filler.use_peers(peers.clone());
         jobs.set_peers(peers.clone());

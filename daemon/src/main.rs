@@ -99,11 +99,30 @@ struct Args {
     /// Log filter (tracing EnvFilter syntax) [default: info].
     #[arg(long, env = "SHARDCACHED_LOG", default_value = "info")]
     log: String,
-    /// Load and validate the settings (file, environment and flags), print the outcome
-    /// and exit: 0 when the daemon would start with them, 1 with the offending key
-    /// named otherwise. Touches nothing on disk (for packaging, Helm and CI checks).
-    #[arg(long)]
-    check_config: bool,
+    /// Load and check the settings (file, environment and flags), print the outcome and
+    /// exit: 0 when the daemon would start with them, 1 with the offending key named
+    /// otherwise (the message a start would print). Changes nothing on disk. `node` (the
+    /// default) checks everything a start checks, on this machine (roots, cache and
+    /// socket directories, peer secret, listen addresses); `file` only the keys, values
+    /// and their combinations, for a file written for other machines (CI, packaging).
+    #[arg(
+        long,
+        value_enum,
+        num_args = 0..=1,
+        require_equals = true,
+        default_missing_value = "node",
+        value_name = "SCOPE"
+    )]
+    check_config: Option<CheckScope>,
+}
+
+/// What `--check-config` checks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum CheckScope {
+    /// Everything a start checks, on this machine.
+    Node,
+    /// The keys, their values and their combinations only.
+    File,
 }
 
 fn load(args: &Args) -> anyhow::Result<Config> {
@@ -174,15 +193,25 @@ fn main() -> anyhow::Result<()> {
         .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
     let cfg = load(&args)?;
-    if args.check_config {
+    if let Some(scope) = args.check_config {
+        if scope == CheckScope::Node {
+            // What Daemon::start checks first, with the same message.
+            cfg.check()
+                .map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;
+        }
         println!(
-            "shardcached: configuration ok ({})",
+            "shardcached: configuration ok ({}{})",
             args.config
                 .as_deref()
-                .map_or_else(|| "no file".into(), |p| p.display().to_string())
+                .map_or_else(|| "no file".into(), |p| p.display().to_string()),
+            match scope {
+                CheckScope::Node => "",
+                CheckScope::File => "; this machine's paths and addresses not checked",
+            }
         );
         return Ok(());
     }
+    raise_open_files(&cfg);
     let mut signals = signal_hook::iterator::Signals::new([
         signal_hook::consts::SIGTERM,
         signal_hook::consts::SIGINT,
@@ -193,6 +222,36 @@ fn main() -> anyhow::Result<()> {
         tracing::info!(signal = sig, "shutting down");
     }
     daemon.close()
+}
+
+/// Raises the soft limit on open descriptors to the hard one (a shell's soft limit is
+/// often 1024, fewer than `max_connections` clients and the metrics endpoint need; the
+/// packaged unit and the container set the hard one high), and warns when even that is
+/// short.
+fn raise_open_files(cfg: &Config) {
+    use rustix::process::{Resource, getrlimit, setrlimit};
+    let mut l = getrlimit(Resource::Nofile);
+    let hard = l.maximum;
+    if l.current != hard {
+        l.current = hard;
+        if let Err(e) = setrlimit(Resource::Nofile, l) {
+            tracing::warn!(error = %e, "cannot raise the limit on open files");
+        }
+    }
+    let need = cfg.max_connections
+        + config::OPERATOR_RESERVE
+        + shardcache_daemon::metrics::http::MAX_CONNECTIONS
+        + 1024;
+    let have = getrlimit(Resource::Nofile).current;
+    if let Some(have) = have
+        && have < need as u64
+    {
+        tracing::warn!(
+            open_files = have,
+            need,
+            "the limit on open files is below what max_connections clients need; raise it (LimitNOFILE=, ulimit -n)"
+        );
+    }
 }
 
 #[cfg(test)]
@@ -231,7 +290,9 @@ mod tests {
     fn check_config_accepts_the_packaged_file_and_names_a_bad_key() {
         let packaged = concat!(env!("CARGO_MANIFEST_DIR"), "/../packaging/shardcached.toml");
         let ok = Args::parse_from(["shardcached", "--check-config", "--config", packaged]);
-        assert!(ok.check_config);
+        assert_eq!(ok.check_config, Some(CheckScope::Node));
+        let file = Args::parse_from(["shardcached", "--check-config=file", "--config", packaged]);
+        assert_eq!(file.check_config, Some(CheckScope::File));
         load(&ok).unwrap();
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("bad.toml");

@@ -20,6 +20,8 @@ macro_rules! counters {
             pub fallback_opens_by: [AtomicU64; FALLBACK_REASONS],
             /// Client-reported fallback reads, by `FallbackReason`.
             pub fallback_reads_by: [AtomicU64; FALLBACK_REASONS],
+            /// Client connections open now (a gauge, reported as `StatusReply.connections`).
+            pub connections: AtomicU64,
         }
 
         impl Stats {
@@ -66,6 +68,11 @@ counters!(
     peer_blocks_out,
     peer_bytes_out,
     peer_refused,
+    conns_refused_uid_limit,
+    conns_refused_full,
+    conns_refused_other,
+    conns_closed_uid_limit,
+    conns_closed_full,
 );
 
 /// Adds `n` to a counter.

@@ -314,7 +314,9 @@ def check_config(objs, tmp_path):
     env["RUST_BACKTRACE"] = "0"
     path = tmp_path / "shardcached.toml"
     path.write_text(toml_text)
-    cmd = [str(debug_bin("shardcached")), "--check-config", "--config", str(path)]
+    # `=file`: the paths the file names are the nodes', not this machine's (a plain
+    # --check-config also checks that they exist, as a start on a node does).
+    cmd = [str(debug_bin("shardcached")), "--check-config=file", "--config", str(path)]
     r = subprocess.run(cmd, capture_output=True, text=True, env=env)
     assert r.returncode == 0, f"shardcached refused the rendered configuration:\n{r.stderr}\n{toml_text}"
     assert "configuration ok" in r.stdout

@@ -128,7 +128,8 @@ def test_installed_tree_runs(extracted):
     assert run(str(cli), "--version").stdout.decode().split() == ["shardcache", VERSION]
     env = {k: v for k, v in os.environ.items() if not k.startswith("SHARDCACHED_")}
     r = subprocess.run(
-        [str(daemon), "--check-config", "--config", str(extracted / "etc/shardcache/shardcached.toml")],
+        # `=file`: /lustre/datasets is the example's root, not this machine's.
+        [str(daemon), "--check-config=file", "--config", str(extracted / "etc/shardcache/shardcached.toml")],
         capture_output=True, text=True, env=env,
     )
     assert r.returncode == 0 and "configuration ok" in r.stdout, r.stderr

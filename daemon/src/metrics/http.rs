@@ -4,20 +4,35 @@
 //! It runs on a thread of its own with a current-thread tokio runtime and hyper's HTTP/1
 //! server (both already in the daemon for the peer service), so that a slow or hostile
 //! client of this port can never hold up the request threads. It is kept small and
-//! bounded: at most [`MAX_CONNECTIONS`] connections (more are closed at once), request
-//! heads of at most [`MAX_HEAD`] bytes read within [`HEAD_TIMEOUT`], a connection lives
-//! at most [`MAX_CONNECTION_LIFE`], and a render runs on the blocking pool, one at a time
-//! (scrapes are serialized, so that a burst of them cannot multiply the work).
+//! bounded: at most [`MAX_CONNECTIONS`] connections, request heads of at most
+//! [`MAX_HEAD`] bytes read within [`HEAD_TIMEOUT`] (which also closes a keep-alive
+//! connection idle that long: hyper's header-read timer runs from the moment it waits
+//! for a head), a connection lives at most [`MAX_CONNECTION_LIFE`], and a render runs on
+//! the blocking pool, one at a time (scrapes are serialized, so that a burst of them
+//! cannot multiply the work).
+//!
+//! The kubelet's liveness probe must be answered however many connections others hold
+//! (a refused probe restarts a healthy daemon). So every connection is accepted (the
+//! listen backlog never fills), and at the bound the newcomer takes the place of the
+//! connection that has done least lately: one waiting for a request (idle longest,
+//! whether it sent nothing, trickles a head, or idles between requests) first, then one
+//! whose reply its client does not read (blocked longest), and only then one with a
+//! request in progress (the longest). A flood of idle, trickling or unread connections
+//! thus costs a probe nothing: it is the newest connection, and answered at once.
 //!
 //! What the answers mean is the [`Endpoint`]'s business (the daemon's wiring decides
 //! what "alive" and "ready" are).
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::io;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http_body_util::Full;
@@ -25,12 +40,14 @@ use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::{TokioIo, TokioTimer};
 
-/// Most connections served at once.
-pub const MAX_CONNECTIONS: usize = 32;
+/// Most connections held at once; a newcomer beyond takes the place of one (see the
+/// module's doc).
+pub const MAX_CONNECTIONS: usize = 256;
 /// Largest request head accepted (hyper's smallest allowed buffer).
 pub const MAX_HEAD: usize = 8192;
-/// Longest wait for a request head (also bounds an idle keep-alive connection).
-pub const HEAD_TIMEOUT: Duration = Duration::from_secs(10);
+/// Longest wait for a whole request head, however it trickles in (also bounds an idle
+/// keep-alive connection).
+pub const HEAD_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest a connection is kept (a scraper simply connects again).
 pub const MAX_CONNECTION_LIFE: Duration = Duration::from_secs(300);
 
@@ -114,13 +131,158 @@ impl Drop for HttpServer {
     }
 }
 
+/// What one connection is doing, as the accept loop sees it when it needs room:
+/// nanoseconds since the server's epoch (0: not so).
+#[derive(Debug, Default)]
+struct Activity {
+    /// Since when it waits for a request (its acceptance, or the end of its last reply).
+    idle_since: AtomicU64,
+    /// Since when a request is in the service (the render included).
+    busy_since: AtomicU64,
+    /// Since when its reply cannot be written (its client does not read).
+    blocked_since: AtomicU64,
+}
+
+impl Activity {
+    /// The order in which connections give way: smallest first.
+    fn rank(&self) -> (u8, u64) {
+        let blocked = self.blocked_since.load(Ordering::Relaxed);
+        let busy = self.busy_since.load(Ordering::Relaxed);
+        if blocked != 0 {
+            (1, blocked)
+        } else if busy != 0 {
+            (2, busy)
+        } else {
+            (0, self.idle_since.load(Ordering::Relaxed))
+        }
+    }
+}
+
+/// Nanoseconds since `epoch`, never 0.
+fn since(epoch: Instant) -> u64 {
+    (epoch.elapsed().as_nanos() as u64).max(1)
+}
+
+/// A connection held: what it does, and how to close it.
+struct Held {
+    activity: Arc<Activity>,
+    close: Arc<tokio::sync::Notify>,
+}
+
+/// Marks a request in the service until dropped (the reply is built, or the connection
+/// dropped).
+struct InService(Arc<Activity>, Instant);
+
+impl InService {
+    fn new(a: &Arc<Activity>, epoch: Instant) -> Self {
+        a.busy_since.store(since(epoch), Ordering::Relaxed);
+        Self(a.clone(), epoch)
+    }
+}
+
+impl Drop for InService {
+    fn drop(&mut self) {
+        self.0.idle_since.store(since(self.1), Ordering::Relaxed);
+        self.0.busy_since.store(0, Ordering::Relaxed);
+    }
+}
+
+/// The socket, noting when its writes are blocked (its client does not read its reply).
+struct Watched {
+    io: tokio::net::TcpStream,
+    activity: Arc<Activity>,
+    epoch: Instant,
+}
+
+impl Watched {
+    fn note<T>(&self, p: Poll<T>) -> Poll<T> {
+        let b = &self.activity.blocked_since;
+        match p {
+            Poll::Pending => {
+                if b.load(Ordering::Relaxed) == 0 {
+                    b.store(since(self.epoch), Ordering::Relaxed);
+                }
+            }
+            Poll::Ready(_) => b.store(0, Ordering::Relaxed),
+        }
+        p
+    }
+}
+
+impl tokio::io::AsyncRead for Watched {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for Watched {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let p = Pin::new(&mut self.io).poll_write(cx, buf);
+        self.note(p)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let p = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.note(p)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let p = Pin::new(&mut self.io).poll_flush(cx);
+        self.note(p)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+type Table = Arc<Mutex<HashMap<u64, Held>>>;
+
+fn lock(t: &Table) -> std::sync::MutexGuard<'_, HashMap<u64, Held>> {
+    t.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Makes room for one more connection: closes the one that gives way first (see the
+/// module's doc).
+fn make_room(table: &Table) {
+    let mut t = lock(table);
+    if t.len() < MAX_CONNECTIONS {
+        return;
+    }
+    let victim = t
+        .iter()
+        .min_by_key(|(id, h)| (h.activity.rank(), **id))
+        .map(|(id, _)| *id);
+    if let Some(h) = victim.and_then(|id| t.remove(&id)) {
+        h.close.notify_one();
+    }
+}
+
 async fn serve(
     listener: tokio::net::TcpListener,
     endpoint: Arc<dyn Endpoint>,
     mut stopped: tokio::sync::watch::Receiver<bool>,
 ) {
-    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
+    let table: Table = Arc::default();
     let render = Arc::new(tokio::sync::Mutex::new(()));
+    let epoch = Instant::now();
+    let mut next_id = 0u64;
     loop {
         let (stream, peer) = tokio::select! {
             _ = stopped.changed() => return,
@@ -134,25 +296,54 @@ async fn serve(
                 }
             },
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            tracing::debug!(%peer, "metrics endpoint: too many connections; closing one");
-            continue;
-        };
-        let (endpoint, render) = (endpoint.clone(), render.clone());
+        make_room(&table);
+        let id = next_id;
+        next_id += 1;
+        let activity = Arc::new(Activity::default());
+        activity.idle_since.store(since(epoch), Ordering::Relaxed);
+        let close = Arc::new(tokio::sync::Notify::new());
+        lock(&table).insert(
+            id,
+            Held {
+                activity: activity.clone(),
+                close: close.clone(),
+            },
+        );
+        let (endpoint, render, table) = (endpoint.clone(), render.clone(), table.clone());
         tokio::spawn(async move {
+            let a = activity.clone();
             let service = hyper::service::service_fn(move |req| {
-                respond(req, endpoint.clone(), render.clone())
+                let busy = InService::new(&a, epoch);
+                let (endpoint, render) = (endpoint.clone(), render.clone());
+                async move {
+                    let r = respond(req, endpoint, render).await;
+                    drop(busy);
+                    r
+                }
             });
+            let io = Watched {
+                io: stream,
+                activity,
+                epoch,
+            };
             let conn = hyper::server::conn::http1::Builder::new()
                 .timer(TokioTimer::new())
                 .header_read_timeout(HEAD_TIMEOUT)
                 .max_buf_size(MAX_HEAD)
-                .serve_connection(TokioIo::new(stream), service);
-            // Past its lifetime the connection is dropped (closed); the scraper reconnects.
-            if let Ok(Err(e)) = tokio::time::timeout(MAX_CONNECTION_LIFE, conn).await {
-                tracing::debug!(%peer, error = %e, "metrics connection ended");
+                .serve_connection(TokioIo::new(io), service);
+            // Past its lifetime, or chosen to make room, the connection is dropped
+            // (closed); a scraper simply connects again.
+            tokio::select! {
+                r = tokio::time::timeout(MAX_CONNECTION_LIFE, conn) => {
+                    if let Ok(Err(e)) = r {
+                        tracing::debug!(%peer, error = %e, "metrics connection ended");
+                    }
+                }
+                _ = close.notified() => {
+                    tracing::debug!(%peer, "metrics connection closed to make room");
+                }
             }
-            drop(slot);
+            lock(&table).remove(&id);
         });
     }
 }
@@ -243,6 +434,22 @@ mod tests {
         let mut out = String::new();
         let _ = s.read_to_string(&mut out);
         out
+    }
+
+    #[test]
+    fn connections_give_way_idle_first_then_unread_then_in_progress() {
+        let at = |idle: u64, busy: u64, blocked: u64| {
+            let a = Activity::default();
+            a.idle_since.store(idle, Ordering::Relaxed);
+            a.busy_since.store(busy, Ordering::Relaxed);
+            a.blocked_since.store(blocked, Ordering::Relaxed);
+            a.rank()
+        };
+        let idle_long = at(1, 0, 0);
+        let idle_new = at(9, 0, 0);
+        let unread = at(1, 0, 5);
+        let in_progress = at(1, 2, 0);
+        assert!(idle_long < idle_new && idle_new < unread && unread < in_progress);
     }
 
     #[test]

@@ -97,6 +97,13 @@ defs! {
     WAIT_TIMEOUTS: Counter "shardcache_wait_timeouts_total" COUNT, [],
         "Waits for blocks that ran out of time.";
 
+    CONNECTIONS: Gauge "shardcache_connections" COUNT, [],
+        "Client connections open on the Unix socket.";
+    CONNECTIONS_REFUSED: Counter "shardcache_connections_refused_total" COUNT, ["reason"],
+        "Client connections refused (the client reads the backing store): uid_limit (its uid held max_connections_per_uid, none idle), full (max_connections held, none idle to close), other (no credentials, thread or descriptor).";
+    CONNECTIONS_CLOSED: Counter "shardcache_connections_closed_total" COUNT, ["reason"],
+        "Idle client connections closed to admit another: uid_limit (the same uid's oldest idle one), full (the oldest idle one of the uid holding the most).";
+
     BACKING_READS: Counter "shardcache_backing_reads_total" COUNT, [],
         "Block reads of the daemon from the backing store.";
     BACKING_READ_BYTES: Counter "shardcache_backing_read_bytes_total" BYTES, [],
@@ -212,6 +219,10 @@ pub mod label {
     pub const CACHED: [&str; 3] = ["full", "partial", "none"];
     /// `reason` of refusals.
     pub const REFUSAL: [&str; 4] = ["denied", "path", "not_found", "other"];
+    /// `reason` of refused client connections.
+    pub const CONN_REFUSAL: [&str; 3] = ["uid_limit", "full", "other"];
+    /// `reason` of idle client connections closed to make room.
+    pub const CONN_CLOSED: [&str; 2] = ["uid_limit", "full"];
     /// `direction` of peer traffic.
     pub const DIRECTION: [&str; 2] = ["received", "sent"];
     /// `state` of peers.
@@ -356,6 +367,19 @@ impl Metrics {
         ]) {
             w.counter(&REFUSALS, &[v], n);
         }
+        for (v, n) in label::CONN_REFUSAL.iter().zip([
+            c.conns_refused_uid_limit,
+            c.conns_refused_full,
+            c.conns_refused_other,
+        ]) {
+            w.counter(&CONNECTIONS_REFUSED, &[v], n);
+        }
+        for (v, n) in label::CONN_CLOSED
+            .iter()
+            .zip([c.conns_closed_uid_limit, c.conns_closed_full])
+        {
+            w.counter(&CONNECTIONS_CLOSED, &[v], n);
+        }
         for (d, n) in [
             (&WAITS, c.waits),
             (&WAIT_TIMEOUTS, c.wait_timeouts),
@@ -398,6 +422,7 @@ impl Metrics {
             (&CACHED_FILES, s.files),
             (&CACHED_BLOCKS, s.blocks),
             (&UNVERIFIED_BLOCKS, s.unverified_blocks),
+            (&CONNECTIONS, s.connections),
             (&JOBS, s.jobs.len() as u64),
             (
                 &PREFETCH_IN_FLIGHT,

@@ -8,12 +8,13 @@
 //!
 //! Threads, not async tasks: the open path is one request, a few hash lookups and an
 //! `open(2)`, and a blocking thread answers it with the fewest wake-ups. Connections are
-//! few (a pool per training process) and bounded by `max_connections`.
+//! few (a pool per training process) and bounded by `max_connections`, shared out by uid
+//! ([`admit`]): one user cannot hold them all, and an operator is always answered.
 
 pub mod admin;
+pub mod admit;
 mod creds;
 
-use std::collections::HashMap;
 use std::fs::File;
 use std::io;
 use std::os::fd::AsFd;
@@ -29,6 +30,8 @@ use shardcache_proto::local::v1 as pb;
 use shardcache_proto::local::v1::{Reason, request, response};
 use shardcache_proto::wire::{self, FrameReader, WireError};
 
+pub use self::admit::Limits;
+use self::admit::{Activity, Table, Verdict, Why};
 use crate::access::{self, Creds, Decision};
 use crate::backing::{BackingError, Stat};
 use crate::fill::{Filler, Priority, Scheduled, Target};
@@ -44,6 +47,8 @@ const MAX_REQUEST: usize = 1 << 20;
 /// How long a file stays pinned after a reader was told it is being filled (see
 /// [`Store::pin`]); each wait of that reader renews it.
 const PIN: Duration = Duration::from_secs(2);
+/// Longest a reply may wait for its client to read it.
+const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest path accepted (Linux PATH_MAX).
 const MAX_PATH: usize = 4096;
 
@@ -85,7 +90,9 @@ pub struct Server {
     path: PathBuf,
     listener: Arc<UnixListener>,
     stop: Arc<AtomicBool>,
-    conns: Arc<Mutex<HashMap<u64, UnixStream>>>,
+    conns: Conns,
+    /// Connection threads running (those of connections closed to make room included,
+    /// until they end).
     active: Arc<AtomicUsize>,
     accept: Option<JoinHandle<()>>,
     /// False once the accept thread has ended.
@@ -128,16 +135,17 @@ pub fn bind(path: &Path, mode: u32) -> io::Result<UnixListener> {
 }
 
 impl Server {
-    /// Serves `listener` until [`Server::close`].
+    /// Serves `listener` until [`Server::close`], sharing its connections out as
+    /// [`admit`] describes.
     pub fn start(
         listener: UnixListener,
         path: PathBuf,
         ctx: Arc<Ctx>,
-        max_conns: usize,
+        limits: Limits,
     ) -> io::Result<Self> {
         let listener = Arc::new(listener);
         let stop = Arc::new(AtomicBool::new(false));
-        let conns: Arc<Mutex<HashMap<u64, UnixStream>>> = Arc::default();
+        let conns: Conns = Arc::new(Mutex::new(Table::new(limits)));
         let active = Arc::new(AtomicUsize::new(0));
         let accepting = Arc::new(AtomicBool::new(true));
         let accept = {
@@ -148,60 +156,26 @@ impl Server {
                 active.clone(),
             );
             let alive = crate::daemon::Alive::new(accepting.clone());
-            std::thread::Builder::new().name("sc-accept".into()).spawn(move || {
-                let _alive = alive;
-                let next_id = AtomicU64::new(0);
-                // A storm of failed accepts or refused clients is one warning per
-                // period, with how many it stands for, not one line per connection.
-                let (mut accept_errors, mut refused) = (Throttle::default(), Throttle::default());
-                for conn in listener.incoming() {
-                    if stop.load(Ordering::Acquire) {
-                        break;
-                    }
-                    let conn = match conn {
-                        Ok(c) => c,
-                        Err(e) => {
-                            if let Some(n) = accept_errors.hit() {
-                                tracing::warn!(error = %e, count = n, "accept failed");
+            std::thread::Builder::new()
+                .name("sc-accept".into())
+                .spawn(move || {
+                    let _alive = alive;
+                    let mut accept_errors = Throttle::default();
+                    for conn in listener.incoming() {
+                        if stop.load(Ordering::Acquire) {
+                            break;
+                        }
+                        match conn {
+                            Ok(c) => admit_one(c, &conns, &active, &ctx, limits),
+                            Err(e) => {
+                                if let Some(n) = accept_errors.hit() {
+                                    tracing::warn!(error = %e, count = n, "accept failed");
+                                }
+                                std::thread::sleep(Duration::from_millis(10));
                             }
-                            std::thread::sleep(Duration::from_millis(10));
-                            continue;
                         }
-                    };
-                    if active.load(Ordering::Acquire) >= max_conns {
-                        if let Some(n) = refused.hit() {
-                            tracing::warn!(max_conns, refused = n, "connection limit reached; refusing clients (they read the backing store)");
-                        }
-                        continue;
                     }
-                    let creds = match creds::peer(&conn) {
-                        Ok(c) => c,
-                        Err(e) => {
-                            tracing::warn!(error = %e, "cannot read client credentials; refusing");
-                            continue;
-                        }
-                    };
-                    let id = next_id.fetch_add(1, Ordering::Relaxed);
-                    if let Ok(c) = conn.try_clone() {
-                        conns.lock().unwrap_or_else(|e| e.into_inner()).insert(id, c);
-                    }
-                    active.fetch_add(1, Ordering::AcqRel);
-                    let (ctx, conns2, active2) = (ctx.clone(), conns.clone(), active.clone());
-                    let spawned = std::thread::Builder::new()
-                        .name("sc-conn".into())
-                        .stack_size(512 << 10)
-                        .spawn(move || {
-                            serve(&conn, &creds, &ctx);
-                            conns2.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
-                            active2.fetch_sub(1, Ordering::AcqRel);
-                        });
-                    if let Err(e) = spawned {
-                        tracing::warn!(error = %e, "cannot start a connection thread");
-                        conns.lock().unwrap_or_else(|e| e.into_inner()).remove(&id);
-                        active.fetch_sub(1, Ordering::AcqRel);
-                    }
-                }
-            })?
+                })?
         };
         Ok(Self {
             path,
@@ -229,12 +203,7 @@ impl Server {
         if let Some(h) = self.accept.take() {
             let _ = h.join();
         }
-        for c in self
-            .conns
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .values()
-        {
+        for c in lock(&self.conns).handles() {
             let _ = c.shutdown(std::net::Shutdown::Both);
         }
         let _ = std::fs::remove_file(&self.path);
@@ -250,6 +219,160 @@ impl Server {
     }
 }
 
+/// The connections held, with a handle of each to close it.
+type Conns = Arc<Mutex<Table<UnixStream>>>;
+
+fn lock(c: &Conns) -> std::sync::MutexGuard<'_, Table<UnixStream>> {
+    c.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Log lines about refused and closed connections: one per period, with a count.
+static REFUSED_LOG: Mutex<Throttle> = Mutex::new(Throttle::new());
+static CLOSED_LOG: Mutex<Throttle> = Mutex::new(Throttle::new());
+
+/// Admits, or refuses, a connection just accepted (on the accept thread).
+fn admit_one(
+    conn: UnixStream,
+    conns: &Conns,
+    active: &Arc<AtomicUsize>,
+    ctx: &Arc<Ctx>,
+    limits: Limits,
+) {
+    let stats = &ctx.stats;
+    let creds = match creds::peer(&conn) {
+        Ok(c) => c,
+        Err(e) => {
+            inc(&stats.conns_refused_other);
+            tracing::warn!(error = %e, "cannot read client credentials; refusing");
+            return;
+        }
+    };
+    let uid = creds.uid;
+    let mut table = lock(conns);
+    match table.decide(uid, admin::is_operator(&creds)) {
+        Verdict::Admit => {}
+        Verdict::Evict { victim, why } => {
+            if let Some(s) = table.remove(victim) {
+                let _ = s.shutdown(std::net::Shutdown::Both);
+            }
+            let held = table.held_by(uid);
+            inc(match why {
+                Why::UidLimit => &stats.conns_closed_uid_limit,
+                Why::Full => &stats.conns_closed_full,
+            });
+            if let Some(n) = CLOSED_LOG.lock().unwrap_or_else(|e| e.into_inner()).hit() {
+                tracing::info!(
+                    uid,
+                    held,
+                    ?why,
+                    closed = n,
+                    "closed idle client connections to admit others (limits: max_connections, max_connections_per_uid)"
+                );
+            }
+        }
+        Verdict::Refuse(why) => {
+            let held = table.held_by(uid);
+            drop(table);
+            let message = match why {
+                Why::UidLimit => {
+                    inc(&stats.conns_refused_uid_limit);
+                    format!(
+                        "shardcached: uid {uid} holds {held} connections, the most one user may (max_connections_per_uid = {}), none of them idle; this one is refused and the client reads the backing store: use fewer connections, or raise max_connections_per_uid",
+                        limits.per_uid
+                    )
+                }
+                Why::Full => {
+                    inc(&stats.conns_refused_full);
+                    format!(
+                        "shardcached: all {} connections are in use (max_connections), none idle; this one is refused and the client reads the backing store: raise max_connections",
+                        limits.max
+                    )
+                }
+            };
+            if let Some(n) = REFUSED_LOG.lock().unwrap_or_else(|e| e.into_inner()).hit() {
+                tracing::warn!(
+                    uid,
+                    held,
+                    ?why,
+                    refused = n,
+                    "refusing client connections (they read the backing store)"
+                );
+            }
+            refuse(&conn, message);
+            return;
+        }
+    }
+    // Threads of closed connections end at once; should they lag behind a uid that
+    // connects faster, the threads are still bounded.
+    let threads = 2 * (limits.max + limits.reserve);
+    let handle = if active.load(Ordering::Acquire) >= threads {
+        Err(io::Error::other(format!(
+            "{threads} connection threads running"
+        )))
+    } else {
+        conn.try_clone()
+    };
+    let handle = match handle {
+        Ok(h) => h,
+        Err(e) => {
+            drop(table);
+            inc(&stats.conns_refused_other);
+            refuse(
+                &conn,
+                format!(
+                    "shardcached: cannot serve another connection now ({e}); the client reads the backing store"
+                ),
+            );
+            return;
+        }
+    };
+    let (id, activity) = table.insert(uid, handle);
+    stats
+        .connections
+        .store(table.len() as u64, Ordering::Relaxed);
+    drop(table);
+    active.fetch_add(1, Ordering::AcqRel);
+    let (ctx2, conns2, active2) = (ctx.clone(), conns.clone(), active.clone());
+    let spawned = std::thread::Builder::new()
+        .name("sc-conn".into())
+        .stack_size(512 << 10)
+        .spawn(move || {
+            // A reply its client does not read ends the connection (an honest client
+            // reads at once, or gives up and closes it), so that a thread never waits on
+            // one for good.
+            let _ = conn.set_write_timeout(Some(REPLY_TIMEOUT));
+            serve(&conn, &creds, &ctx2, &activity);
+            let mut t = lock(&conns2);
+            t.remove(id);
+            ctx2.stats
+                .connections
+                .store(t.len() as u64, Ordering::Relaxed);
+            drop(t);
+            active2.fetch_sub(1, Ordering::AcqRel);
+        });
+    if let Err(e) = spawned {
+        tracing::warn!(error = %e, "cannot start a connection thread");
+        inc(&stats.conns_refused_other);
+        let mut t = lock(conns);
+        t.remove(id);
+        stats.connections.store(t.len() as u64, Ordering::Relaxed);
+        drop(t);
+        active.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// Tells a refused client why (a reply with id 0, which answers no request; the client
+/// reports it and reads the backing store), without waiting on it, and closes.
+fn refuse(conn: &UnixStream, message: String) {
+    let reply = pb::Response {
+        id: 0,
+        kind: Some(error_reply(message, pb::ErrorCode::Unspecified)),
+    };
+    if conn.set_nonblocking(true).is_ok() {
+        let _ = wire::send(conn, &reply, &[]);
+    }
+}
+
 /// Counts events and says when to log them: at most once per [`Throttle::PERIOD`],
 /// with the number of events since the last line.
 #[derive(Debug, Default)]
@@ -260,6 +383,13 @@ struct Throttle {
 
 impl Throttle {
     const PERIOD: Duration = Duration::from_secs(10);
+
+    const fn new() -> Self {
+        Self {
+            last: None,
+            count: 0,
+        }
+    }
 
     /// Counts one event; `Some(events since the last line)` when a line is due.
     fn hit(&mut self) -> Option<u64> {
@@ -293,7 +423,7 @@ fn recv_request(
     r
 }
 
-fn serve(conn: &UnixStream, creds: &Creds, ctx: &Ctx) {
+fn serve(conn: &UnixStream, creds: &Creds, ctx: &Ctx, activity: &Activity) {
     let mut reader = FrameReader::with_limit(MAX_REQUEST);
     loop {
         let req: pb::Request = match recv_request(&mut reader, conn, ctx) {
@@ -304,9 +434,12 @@ fn serve(conn: &UnixStream, creds: &Creds, ctx: &Ctx) {
                 return;
             }
         };
+        activity.begin();
         let (resp, fd) = handle_request(ctx, creds, req);
         let fds: Vec<_> = fd.iter().map(|f| f.as_fd()).collect();
-        if let Err(e) = wire::send(conn, &resp, &fds) {
+        let sent = wire::send(conn, &resp, &fds);
+        activity.end();
+        if let Err(e) = sent {
             tracing::debug!(pid = creds.pid, error = %e, "reply failed");
             return;
         }
@@ -798,6 +931,7 @@ pub fn status(ctx: &Ctx) -> pb::StatusReply {
         counters: Some(ctx.stats.snapshot()),
         fallbacks: ctx.stats.fallbacks(),
         metrics_addr: ctx.metrics_addr.map(|a| a.to_string()).unwrap_or_default(),
+        connections: ctx.stats.connections.load(Ordering::Relaxed),
         jobs,
         peer_id: ctx
             .peers
