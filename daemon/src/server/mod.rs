@@ -44,8 +44,9 @@ const MAX_REQUEST: usize = 1 << 20;
 /// How long a file stays pinned after a reader was told it is being filled (see
 /// [`Store::pin`]); each wait of that reader renews it.
 const PIN: Duration = Duration::from_secs(2);
-/// Longest path accepted (Linux PATH_MAX).
-const MAX_PATH: usize = 4096;
+/// Longest path accepted, in bytes: Linux's PATH_MAX (4096) less its NUL, as the kernel
+/// counts (a longer path it refuses with ENAMETOOLONG, so the cache must not serve it).
+const MAX_PATH: usize = 4095;
 
 /// What request handlers share.
 #[derive(Debug)]
@@ -466,7 +467,7 @@ fn refuse_resolve(stats: &Stats, e: ResolveError) -> pb::Refused {
             BackingError::NotAFile(_) => Reason::NotAFile,
             BackingError::Invalid { .. } => Reason::Invalid,
             BackingError::Changed(_) => Reason::Stale,
-            BackingError::Io { .. } => Reason::BackingError,
+            BackingError::Io { .. } | BackingError::RootReplaced(_) => Reason::BackingError,
         },
     };
     match reason {
