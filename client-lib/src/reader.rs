@@ -177,7 +177,7 @@ impl Reader {
     }
 
     fn ask_open(client: &Client, path: &Path) -> io::Result<(std::path::PathBuf, Outcome)> {
-        let path = std::path::absolute(path)?;
+        let path = absolute(path)?;
         let outcome = match path.to_str() {
             None => Err((FallbackReason::Refused, "path is not UTF-8".to_owned())),
             Some(p) => {
@@ -638,13 +638,33 @@ struct Opened {
 /// (The reason is counted per fallback; the message is what `fallback_reason` shows.)
 type Outcome = Result<Opened, (FallbackReason, String)>;
 
+/// Linux's PATH_MAX: a path of this many bytes or more the kernel refuses (ENAMETOOLONG).
+const PATH_MAX: usize = 4096;
+
+/// `path` made absolute without changing what it names, for the daemon and for the
+/// client's own fallback open. `std::path::absolute` drops a final `.` (which makes a
+/// file's path ENOTDIR) and repeated `./` (which can shorten a path the kernel refuses as
+/// too long): a final `.` is kept, and a path the kernel refuses is left as it is.
+fn absolute(path: &Path) -> io::Result<PathBuf> {
+    use std::os::unix::ffi::OsStrExt;
+    let raw = path.as_os_str().as_bytes();
+    if raw.len() >= PATH_MAX {
+        return Ok(path.to_owned());
+    }
+    let mut abs = std::path::absolute(path)?;
+    if raw == b"." || raw.ends_with(b"/.") {
+        abs.push(".");
+    }
+    Ok(abs)
+}
+
 /// Most files per OpenMany request (the most descriptors one reply carries).
 const MAX_BATCH: usize = shardcache_proto::wire::MAX_FDS;
 
 /// Absolute paths of a batch, and the OpenMany request for them (none when a path is
 /// not UTF-8: the whole batch is then read directly).
 fn batch_request(chunk: &[&Path]) -> (Vec<io::Result<PathBuf>>, Option<request::Kind>) {
-    let abs: Vec<io::Result<PathBuf>> = chunk.iter().map(std::path::absolute).collect();
+    let abs: Vec<io::Result<PathBuf>> = chunk.iter().map(|p| absolute(p)).collect();
     let names: Option<Vec<String>> = abs
         .iter()
         .map(|p| p.as_ref().ok().and_then(|p| p.to_str()).map(str::to_owned))

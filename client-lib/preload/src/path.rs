@@ -20,11 +20,13 @@ pub(crate) struct AbsPath {
 impl AbsPath {
     /// What `openat(dirfd, path)` names, as an absolute path. `None` when that cannot
     /// be known cheaply and surely: the path names a directory (a trailing `/`, a final
-    /// `.` or `..`), it is too long, or the base directory has no path (deleted,
-    /// unreachable from this root, not a directory in `/proc`).
+    /// `.` or `..`), it is too long (as given: the kernel refuses `PATH_MAX` bytes or
+    /// more even when cleaning would shorten it), or the base directory has no path
+    /// (deleted, unreachable from this root, not a directory in `/proc`).
     pub(crate) fn new(dirfd: c_int, path: &[u8]) -> Option<Self> {
         let last = path.rsplit(|&b| b == b'/').next()?;
-        if path.is_empty() || last.is_empty() || last == b"." || last == b".." {
+        if path.is_empty() || path.len() >= CAP || last.is_empty() || last == b"." || last == b".."
+        {
             return None;
         }
         let mut abs = Self {

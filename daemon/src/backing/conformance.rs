@@ -12,6 +12,10 @@ pub trait Fixture {
     fn set_dir_mode(&self, path: &str, mode: u32);
     /// Overwrites the start of an existing file without replacing it (same inode).
     fn rewrite_in_place(&self, path: &str, data: &[u8]);
+    /// How many directories lie above the root (`/` included; 0 when the root is `/`).
+    fn above(&self) -> usize;
+    /// Changes the permission bits of the root's parent directory.
+    fn set_parent_mode(&self, mode: u32);
 }
 
 /// Runs every check, each on a fresh fixture.
@@ -24,6 +28,9 @@ pub fn run_all<F: Fixture>(new: &dyn Fn() -> F) {
     list_names_files_and_directories(&new());
     rewrite_in_place_changes_the_version(&new());
     dir_owners_names_every_directory_from_the_root(&new());
+    directories_above_the_root_come_first(&new());
+    a_file_followed_by_anything_is_not_found(&new());
+    dot_dot_needs_search_on_the_directory_it_leaves(&new());
 }
 
 fn stat_reports_canonical_path_version_and_owners(fx: &dyn Fixture) {
@@ -33,8 +40,9 @@ fn stat_reports_canonical_path_version_and_owners(fx: &dyn Fixture) {
     assert_eq!(st.path, "d1/d2/f.bin");
     assert_eq!(st.version.size, 5);
     assert_eq!(st.owner.mode, 0o640);
-    assert_eq!(st.dirs.len(), 3, "root, d1, d2");
-    assert_eq!(st.dirs[1].mode, 0o750);
+    let n = fx.above();
+    assert_eq!(st.dirs.len(), n + 3, "above the root, root, d1, d2");
+    assert_eq!(st.dirs[n + 1].mode, 0o750);
     assert_eq!(
         fx.backing().stat("d1/d2/f.bin").unwrap(),
         st,
@@ -155,15 +163,20 @@ fn rewrite_in_place_changes_the_version(fx: &dyn Fixture) {
 fn dir_owners_names_every_directory_from_the_root(fx: &dyn Fixture) {
     fx.put("d1/d2/f.bin", b"x", 0o644);
     fx.set_dir_mode("d1", 0o750);
+    let n = fx.above();
     let owners = fx.backing().dir_owners("d1/d2").unwrap();
-    assert_eq!(owners.len(), 3, "root, d1, d2");
-    assert_eq!(owners[1].mode, 0o750);
+    assert_eq!(owners.len(), n + 3, "above the root, root, d1, d2");
+    assert_eq!(owners[n + 1].mode, 0o750);
     assert_eq!(
         owners,
         fx.backing().stat("d1/d2/f.bin").unwrap().dirs,
         "the same owners a stat of a file inside reports"
     );
-    assert_eq!(fx.backing().dir_owners("").unwrap().len(), 1, "the root");
+    assert_eq!(
+        fx.backing().dir_owners("").unwrap().len(),
+        n + 1,
+        "above the root, and the root"
+    );
     for missing in ["nope", "d1/d2/f.bin", "d1/nope/d2"] {
         assert!(
             matches!(
@@ -173,4 +186,54 @@ fn dir_owners_names_every_directory_from_the_root(fx: &dyn Fixture) {
             "{missing}"
         );
     }
+}
+
+fn directories_above_the_root_come_first(fx: &dyn Fixture) {
+    fx.put("d/f", b"x", 0o644);
+    fx.set_parent_mode(0o711);
+    let n = fx.above();
+    assert!(n >= 1, "`/` at least");
+    let st = fx.backing().stat("d/f").unwrap();
+    assert_eq!(st.dirs.len(), n + 2, "above the root, root, d");
+    assert_eq!(
+        st.dirs[n - 1].mode,
+        0o711,
+        "the root's parent, just before the root"
+    );
+}
+
+fn a_file_followed_by_anything_is_not_found(fx: &dyn Fixture) {
+    fx.put("dir/f", b"x", 0o644);
+    for p in ["dir/f/", "dir/f/.", "dir/f/..", "dir/f/../f", "dir/f//"] {
+        assert!(
+            matches!(fx.backing().stat(p), Err(BackingError::NotFound(_))),
+            "{p}: ENOTDIR, as the kernel says"
+        );
+    }
+    for p in ["dir/", "dir/.", "dir/f/../.."] {
+        assert!(
+            matches!(
+                fx.backing().stat(p),
+                Err(BackingError::NotAFile(_) | BackingError::NotFound(_))
+            ),
+            "{p}"
+        );
+    }
+    assert_eq!(fx.backing().stat("dir/./f").unwrap().path, "dir/f");
+}
+
+fn dot_dot_needs_search_on_the_directory_it_leaves(fx: &dyn Fixture) {
+    fx.put("open/f", b"x", 0o644);
+    fx.put("closed/g", b"y", 0o644);
+    fx.set_dir_mode("closed", 0o730);
+    let st = fx.backing().stat("closed/../open/f").unwrap();
+    assert_eq!(st.path, "open/f");
+    assert!(
+        st.dirs.iter().any(|d| d.mode == 0o730),
+        "closed/ was searched: {:?}",
+        st.dirs
+    );
+    let plain = fx.backing().stat("open/f").unwrap();
+    assert!(!plain.dirs.iter().any(|d| d.mode == 0o730));
+    assert_eq!(st.dirs.last(), plain.dirs.last(), "the parent comes last");
 }

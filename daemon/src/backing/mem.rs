@@ -1,5 +1,6 @@
 //! An in-memory backing store for tests and benchmarks: files are byte vectors, every
-//! change bumps a version counter, directories carry owners and modes. No symlinks.
+//! change bumps a version counter, directories carry owners and modes, and so do the
+//! directories above the root (by default only `/`, root-owned 0755). No symlinks.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -24,6 +25,8 @@ enum Node {
 #[derive(Debug)]
 pub struct MemBacking {
     nodes: RwLock<BTreeMap<String, Node>>,
+    /// Owners of the directories from `/` down to the root's parent.
+    above: RwLock<Vec<Owner>>,
     clock: AtomicI64,
     next_ino: AtomicU64,
 }
@@ -48,6 +51,7 @@ impl MemBacking {
         nodes.insert(String::new(), Node::Dir(DEFAULT_DIR));
         Self {
             nodes: RwLock::new(nodes),
+            above: RwLock::new(vec![DEFAULT_DIR]),
             clock: AtomicI64::new(1),
             next_ino: AtomicU64::new(1),
         }
@@ -106,6 +110,12 @@ impl MemBacking {
         nodes.insert(path.to_owned(), Node::Dir(owner));
     }
 
+    /// Sets the owners of the directories above the root, `/` first (the root's parent
+    /// last).
+    pub fn set_above(&self, owners: Vec<Owner>) {
+        *self.above.write().unwrap_or_else(|e| e.into_inner()) = owners;
+    }
+
     /// Removes a file.
     pub fn remove(&self, path: &str) {
         self.nodes
@@ -117,28 +127,59 @@ impl MemBacking {
 
 impl Backing for MemBacking {
     fn stat(&self, path: &str) -> Result<Stat, BackingError> {
-        let comps = normalize(path)?;
+        // The shape (relative, no NUL, not above the root); then the walk, component by
+        // component as the POSIX store does it.
+        normalize(path)?;
         let nodes = self.nodes.read().unwrap_or_else(|e| e.into_inner());
-        let mut dirs = Vec::with_capacity(comps.len());
-        for i in 0..comps.len() {
-            match nodes.get(&comps[..i].join("/")) {
-                Some(Node::Dir(o)) => dirs.push(*o),
+        let root = match nodes.get("") {
+            Some(Node::Dir(o)) => *o,
+            _ => DEFAULT_DIR,
+        };
+        // (path, owner) of the directories being walked, the root first.
+        let mut stack: Vec<(String, Owner)> = vec![(String::new(), root)];
+        // Directories walked and left again by `..` (their search was needed too).
+        let mut left = Vec::new();
+        let mut comps = path.split('/').peekable();
+        while let Some(c) = comps.next() {
+            match c {
+                "" | "." => continue,
+                ".." => {
+                    if stack.len() == 1 {
+                        return Err(BackingError::Escapes(path.to_owned()));
+                    }
+                    left.extend(stack.pop().map(|(_, o)| o));
+                    continue;
+                }
+                _ => {}
+            }
+            let parent = &stack.last().expect("the stack holds the root").0;
+            let p = if parent.is_empty() {
+                c.to_owned()
+            } else {
+                format!("{parent}/{c}")
+            };
+            let more = comps.clone().any(|c| !c.is_empty() && c != ".");
+            match nodes.get(&p) {
+                Some(Node::Dir(o)) if more => stack.push((p, *o)),
+                Some(Node::Dir(_)) => return Err(BackingError::NotAFile(path.to_owned())),
+                // Anything after a file, even a bare `/` or `/.`, is ENOTDIR.
+                Some(Node::File { owner, version, .. }) if comps.peek().is_none() => {
+                    let mut dirs = self.above.read().unwrap_or_else(|e| e.into_inner()).clone();
+                    dirs.extend(left);
+                    dirs.extend(stack.iter().map(|(_, o)| *o));
+                    return Ok(Stat {
+                        path: p,
+                        dirs,
+                        owner: *owner,
+                        version: *version,
+                    });
+                }
                 Some(Node::File { .. }) | None => {
                     return Err(BackingError::NotFound(path.to_owned()));
                 }
             }
         }
-        let canon = comps.join("/");
-        match nodes.get(&canon) {
-            Some(Node::File { owner, version, .. }) => Ok(Stat {
-                path: canon,
-                dirs,
-                owner: *owner,
-                version: *version,
-            }),
-            Some(Node::Dir(_)) => Err(BackingError::NotAFile(path.to_owned())),
-            None => Err(BackingError::NotFound(path.to_owned())),
-        }
+        Err(BackingError::NotAFile(path.to_owned()))
     }
 
     fn open(&self, stat: &Stat) -> Result<Box<dyn BackingFile>, BackingError> {
@@ -191,12 +232,15 @@ impl Backing for MemBacking {
             normalize(dir)?
         };
         let nodes = self.nodes.read().unwrap_or_else(|e| e.into_inner());
-        (0..=comps.len())
-            .map(|i| match nodes.get(&comps[..i].join("/")) {
-                Some(Node::Dir(o)) => Ok(*o),
-                _ => Err(BackingError::NotFound(dir.to_owned())),
-            })
-            .collect()
+        let mut owners = self.above.read().unwrap_or_else(|e| e.into_inner()).clone();
+        for i in 0..=comps.len() {
+            match (i, nodes.get(&comps[..i].join("/"))) {
+                (_, Some(Node::Dir(o))) => owners.push(*o),
+                (0, None) => owners.push(DEFAULT_DIR),
+                _ => return Err(BackingError::NotFound(dir.to_owned())),
+            }
+        }
+        Ok(owners)
     }
 }
 
@@ -255,6 +299,15 @@ mod tests {
         }
         fn rewrite_in_place(&self, path: &str, data: &[u8]) {
             MemBacking::rewrite_in_place(self, path, data.to_vec());
+        }
+        fn above(&self) -> usize {
+            self.above.read().unwrap_or_else(|e| e.into_inner()).len()
+        }
+        fn set_parent_mode(&self, mode: u32) {
+            let mut above = self.above.write().unwrap_or_else(|e| e.into_inner());
+            if let Some(parent) = above.last_mut() {
+                parent.mode = mode;
+            }
         }
     }
 

@@ -5,9 +5,13 @@
 //!
 //! A backing store owns path resolution: [`Backing::stat`] turns a path relative to the
 //! store's root into its canonical form (symlinks followed, never out of the root) and
-//! returns, beside the file's version, the owner and mode of every directory on the way,
-//! so that the daemon can decide what a client may read ([`crate::access`]) without
-//! opening anything on the client's behalf.
+//! returns, beside the file's version, the owner and mode of every directory a client's
+//! own open would need to search — from `/`, through the directories above the root, to
+//! the file's parent — so that the daemon can decide what a client may read
+//! ([`crate::access`]) without opening anything on the client's behalf. Everything a
+//! stat reports about an object was learnt from that one object (never from a second
+//! lookup of its name), and [`Backing::open`] reads only the object whose version the
+//! stat reported.
 //!
 //! This module does not cache: metadata caching lives in [`crate::meta`], data in
 //! [`crate::store`].
@@ -57,7 +61,10 @@ pub struct Owner {
 pub struct Stat {
     /// Canonical path relative to the root: `/`-separated, no `.`/`..`, no symlinks.
     pub path: String,
-    /// Every directory traversed to reach the file, the root first, in order.
+    /// Every directory whose search permission a client's own open needs: `/` first,
+    /// then each directory down to the root, the root, and every directory traversed
+    /// below it (those left again by `..` or an absolute symlink included); the file's
+    /// parent last.
     pub dirs: Vec<Owner>,
     /// The file's own owner and mode.
     pub owner: Owner,
@@ -110,6 +117,14 @@ pub enum BackingError {
     /// The file is no longer the version the caller expected.
     #[error("{0}: changed on the backing store")]
     Changed(String),
+    /// The root's path no longer leads to the directory the store opened (it was moved,
+    /// replaced or mounted over): nothing under it is resolved until it does again.
+    #[error(
+        "{0}: the backing root's path no longer leads to the directory opened at start \
+         (moved, replaced or mounted over); clients read it themselves until it does again \
+         or the daemon is restarted"
+    )]
+    RootReplaced(String),
     /// The store itself failed.
     #[error("{path}: {source}")]
     Io {
@@ -126,11 +141,15 @@ pub enum BackingError {
 /// workers and connection threads), never on an async executor.
 pub trait Backing: Send + Sync + fmt::Debug {
     /// Resolves `path` (relative to the root, `/`-separated) to a regular file and
-    /// returns its canonical path, version, and the owners of every directory on the way.
+    /// returns its canonical path, version, and the owners of every directory on the way
+    /// (see [`Stat::dirs`]). The path is resolved as the kernel would: a file followed by
+    /// anything (`f/`, `f/.`, `f/..`) is [`BackingError::NotFound`], `..` needs search on
+    /// the directory it leaves.
     fn stat(&self, path: &str) -> Result<Stat, BackingError>;
 
     /// Opens the file described by `stat` for reading. Fails with
-    /// [`BackingError::Changed`] when the file is no longer that version.
+    /// [`BackingError::Changed`] when the file is no longer that version (or no longer a
+    /// regular file): what it returns reads the very object `stat` described.
     fn open(&self, stat: &Stat) -> Result<Box<dyn BackingFile>, BackingError>;
 
     /// Lists a directory (relative to the root; `""` is the root itself).

@@ -49,8 +49,9 @@ const MAX_REQUEST: usize = 1 << 20;
 const PIN: Duration = Duration::from_secs(2);
 /// Longest a reply may wait for its client to read it.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
-/// Longest path accepted (Linux PATH_MAX).
-const MAX_PATH: usize = 4096;
+/// Longest path accepted, in bytes: Linux's PATH_MAX (4096) less its NUL, as the kernel
+/// counts (a longer path it refuses with ENAMETOOLONG, so the cache must not serve it).
+const MAX_PATH: usize = 4095;
 
 /// What request handlers share.
 #[derive(Debug)]
@@ -603,7 +604,7 @@ fn refuse_resolve(stats: &Stats, e: ResolveError) -> pb::Refused {
             BackingError::NotAFile(_) => Reason::NotAFile,
             BackingError::Invalid { .. } => Reason::Invalid,
             BackingError::Changed(_) => Reason::Stale,
-            BackingError::Io { .. } => Reason::BackingError,
+            BackingError::Io { .. } | BackingError::RootReplaced(_) => Reason::BackingError,
         },
     };
     match reason {
