@@ -455,13 +455,15 @@ impl Inner {
 
     /// A pooled connection (`true`) or a new one (`false`).
     fn take_conn(&self, pooled: bool) -> Result<(Conn, bool), CallError> {
-        if pooled && let Some(c) = self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop() {
-            return Ok((c, true));
-        }
+        // First: after a timeout, a pooled connection to a hung daemon would cost another
+        // `timeout` per call; for `retry_after` no call waits on the daemon at all.
         if self.is_down() {
             return Err(CallError::Unavailable(
                 "shardcached recently unreachable".into(),
             ));
+        }
+        if pooled && let Some(c) = self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop() {
+            return Ok((c, true));
         }
         match UnixStream::connect(&self.cfg.socket) {
             Ok(sock) => Ok((

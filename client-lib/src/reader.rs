@@ -9,6 +9,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use shardcache_proto::local::v1 as pb;
 use shardcache_proto::local::v1::{
@@ -381,9 +382,8 @@ impl Reader {
             while first + count <= last && count < MAX_WAIT_BLOCKS && !c.has(first + count) {
                 count += 1;
             }
-            let req = self.wait_request(c, first, count);
             drop(st);
-            if !self.ask(req) {
+            if !self.ask(first, count) {
                 break;
             }
             waited = true;
@@ -391,93 +391,150 @@ impl Reader {
         self.read_backing(buf, offset)
     }
 
-    fn wait_request(&self, c: &Cached, first: u64, count: u64) -> pb::WaitRequest {
-        pb::WaitRequest {
-            path: self.path.to_str().unwrap_or_default().to_owned(),
-            version: Some(c.version),
-            first_block: first,
-            count: count as u32,
-            have_data_gen: c.data_gen,
-            timeout_ms: self
+    /// Waits for the daemon to fill block `first` (with the run of `count` blocks from it),
+    /// for at most the client's `wait_timeout`, in slices: each request asks the daemon
+    /// to answer within half the client's `timeout` whether or not the blocks landed, and
+    /// each round trip may take at most `timeout`. A daemon that stops answering so costs
+    /// the reader at most `timeout` (then it reads the backing store: `Timeout`), while a
+    /// slow but live fill is waited for slice after slice until `wait_timeout` is spent
+    /// (`WaitTimeout`). Every slice renews the daemon's pin on the file, so that what
+    /// lands stays for this reader.
+    ///
+    /// True when block `first` is present afterwards. False, with the reason noted,
+    /// otherwise: the daemon declined or refused, nothing fills the block, the budget
+    /// ran out, or the daemon failed.
+    fn ask(&self, first: u64, count: u64) -> bool {
+        let cfg = &self.client.inner.cfg;
+        let started = Instant::now();
+        let budget = started + cfg.wait_timeout;
+        let slice = (cfg.timeout / 2).max(Duration::from_millis(1));
+        let path = self.path.to_str().unwrap_or_default().to_owned();
+        let mut resumed = false;
+        // Bounded by the budget: every round takes at least its slice, or ends the loop.
+        let present = loop {
+            let req = {
+                let st = lock(&self.state);
+                let State::Cached(c) = &*st else { break false };
+                if c.has(first) {
+                    break true;
+                }
+                let left = budget.saturating_duration_since(Instant::now());
+                if resumed && left.is_zero() {
+                    drop(st);
+                    self.note(
+                        FallbackReason::WaitTimeout,
+                        format!(
+                            "blocks still missing after waiting {:.1} s (wait_timeout)",
+                            cfg.wait_timeout.as_secs_f64()
+                        ),
+                    );
+                    break false;
+                }
+                pb::WaitRequest {
+                    path: path.clone(),
+                    version: Some(c.version),
+                    first_block: first,
+                    count: count as u32,
+                    have_data_gen: c.data_gen,
+                    timeout_ms: left.min(slice).as_millis().clamp(1, u32::MAX as u128) as u32,
+                    resumed,
+                    more: left > slice,
+                }
+            };
+            resumed = true;
+            match self
                 .client
                 .inner
-                .cfg
-                .wait_timeout
-                .as_millis()
-                .min(u32::MAX as u128) as u32,
-        }
+                .call(request::Kind::Wait(req), cfg.timeout)
+            {
+                Ok((
+                    response::Kind::Wait(pb::WaitReply {
+                        result: Some(wait_reply::Result::Waited(w)),
+                    }),
+                    fds,
+                )) => {
+                    if !self.take_waited(&w, fds) {
+                        break false;
+                    }
+                    if w.declined {
+                        self.note(
+                            FallbackReason::Declined,
+                            "the daemon declined to fill blocks of this file".into(),
+                        );
+                    }
+                    let has = matches!(&*lock(&self.state), State::Cached(c) if c.has(first));
+                    if has {
+                        break true;
+                    }
+                    if w.declined {
+                        break false;
+                    }
+                    if !w.filling {
+                        self.note(
+                            FallbackReason::Declined,
+                            "the daemon is not filling the block (its fill queue is full)".into(),
+                        );
+                        break false;
+                    }
+                    // Still being filled: the next slice.
+                }
+                Ok((
+                    response::Kind::Wait(pb::WaitReply {
+                        result: Some(wait_reply::Result::Refused(r)),
+                    }),
+                    _,
+                )) => {
+                    if let State::Cached(c) = &mut *lock(&self.state) {
+                        c.refused = true;
+                    }
+                    let why = match Reason::try_from(r.reason) {
+                        Ok(Reason::Stale) => FallbackReason::Stale,
+                        _ => FallbackReason::Declined,
+                    };
+                    self.note(why, format!("wait refused: {}", r.message));
+                    break false;
+                }
+                Ok(_) => {
+                    self.note(FallbackReason::Protocol, "unexpected reply to wait".into());
+                    break false;
+                }
+                Err(e) => {
+                    self.note(e.reason(), e.to_string());
+                    break false;
+                }
+            }
+        };
+        lock(&self.stats).wait_time += started.elapsed();
+        present
     }
 
-    /// Asks the daemon for blocks and waits (bounded by the client's `wait_timeout`);
-    /// true when the reply was taken in (the blocks may still be missing: a timeout, or
-    /// the daemon declined and said so). False, with the reason noted, otherwise.
-    fn ask(&self, req: pb::WaitRequest) -> bool {
-        let timeout = self.client.inner.cfg.wait_timeout + self.client.inner.cfg.timeout;
-        let started = std::time::Instant::now();
-        let reply = self.client.inner.call(request::Kind::Wait(req), timeout);
-        lock(&self.stats).wait_time += started.elapsed();
-        match reply {
-            Ok((
-                response::Kind::Wait(pb::WaitReply {
-                    result: Some(wait_reply::Result::Waited(w)),
-                }),
-                fds,
-            )) => {
-                let mut st = lock(&self.state);
-                if let State::Cached(c) = &mut *st {
-                    if w.data_gen != c.data_gen {
-                        match fds.into_iter().next() {
-                            Some(fd) => {
-                                c.data = Some(Arc::new(File::from(fd)));
-                                c.data_gen = w.data_gen;
-                            }
-                            None => {
-                                drop(st);
-                                self.note(
-                                    FallbackReason::Protocol,
-                                    "daemon replaced the data file without a descriptor".into(),
-                                );
-                                return false;
-                            }
-                        }
-                    }
-                    c.present = w.present;
-                    c.refused = w.declined;
+    /// Takes in a wait's answer: the new data file (if it was replaced), the bitmap, and
+    /// whether the daemon declined. False, with the reason noted, when the answer
+    /// cannot be used.
+    fn take_waited(&self, w: &pb::Waited, fds: Vec<OwnedFd>) -> bool {
+        let mut st = lock(&self.state);
+        let State::Cached(c) = &mut *st else {
+            return false;
+        };
+        if w.data_gen != c.data_gen {
+            match fds.into_iter().next() {
+                Some(fd) => {
+                    c.data = Some(Arc::new(File::from(fd)));
+                    c.data_gen = w.data_gen;
                 }
-                drop(st);
-                if w.declined {
+                None => {
+                    drop(st);
                     self.note(
-                        FallbackReason::Declined,
-                        "the daemon declined to fill blocks of this file".into(),
+                        FallbackReason::Protocol,
+                        "daemon replaced the data file without a descriptor".into(),
                     );
+                    return false;
                 }
-                true
-            }
-            Ok((
-                response::Kind::Wait(pb::WaitReply {
-                    result: Some(wait_reply::Result::Refused(r)),
-                }),
-                _,
-            )) => {
-                if let State::Cached(c) = &mut *lock(&self.state) {
-                    c.refused = true;
-                }
-                let why = match Reason::try_from(r.reason) {
-                    Ok(Reason::Stale) => FallbackReason::Stale,
-                    _ => FallbackReason::Declined,
-                };
-                self.note(why, format!("wait refused: {}", r.message));
-                false
-            }
-            Ok(_) => {
-                self.note(FallbackReason::Protocol, "unexpected reply to wait".into());
-                false
-            }
-            Err(e) => {
-                self.note(e.reason(), e.to_string());
-                false
             }
         }
+        c.present = w.present.clone();
+        c.refused = w.declined;
+        true
     }
 
     /// A descriptor of the node-local copy holding every byte of the file, after
@@ -507,16 +564,9 @@ impl Reader {
                 {
                     count += 1;
                 }
-                self.wait_request(c, first, count)
+                (first, count)
             };
-            let first = req.first_block;
-            if !self.ask(req) {
-                return None;
-            }
-            let st = lock(&self.state);
-            if let State::Cached(c) = &*st
-                && !c.has(first)
-            {
+            if !self.ask(req.0, req.1) {
                 return None; // timed out or declined: the caller reads the backing store
             }
         }

@@ -268,6 +268,7 @@ fn read_file(
             count: nblocks as u32,
             have_data_gen: opened.data_gen,
             timeout_ms: 30_000,
+            ..Default::default()
         }),
     );
     if let response::Kind::Wait(pb::WaitReply {

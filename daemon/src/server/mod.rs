@@ -620,9 +620,26 @@ fn open(ctx: &Ctx, creds: &Creds, path: &str) -> (pb::open_reply::Result, Option
     (pb::open_reply::Result::Opened(opened), view.data.take())
 }
 
+/// Serves one Wait: fills the blocks asked for with demand priority and answers when
+/// they are present or `timeout_ms` has passed, whichever is first. Clients wait in
+/// slices shorter than their `timeout` (docs/SEMANTICS.md, section 2): every slice
+/// renews the pin that keeps what lands for the reader, says whether a fill is still
+/// running (`filling`), and only the first slice counts as a wait, only a last one
+/// (without `more`) as a wait timeout.
 fn wait(ctx: &Ctx, creds: &Creds, w: &pb::WaitRequest) -> (pb::wait_reply::Result, Option<File>) {
-    inc(&ctx.stats.waits);
+    if !w.resumed {
+        inc(&ctx.stats.waits);
+    }
     let refuse = |r| (pb::wait_reply::Result::Refused(r), None);
+    if u64::from(w.count) > MAX_WAIT_BLOCKS {
+        return refuse(refused(
+            Reason::Invalid,
+            format!(
+                "wait: {} blocks asked for; at most {MAX_WAIT_BLOCKS} per request",
+                w.count
+            ),
+        ));
+    }
     let (root, rel, stat) = match authorize(ctx, creds, &w.path) {
         Ok(x) => x,
         Err(r) => return refuse(r),
@@ -646,12 +663,9 @@ fn wait(ctx: &Ctx, creds: &Creds, w: &pb::WaitRequest) -> (pb::wait_reply::Resul
     };
     // Keep what lands for this reader until it has the descriptor.
     ctx.store.pin(&view.key, Instant::now() + timeout + PIN);
-    let first = w.first_block as usize;
-    let end = (w
-        .first_block
-        .saturating_add(w.count.max(1) as u64)
-        .min(MAX_WAIT_BLOCKS))
-    .min(view.nblocks as u64) as usize;
+    let first = w.first_block.min(view.nblocks as u64) as usize;
+    let end =
+        (w.first_block.saturating_add(w.count.max(1) as u64)).min(view.nblocks as u64) as usize;
     let mut flights = Vec::new();
     for i in first..end {
         if is_set(&view.present, i) {
@@ -673,7 +687,7 @@ fn wait(ctx: &Ctx, creds: &Creds, w: &pb::WaitRequest) -> (pb::wait_reply::Resul
             Some(ok) => declined |= !ok,
         }
     }
-    if timed_out {
+    if timed_out && !w.more {
         inc(&ctx.stats.wait_timeouts);
     }
     // Always a fresh view: blocks may have landed between the first view and the
@@ -685,12 +699,14 @@ fn wait(ctx: &Ctx, creds: &Creds, w: &pb::WaitRequest) -> (pb::wait_reply::Resul
     if declined
         && (first..end).any(|i| !is_set(&view.present, i))
         && let Some(peers) = &ctx.peers
-        && let Some((file, present)) = transient(ctx, peers, &root_name, &stat, first, end)
+        && let Some((file, present)) =
+            transient(ctx, peers, &root_name, &stat, first, end, deadline)
     {
         let waited = pb::Waited {
             present,
             data_gen: TRANSIENT_GEN | NEXT_TRANSIENT.fetch_add(1, Ordering::Relaxed),
             declined: false,
+            filling: false,
         };
         return (pb::wait_reply::Result::Waited(waited), Some(file));
     }
@@ -708,6 +724,7 @@ fn wait(ctx: &Ctx, creds: &Creds, w: &pb::WaitRequest) -> (pb::wait_reply::Resul
         present: std::mem::take(&mut view.present),
         data_gen: view.data_gen,
         declined,
+        filling: timed_out,
     };
     (pb::wait_reply::Result::Waited(waited), fd)
 }
@@ -719,8 +736,9 @@ static NEXT_TRANSIENT: AtomicU64 = AtomicU64::new(1);
 /// Blocks `first..end` of a file this node declined to cache (no room worth making),
 /// fetched from the node that owns it into an unlinked temporary file: the reader gets
 /// them from the cluster instead of the shared file system, and nothing is kept. `None`
-/// when this node owns the file, or a peer cannot supply every block (the reader then
-/// reads the backing store).
+/// when this node owns the file, or a peer cannot supply the first block (the reader
+/// then reads the backing store). Past `deadline` (the end of the reader's wait slice)
+/// no further block is fetched: the reader gets those fetched so far and asks again.
 fn transient(
     ctx: &Ctx,
     peers: &crate::peer::Peers,
@@ -728,6 +746,7 @@ fn transient(
     stat: &Stat,
     first: usize,
     end: usize,
+    deadline: Instant,
 ) -> Option<(File, Vec<u8>)> {
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -745,9 +764,15 @@ fn transient(
     let mut present = vec![0u8; nblocks.div_ceil(8)];
     let mut data = Vec::new();
     for i in first..end {
+        if i > first && Instant::now() >= deadline {
+            break;
+        }
         let len = (size - i as u64 * bs).min(bs) as usize;
         if !peers.fetch(root, stat, i, len, false, &mut data) {
-            return None;
+            if i == first {
+                return None;
+            }
+            break;
         }
         tmp.write_all_at(&data, i as u64 * bs).ok()?;
         present[i / 8] |= 1 << (i % 8);
