@@ -16,6 +16,8 @@ use shardcache_proto::local::v1::{
     FallbackReason, Reason, open_reply, request, response, wait_reply,
 };
 
+use shardcache_proto::wire;
+
 use crate::client::{CallError, Client, Pending};
 
 /// Most blocks one wait asks for.
@@ -179,9 +181,9 @@ impl Reader {
 
     fn ask_open(client: &Client, path: &Path) -> io::Result<(std::path::PathBuf, Outcome)> {
         let path = std::path::absolute(path)?;
-        let outcome = match path.to_str() {
-            None => Err((FallbackReason::Refused, "path is not UTF-8".to_owned())),
-            Some(p) => {
+        let outcome = match askable(&path) {
+            Err(why) => Err(why),
+            Ok(p) => {
                 let req = request::Kind::Open(pb::OpenRequest { path: p.to_owned() });
                 match client.inner.call(req, client.inner.cfg.timeout) {
                     Ok((response::Kind::Open(reply), fds)) => outcome(reply, &mut fds.into_iter()),
@@ -198,12 +200,12 @@ impl Reader {
     pub(crate) fn open_many(client: &Client, paths: &[&Path]) -> Vec<io::Result<Self>> {
         let mut out = Vec::with_capacity(paths.len());
         for chunk in paths.chunks(MAX_BATCH) {
-            let (abs, req) = batch_request(chunk);
+            let (batch, req) = Batch::new(chunk);
             let reply = match req {
                 Some(req) => client.inner.call(req, client.inner.cfg.timeout),
-                None => Err(CallError::Protocol("a path is not UTF-8".into())),
+                None => Err(CallError::Protocol("nothing to ask".into())),
             };
-            out.extend(build_all(client, abs, batch_outcomes(chunk.len(), reply)));
+            out.extend(batch.build(client, reply));
         }
         out
     }
@@ -691,47 +693,94 @@ type Outcome = Result<Opened, (FallbackReason, String)>;
 /// Most files per OpenMany request (the most descriptors one reply carries).
 const MAX_BATCH: usize = shardcache_proto::wire::MAX_FDS;
 
-/// Absolute paths of a batch, and the OpenMany request for them (none when a path is
-/// not UTF-8: the whole batch is then read directly).
-fn batch_request(chunk: &[&Path]) -> (Vec<io::Result<PathBuf>>, Option<request::Kind>) {
-    let abs: Vec<io::Result<PathBuf>> = chunk.iter().map(std::path::absolute).collect();
-    let names: Option<Vec<String>> = abs
-        .iter()
-        .map(|p| p.as_ref().ok().and_then(|p| p.to_str()).map(str::to_owned))
-        .collect();
-    (
-        abs,
-        names.map(|paths| request::Kind::OpenMany(pb::OpenManyRequest { paths })),
-    )
-}
-
-/// One outcome per path of a batch, from the daemon's reply (or its absence).
-fn batch_outcomes(
-    n: usize,
-    reply: Result<(response::Kind, Vec<OwnedFd>), CallError>,
-) -> Vec<Outcome> {
-    match reply {
-        Ok((response::Kind::OpenMany(m), fds)) if m.results.len() == n => {
-            let mut fds = fds.into_iter();
-            m.results
-                .into_iter()
-                .map(|r| outcome(r, &mut fds))
-                .collect()
-        }
-        Ok(_) => failed(n, FallbackReason::Protocol, "unexpected reply"),
-        Err(e) => failed(n, e.reason(), &e.to_string()),
+/// The path as the daemon is asked about it, or why it is not asked (the file is then
+/// read directly, where the kernel has the last word): not UTF-8, or longer than any
+/// path the daemon (and the kernel) accepts.
+fn askable(path: &Path) -> Result<&str, (FallbackReason, String)> {
+    match path.to_str() {
+        None => Err((FallbackReason::Refused, "path is not UTF-8".to_owned())),
+        Some(p) if p.len() > wire::MAX_PATH => Err((
+            FallbackReason::Refused,
+            format!("path longer than {} bytes", wire::MAX_PATH),
+        )),
+        Some(p) => Ok(p),
     }
 }
 
-fn build_all(
-    client: &Client,
+/// The paths of one OpenMany exchange. A path the daemon cannot be asked about (see
+/// [`askable`]) is left out of the request and read directly, without keeping the rest
+/// of its batch from the cache.
+struct Batch {
     abs: Vec<io::Result<PathBuf>>,
-    outcomes: Vec<Outcome>,
-) -> Vec<io::Result<Reader>> {
-    abs.into_iter()
-        .zip(outcomes)
-        .map(|(p, o)| p.and_then(|p| Reader::build(client.clone(), p, o)))
-        .collect()
+    /// Per path: `None` when it is in the request, else why it is not.
+    skipped: Vec<Option<(FallbackReason, String)>>,
+}
+
+impl Batch {
+    /// The batch, and its request (none when no path of it can be asked about).
+    fn new(chunk: &[&Path]) -> (Self, Option<request::Kind>) {
+        let abs: Vec<io::Result<PathBuf>> = chunk.iter().map(std::path::absolute).collect();
+        let mut paths = Vec::new();
+        let skipped = abs
+            .iter()
+            .map(|p| match p.as_ref().map(|p| askable(p)) {
+                Ok(Ok(p)) => {
+                    paths.push(p.to_owned());
+                    None
+                }
+                Ok(Err(why)) => Some(why),
+                Err(e) => Some((FallbackReason::Refused, e.to_string())),
+            })
+            .collect();
+        let req =
+            (!paths.is_empty()).then_some(request::Kind::OpenMany(pb::OpenManyRequest { paths }));
+        (Self { abs, skipped }, req)
+    }
+
+    /// One outcome per path, from the daemon's reply to the request (or its absence).
+    fn outcomes(
+        self,
+        reply: Result<(response::Kind, Vec<OwnedFd>), CallError>,
+    ) -> (Vec<io::Result<PathBuf>>, Vec<Outcome>) {
+        let sent = self.skipped.iter().filter(|s| s.is_none()).count();
+        let answers = match reply {
+            _ if sent == 0 => Vec::new(),
+            Ok((response::Kind::OpenMany(m), fds)) if m.results.len() == sent => {
+                let mut fds = fds.into_iter();
+                m.results
+                    .into_iter()
+                    .map(|r| outcome(r, &mut fds))
+                    .collect()
+            }
+            Ok(_) => failed(sent, FallbackReason::Protocol, "unexpected reply"),
+            Err(e) => failed(sent, e.reason(), &e.to_string()),
+        };
+        let mut answers = answers.into_iter();
+        let outcomes = self
+            .skipped
+            .into_iter()
+            .map(|s| match s {
+                Some(why) => Err(why),
+                None => answers
+                    .next()
+                    .unwrap_or_else(|| Err((FallbackReason::Protocol, "missing answer".into()))),
+            })
+            .collect();
+        (self.abs, outcomes)
+    }
+
+    /// The readers (or errors) of the batch, in its order.
+    fn build(
+        self,
+        client: &Client,
+        reply: Result<(response::Kind, Vec<OwnedFd>), CallError>,
+    ) -> Vec<io::Result<Reader>> {
+        let (abs, outcomes) = self.outcomes(reply);
+        abs.into_iter()
+            .zip(outcomes)
+            .map(|(p, o)| p.and_then(|p| Reader::build(client.clone(), p, o)))
+            .collect()
+    }
 }
 
 /// Opens files in a known order, one batch ahead: while the caller reads the files of
@@ -740,8 +789,8 @@ pub struct OpenAhead {
     client: Client,
     paths: std::vec::IntoIter<PathBuf>,
     batch: usize,
-    /// The batch sent and not yet answered, with its absolute paths.
-    pending: Option<(Pending, Vec<io::Result<PathBuf>>)>,
+    /// The batch sent and not yet answered.
+    pending: Option<(Pending, Batch)>,
     ready: VecDeque<io::Result<Reader>>,
 }
 
@@ -773,17 +822,14 @@ impl OpenAhead {
             return false;
         }
         let refs: Vec<&Path> = chunk.iter().map(PathBuf::as_path).collect();
-        let (abs, req) = batch_request(&refs);
+        let (batch, req) = Batch::new(&refs);
         let sent = match req {
             Some(req) => self.client.inner.send(req, true),
-            None => Err(CallError::Protocol("a path is not UTF-8".into())),
+            None => Err(CallError::Protocol("nothing to ask".into())),
         };
         match sent {
-            Ok(p) => self.pending = Some((p, abs)),
-            Err(e) => {
-                let outcomes = batch_outcomes(abs.len(), Err(e));
-                self.ready.extend(build_all(&self.client, abs, outcomes));
-            }
+            Ok(p) => self.pending = Some((p, batch)),
+            Err(e) => self.ready.extend(batch.build(&self.client, Err(e))),
         }
         true
     }
@@ -798,10 +844,9 @@ impl Iterator for OpenAhead {
                 return Some(r);
             }
             match self.pending.take() {
-                Some((p, abs)) => {
+                Some((p, batch)) => {
                     let reply = self.client.inner.finish(p, self.client.inner.cfg.timeout);
-                    let outcomes = batch_outcomes(abs.len(), reply);
-                    self.ready.extend(build_all(&self.client, abs, outcomes));
+                    self.ready.extend(batch.build(&self.client, reply));
                     // Keep the daemon busy while these are read.
                     self.send_next();
                 }

@@ -127,6 +127,7 @@ pub fn run(p: &Params) -> anyhow::Result<Outcome> {
             &creds,
             request::Kind::Register(pb::RegisterRequest {
                 manifest_json: m.to_string(),
+                ..Default::default()
             }),
         );
         if !matches!(r, response::Kind::Register(_)) {

@@ -38,14 +38,11 @@ use crate::store::{Store, StoreError, View};
 
 /// Most blocks one Wait request may name.
 const MAX_WAIT_BLOCKS: u64 = 1024;
-/// Largest request accepted (64 paths of 4 KiB fit easily); larger ones end the
-/// connection before anything is allocated for them.
-const MAX_REQUEST: usize = 1 << 20;
 /// How long a file stays pinned after a reader was told it is being filled (see
-/// [`Store::pin`]); each wait of that reader renews it.
+/// [`Store::pin`]); each wait of that reader (each slice of it) renews it.
 const PIN: Duration = Duration::from_secs(2);
 /// Longest path accepted (Linux PATH_MAX).
-const MAX_PATH: usize = 4096;
+const MAX_PATH: usize = wire::MAX_PATH;
 
 /// What request handlers share.
 #[derive(Debug)]
@@ -294,23 +291,139 @@ fn recv_request(
 }
 
 fn serve(conn: &UnixStream, creds: &Creds, ctx: &Ctx) {
-    let mut reader = FrameReader::with_limit(MAX_REQUEST);
+    let mut reader = FrameReader::with_limit(wire::MAX_REQUEST);
     loop {
-        let req: pb::Request = match recv_request(&mut reader, conn, ctx) {
-            Ok((req, _fds)) => req,
+        let (mut req, fds): (pb::Request, _) = match recv_request(&mut reader, conn, ctx) {
+            Ok(x) => x,
             Err(WireError::Closed) => return,
+            Err(WireError::TooLarge { len, limit }) => {
+                // Say which limit, then skip the frame: the client learns why instead of
+                // finding the connection closed, and the connection goes on.
+                let message = format!(
+                    "request of {len} bytes is over the local protocol's {} request limit: send less per request (the client library passes large manifests by descriptor; at most {} paths per open_many, {MAX_WAIT_BLOCKS} blocks per wait)",
+                    wire::size_text(limit),
+                    wire::MAX_FDS
+                );
+                let resp = pb::Response {
+                    id: 0,
+                    kind: Some(error_reply(message, pb::ErrorCode::Invalid)),
+                };
+                if wire::send(conn, &resp, &[]).is_err() || reader.skip(conn, len).is_err() {
+                    return;
+                }
+                continue;
+            }
             Err(e) => {
                 tracing::debug!(pid = creds.pid, error = %e, "client connection ended");
                 return;
             }
         };
+        // A manifest passed by descriptor is read (one at a time: each may be 64 MiB)
+        // and then registered like an inline one.
+        let _big = match &mut req.kind {
+            Some(request::Kind::Register(r)) if r.manifest_fd => {
+                let one_at_a_time = BIG_MANIFEST.lock().unwrap_or_else(|e| e.into_inner());
+                match manifest_from_fd(fds.into_iter().next()) {
+                    Ok(json) => r.manifest_json = json,
+                    Err(message) => {
+                        let resp = pb::Response {
+                            id: req.id,
+                            kind: Some(error_reply(message, pb::ErrorCode::Invalid)),
+                        };
+                        if wire::send(conn, &resp, &[]).is_err() {
+                            return;
+                        }
+                        continue;
+                    }
+                }
+                Some(one_at_a_time)
+            }
+            _ => None,
+        };
+        let id = req.id;
         let (resp, fd) = handle_request(ctx, creds, req);
         let fds: Vec<_> = fd.iter().map(|f| f.as_fd()).collect();
-        if let Err(e) = wire::send(conn, &resp, &fds) {
-            tracing::debug!(pid = creds.pid, error = %e, "reply failed");
-            return;
+        match wire::send(conn, &resp, &fds) {
+            Ok(()) => {}
+            Err(WireError::TooLarge { len, limit }) => {
+                // Nothing was sent: answer with why (a listing pages itself to fit, so
+                // this is a reply nobody planned for, e.g. a status with very many jobs).
+                let message = format!(
+                    "the reply of {len} bytes is over the local protocol's {} reply limit; ask for less (a smaller list page)",
+                    wire::size_text(limit)
+                );
+                tracing::warn!(pid = creds.pid, len, "reply over the frame limit");
+                let resp = pb::Response {
+                    id,
+                    kind: Some(error_reply(message, pb::ErrorCode::Invalid)),
+                };
+                if wire::send(conn, &resp, &[]).is_err() {
+                    return;
+                }
+            }
+            Err(e) => {
+                tracing::debug!(pid = creds.pid, error = %e, "reply failed");
+                return;
+            }
         }
     }
+}
+
+/// Held while a manifest passed by descriptor is read and registered: one at a time,
+/// so that clients cannot make the daemon hold many 64 MiB manifests at once.
+static BIG_MANIFEST: Mutex<()> = Mutex::new(());
+
+/// The manifest in the descriptor of a `RegisterRequest` with `manifest_fd`: a memfd or
+/// another shared-memory file (so that reading it cannot hang on a file system or a
+/// pipe), at most [`shardcache_plan::manifest::MAX_BYTES`], UTF-8.
+fn manifest_from_fd(fd: Option<std::os::fd::OwnedFd>) -> Result<String, String> {
+    use std::os::unix::fs::FileExt;
+    const MAX: usize = shardcache_plan::manifest::MAX_BYTES;
+    let too_big = |n: u64| {
+        format!(
+            "manifest: {n} bytes is over the {} limit (docs/MANIFEST.md): split the dataset into several jobs, or select its files with a glob",
+            wire::size_text(MAX)
+        )
+    };
+    let fd = fd.ok_or("register: manifest_fd is set but no descriptor came with the request")?;
+    if rustix::fs::fcntl_get_seals(&fd).is_err() {
+        return Err(
+            "register: the manifest descriptor must be a memfd (memfd_create), not a file, pipe or socket"
+                .into(),
+        );
+    }
+    let size = rustix::fs::fstat(&fd)
+        .map_err(|e| format!("register: manifest descriptor: {e}"))?
+        .st_size as u64;
+    if size > MAX as u64 {
+        return Err(too_big(size));
+    }
+    // Read from offset 0 (positioned: the client's file offset is its own), never more
+    // than the limit, whatever the size said (an unsealed file may grow meanwhile).
+    let f = File::from(fd);
+    let mut buf = vec![0u8; size as usize + 1];
+    let mut n = 0;
+    loop {
+        if n == buf.len() {
+            if n > MAX {
+                return Err(too_big(n as u64));
+            }
+            buf.resize((n * 2).clamp(4096, MAX + 1), 0);
+        }
+        match f.read_at(&mut buf[n..], n as u64) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(format!("register: reading the manifest descriptor: {e}")),
+        }
+    }
+    buf.truncate(n);
+    String::from_utf8(buf).map_err(|e| {
+        format!(
+            "manifest: not UTF-8 (at byte {})",
+            e.utf8_error().valid_up_to()
+        )
+    })
 }
 
 /// An error reply with its code.
