@@ -1,14 +1,15 @@
 //! Connections to the daemon: a pool, timeouts, a breaker, and read accounting.
 
 use std::collections::HashMap;
-use std::io;
-use std::os::fd::OwnedFd;
+use std::io::{self, Write};
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use prost::Message;
 use shardcache_proto::local::v1 as pb;
 use shardcache_proto::local::v1::{request, response};
 use shardcache_proto::wire::{self, FrameReader, WireError};
@@ -80,6 +81,9 @@ pub(crate) enum CallError {
     Timeout,
     #[error("daemon protocol error: {0}")]
     Protocol(String),
+    /// The request is over a limit of the protocol; nothing was sent.
+    #[error("{0}")]
+    OverLimit(String),
 }
 
 impl CallError {
@@ -89,6 +93,7 @@ impl CallError {
             CallError::Unavailable(_) => pb::FallbackReason::Unavailable,
             CallError::Timeout => pb::FallbackReason::Timeout,
             CallError::Protocol(_) => pb::FallbackReason::Protocol,
+            CallError::OverLimit(_) => pb::FallbackReason::Refused,
         }
     }
 }
@@ -102,6 +107,7 @@ impl From<CallError> for io::Error {
                 "shardcached did not answer in time",
             ),
             CallError::Protocol(m) => io::Error::new(io::ErrorKind::InvalidData, m),
+            CallError::OverLimit(m) => io::Error::new(io::ErrorKind::InvalidInput, m),
         }
     }
 }
@@ -328,15 +334,42 @@ impl Client {
     }
 
     /// Registers a prefetch manifest (docs/MANIFEST.md) with the daemon; returns the job
-    /// id and the number of files. A malformed manifest is refused with the field named.
+    /// id and the number of files. A malformed manifest is refused with the field named
+    /// (`InvalidInput`), and so is one over the 64 MiB limit, with the limit named.
+    ///
+    /// A manifest that does not fit in one request (1 MiB) is passed by descriptor: a
+    /// sealed memfd the daemon reads. The call waits 10 s (or `timeout` if longer), plus
+    /// 2 s per MiB of manifest (the daemon parses and plans it), for the answer.
     pub fn register(&self, manifest_json: &str) -> io::Result<pb::RegisterReply> {
-        let req = request::Kind::Register(pb::RegisterRequest {
+        const MAX: usize = shardcache_plan::manifest::MAX_BYTES;
+        if manifest_json.len() > MAX {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "manifest: {} bytes is over the {} limit (docs/MANIFEST.md): split the dataset into several jobs, or select its files with a glob",
+                    manifest_json.len(),
+                    wire::size_text(MAX)
+                ),
+            ));
+        }
+        let timeout = self.inner.cfg.timeout.max(Duration::from_secs(10))
+            + Duration::from_secs(2 * (manifest_json.len() >> 20) as u64);
+        let inline = request::Kind::Register(pb::RegisterRequest {
             manifest_json: manifest_json.to_owned(),
+            ..Default::default()
         });
-        match self
-            .inner
-            .call(req, self.inner.cfg.timeout.max(Duration::from_secs(10)))?
-        {
+        // Room for the request's id.
+        let reply = if inline.encoded_len() + 16 <= wire::MAX_REQUEST {
+            self.inner.call(inline, timeout)?
+        } else {
+            let fd = sealed_memfd(manifest_json.as_bytes())?;
+            let req = request::Kind::Register(pb::RegisterRequest {
+                manifest_fd: true,
+                ..Default::default()
+            });
+            self.inner.call_fds(req, &[fd.as_fd()], timeout)?
+        };
+        match reply {
             (response::Kind::Register(r), _) => Ok(r),
             (response::Kind::Error(e), _) => {
                 Err(io::Error::new(io::ErrorKind::InvalidInput, e.message))
@@ -416,6 +449,22 @@ impl Client {
     }
 }
 
+/// `bytes` in a memfd sealed against every change, for the daemon to read.
+fn sealed_memfd(bytes: &[u8]) -> io::Result<OwnedFd> {
+    use rustix::fs::{MemfdFlags, SealFlags};
+    let fd = rustix::fs::memfd_create(
+        "shardcache-manifest",
+        MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+    )?;
+    let mut f = std::fs::File::from(fd);
+    f.write_all(bytes)?;
+    rustix::fs::fcntl_add_seals(
+        &f,
+        SealFlags::SHRINK | SealFlags::GROW | SealFlags::WRITE | SealFlags::SEAL,
+    )?;
+    Ok(OwnedFd::from(f))
+}
+
 /// The daemon's refusal as an error of the matching kind, with its message.
 fn daemon_error(e: pb::ErrorReply) -> io::Error {
     let kind = match pb::ErrorCode::try_from(e.code) {
@@ -455,13 +504,15 @@ impl Inner {
 
     /// A pooled connection (`true`) or a new one (`false`).
     fn take_conn(&self, pooled: bool) -> Result<(Conn, bool), CallError> {
-        if pooled && let Some(c) = self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop() {
-            return Ok((c, true));
-        }
+        // First: after a timeout, a pooled connection to a hung daemon would cost another
+        // `timeout` per call; for `retry_after` no call waits on the daemon at all.
         if self.is_down() {
             return Err(CallError::Unavailable(
                 "shardcached recently unreachable".into(),
             ));
+        }
+        if pooled && let Some(c) = self.pool.lock().unwrap_or_else(|e| e.into_inner()).pop() {
+            return Ok((c, true));
         }
         match UnixStream::connect(&self.cfg.socket) {
             Ok(sock) => Ok((
@@ -489,11 +540,21 @@ impl Inner {
         kind: request::Kind,
         timeout: Duration,
     ) -> Result<(response::Kind, Vec<OwnedFd>), CallError> {
-        match self.call_once(kind.clone(), timeout, true) {
+        self.call_fds(kind, &[], timeout)
+    }
+
+    /// [`Inner::call`] with descriptors passed along with the request.
+    pub(crate) fn call_fds(
+        &self,
+        kind: request::Kind,
+        fds: &[BorrowedFd<'_>],
+        timeout: Duration,
+    ) -> Result<(response::Kind, Vec<OwnedFd>), CallError> {
+        match self.call_once(kind.clone(), fds, timeout, true) {
             // A pooled connection may have been closed by a restarted daemon: every
             // request is idempotent, so try once more on a fresh connection.
             Err(CallError::Unavailable(_)) if !self.is_down() => {
-                self.call_once(kind, timeout, false)
+                self.call_once(kind, fds, timeout, false)
             }
             r => r,
         }
@@ -502,29 +563,58 @@ impl Inner {
     fn call_once(
         &self,
         kind: request::Kind,
+        fds: &[BorrowedFd<'_>],
         timeout: Duration,
         pooled: bool,
     ) -> Result<(response::Kind, Vec<OwnedFd>), CallError> {
-        let pending = self.send(kind, pooled)?;
+        let pending = self.send_fds(kind, fds, pooled)?;
         self.finish(pending, timeout)
     }
 
     /// Sends a request without waiting for its reply (see [`Inner::finish`]): the
     /// connection stays with the returned [`Pending`] until then.
     pub(crate) fn send(&self, kind: request::Kind, pooled: bool) -> Result<Pending, CallError> {
-        let (conn, was_pooled) = self.take_conn(pooled)?;
-        let report = self.report.take();
+        self.send_fds(kind, &[], pooled)
+    }
+
+    fn send_fds(
+        &self,
+        kind: request::Kind,
+        fds: &[BorrowedFd<'_>],
+        pooled: bool,
+    ) -> Result<Pending, CallError> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let req = pb::Request {
+        let mut req = pb::Request {
             id,
-            report: report.clone(),
+            report: None,
             kind: Some(kind),
         };
+        // Over the daemon's request limit nothing is sent: the daemon would only answer
+        // that, and this says which limit without costing a round trip.
+        let len = req.encoded_len();
+        if len > wire::MAX_REQUEST {
+            return Err(CallError::OverLimit(format!(
+                "request of {len} bytes is over the local protocol's {} request limit; send less per request",
+                wire::size_text(wire::MAX_REQUEST)
+            )));
+        }
+        let (conn, was_pooled) = self.take_conn(pooled)?;
+        // The piggybacked report is small, but never the reason a request is refused:
+        // where it does not fit, it waits for the next request.
+        let report = self.report.take().and_then(|r| {
+            if len + r.encoded_len() + 16 <= wire::MAX_REQUEST {
+                Some(r)
+            } else {
+                self.report.give_back(&r);
+                None
+            }
+        });
+        req.report = report.clone();
         let sent = conn
             .sock
             .set_write_timeout(Some(self.cfg.timeout))
             .map_err(WireError::from)
-            .and_then(|()| wire::send(&conn.sock, &req, &[]));
+            .and_then(|()| wire::send(&conn.sock, &req, fds));
         let pending = Pending {
             conn,
             was_pooled,
@@ -554,7 +644,12 @@ impl Inner {
                     .recv_spin::<pb::Response>(&conn.sock, self.cfg.spin)
             });
         match result {
-            Ok((resp, fds)) if resp.id == pending.id => {
+            // Id 0 with an error: the daemon could not read the request (over its limit)
+            // and says why; the connection stays in step.
+            Ok((resp, fds))
+                if resp.id == pending.id
+                    || (resp.id == 0 && matches!(resp.kind, Some(response::Kind::Error(_)))) =>
+            {
                 let mut pool = self.pool.lock().unwrap_or_else(|e| e.into_inner());
                 if pool.len() < self.cfg.pool {
                     pool.push(pending.conn);

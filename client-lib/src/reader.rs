@@ -9,11 +9,14 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use shardcache_proto::local::v1 as pb;
 use shardcache_proto::local::v1::{
     FallbackReason, Reason, open_reply, request, response, wait_reply,
 };
+
+use shardcache_proto::wire;
 
 use crate::client::{CallError, Client, Pending};
 
@@ -178,9 +181,9 @@ impl Reader {
 
     fn ask_open(client: &Client, path: &Path) -> io::Result<(std::path::PathBuf, Outcome)> {
         let path = absolute(path)?;
-        let outcome = match path.to_str() {
-            None => Err((FallbackReason::Refused, "path is not UTF-8".to_owned())),
-            Some(p) => {
+        let outcome = match askable(&path) {
+            Err(why) => Err(why),
+            Ok(p) => {
                 let req = request::Kind::Open(pb::OpenRequest { path: p.to_owned() });
                 match client.inner.call(req, client.inner.cfg.timeout) {
                     Ok((response::Kind::Open(reply), fds)) => outcome(reply, &mut fds.into_iter()),
@@ -197,12 +200,12 @@ impl Reader {
     pub(crate) fn open_many(client: &Client, paths: &[&Path]) -> Vec<io::Result<Self>> {
         let mut out = Vec::with_capacity(paths.len());
         for chunk in paths.chunks(MAX_BATCH) {
-            let (abs, req) = batch_request(chunk);
+            let (batch, req) = Batch::new(chunk);
             let reply = match req {
                 Some(req) => client.inner.call(req, client.inner.cfg.timeout),
-                None => Err(CallError::Protocol("a path is not UTF-8".into())),
+                None => Err(CallError::Protocol("nothing to ask".into())),
             };
-            out.extend(build_all(client, abs, batch_outcomes(chunk.len(), reply)));
+            out.extend(batch.build(client, reply));
         }
         out
     }
@@ -381,9 +384,8 @@ impl Reader {
             while first + count <= last && count < MAX_WAIT_BLOCKS && !c.has(first + count) {
                 count += 1;
             }
-            let req = self.wait_request(c, first, count);
             drop(st);
-            if !self.ask(req) {
+            if !self.ask(first, count) {
                 break;
             }
             waited = true;
@@ -391,93 +393,150 @@ impl Reader {
         self.read_backing(buf, offset)
     }
 
-    fn wait_request(&self, c: &Cached, first: u64, count: u64) -> pb::WaitRequest {
-        pb::WaitRequest {
-            path: self.path.to_str().unwrap_or_default().to_owned(),
-            version: Some(c.version),
-            first_block: first,
-            count: count as u32,
-            have_data_gen: c.data_gen,
-            timeout_ms: self
+    /// Waits for the daemon to fill block `first` (with the run of `count` blocks from it),
+    /// for at most the client's `wait_timeout`, in slices: each request asks the daemon
+    /// to answer within half the client's `timeout` whether or not the blocks landed, and
+    /// each round trip may take at most `timeout`. A daemon that stops answering so costs
+    /// the reader at most `timeout` (then it reads the backing store: `Timeout`), while a
+    /// slow but live fill is waited for slice after slice until `wait_timeout` is spent
+    /// (`WaitTimeout`). Every slice renews the daemon's pin on the file, so that what
+    /// lands stays for this reader.
+    ///
+    /// True when block `first` is present afterwards. False, with the reason noted,
+    /// otherwise: the daemon declined or refused, nothing fills the block, the budget
+    /// ran out, or the daemon failed.
+    fn ask(&self, first: u64, count: u64) -> bool {
+        let cfg = &self.client.inner.cfg;
+        let started = Instant::now();
+        let budget = started + cfg.wait_timeout;
+        let slice = (cfg.timeout / 2).max(Duration::from_millis(1));
+        let path = self.path.to_str().unwrap_or_default().to_owned();
+        let mut resumed = false;
+        // Bounded by the budget: every round takes at least its slice, or ends the loop.
+        let present = loop {
+            let req = {
+                let st = lock(&self.state);
+                let State::Cached(c) = &*st else { break false };
+                if c.has(first) {
+                    break true;
+                }
+                let left = budget.saturating_duration_since(Instant::now());
+                if resumed && left.is_zero() {
+                    drop(st);
+                    self.note(
+                        FallbackReason::WaitTimeout,
+                        format!(
+                            "blocks still missing after waiting {:.1} s (wait_timeout)",
+                            cfg.wait_timeout.as_secs_f64()
+                        ),
+                    );
+                    break false;
+                }
+                pb::WaitRequest {
+                    path: path.clone(),
+                    version: Some(c.version),
+                    first_block: first,
+                    count: count as u32,
+                    have_data_gen: c.data_gen,
+                    timeout_ms: left.min(slice).as_millis().clamp(1, u32::MAX as u128) as u32,
+                    resumed,
+                    more: left > slice,
+                }
+            };
+            resumed = true;
+            match self
                 .client
                 .inner
-                .cfg
-                .wait_timeout
-                .as_millis()
-                .min(u32::MAX as u128) as u32,
-        }
+                .call(request::Kind::Wait(req), cfg.timeout)
+            {
+                Ok((
+                    response::Kind::Wait(pb::WaitReply {
+                        result: Some(wait_reply::Result::Waited(w)),
+                    }),
+                    fds,
+                )) => {
+                    if !self.take_waited(&w, fds) {
+                        break false;
+                    }
+                    if w.declined {
+                        self.note(
+                            FallbackReason::Declined,
+                            "the daemon declined to fill blocks of this file".into(),
+                        );
+                    }
+                    let has = matches!(&*lock(&self.state), State::Cached(c) if c.has(first));
+                    if has {
+                        break true;
+                    }
+                    if w.declined {
+                        break false;
+                    }
+                    if !w.filling {
+                        self.note(
+                            FallbackReason::Declined,
+                            "the daemon is not filling the block (its fill queue is full)".into(),
+                        );
+                        break false;
+                    }
+                    // Still being filled: the next slice.
+                }
+                Ok((
+                    response::Kind::Wait(pb::WaitReply {
+                        result: Some(wait_reply::Result::Refused(r)),
+                    }),
+                    _,
+                )) => {
+                    if let State::Cached(c) = &mut *lock(&self.state) {
+                        c.refused = true;
+                    }
+                    let why = match Reason::try_from(r.reason) {
+                        Ok(Reason::Stale) => FallbackReason::Stale,
+                        _ => FallbackReason::Declined,
+                    };
+                    self.note(why, format!("wait refused: {}", r.message));
+                    break false;
+                }
+                Ok(_) => {
+                    self.note(FallbackReason::Protocol, "unexpected reply to wait".into());
+                    break false;
+                }
+                Err(e) => {
+                    self.note(e.reason(), e.to_string());
+                    break false;
+                }
+            }
+        };
+        lock(&self.stats).wait_time += started.elapsed();
+        present
     }
 
-    /// Asks the daemon for blocks and waits (bounded by the client's `wait_timeout`);
-    /// true when the reply was taken in (the blocks may still be missing: a timeout, or
-    /// the daemon declined and said so). False, with the reason noted, otherwise.
-    fn ask(&self, req: pb::WaitRequest) -> bool {
-        let timeout = self.client.inner.cfg.wait_timeout + self.client.inner.cfg.timeout;
-        let started = std::time::Instant::now();
-        let reply = self.client.inner.call(request::Kind::Wait(req), timeout);
-        lock(&self.stats).wait_time += started.elapsed();
-        match reply {
-            Ok((
-                response::Kind::Wait(pb::WaitReply {
-                    result: Some(wait_reply::Result::Waited(w)),
-                }),
-                fds,
-            )) => {
-                let mut st = lock(&self.state);
-                if let State::Cached(c) = &mut *st {
-                    if w.data_gen != c.data_gen {
-                        match fds.into_iter().next() {
-                            Some(fd) => {
-                                c.data = Some(Arc::new(File::from(fd)));
-                                c.data_gen = w.data_gen;
-                            }
-                            None => {
-                                drop(st);
-                                self.note(
-                                    FallbackReason::Protocol,
-                                    "daemon replaced the data file without a descriptor".into(),
-                                );
-                                return false;
-                            }
-                        }
-                    }
-                    c.present = w.present;
-                    c.refused = w.declined;
+    /// Takes in a wait's answer: the new data file (if it was replaced), the bitmap, and
+    /// whether the daemon declined. False, with the reason noted, when the answer
+    /// cannot be used.
+    fn take_waited(&self, w: &pb::Waited, fds: Vec<OwnedFd>) -> bool {
+        let mut st = lock(&self.state);
+        let State::Cached(c) = &mut *st else {
+            return false;
+        };
+        if w.data_gen != c.data_gen {
+            match fds.into_iter().next() {
+                Some(fd) => {
+                    c.data = Some(Arc::new(File::from(fd)));
+                    c.data_gen = w.data_gen;
                 }
-                drop(st);
-                if w.declined {
+                None => {
+                    drop(st);
                     self.note(
-                        FallbackReason::Declined,
-                        "the daemon declined to fill blocks of this file".into(),
+                        FallbackReason::Protocol,
+                        "daemon replaced the data file without a descriptor".into(),
                     );
+                    return false;
                 }
-                true
-            }
-            Ok((
-                response::Kind::Wait(pb::WaitReply {
-                    result: Some(wait_reply::Result::Refused(r)),
-                }),
-                _,
-            )) => {
-                if let State::Cached(c) = &mut *lock(&self.state) {
-                    c.refused = true;
-                }
-                let why = match Reason::try_from(r.reason) {
-                    Ok(Reason::Stale) => FallbackReason::Stale,
-                    _ => FallbackReason::Declined,
-                };
-                self.note(why, format!("wait refused: {}", r.message));
-                false
-            }
-            Ok(_) => {
-                self.note(FallbackReason::Protocol, "unexpected reply to wait".into());
-                false
-            }
-            Err(e) => {
-                self.note(e.reason(), e.to_string());
-                false
             }
         }
+        c.present = w.present.clone();
+        c.refused = w.declined;
+        true
     }
 
     /// A descriptor of the node-local copy holding every byte of the file, after
@@ -507,16 +566,9 @@ impl Reader {
                 {
                     count += 1;
                 }
-                self.wait_request(c, first, count)
+                (first, count)
             };
-            let first = req.first_block;
-            if !self.ask(req) {
-                return None;
-            }
-            let st = lock(&self.state);
-            if let State::Cached(c) = &*st
-                && !c.has(first)
-            {
+            if !self.ask(req.0, req.1) {
                 return None; // timed out or declined: the caller reads the backing store
             }
         }
@@ -638,9 +690,6 @@ struct Opened {
 /// (The reason is counted per fallback; the message is what `fallback_reason` shows.)
 type Outcome = Result<Opened, (FallbackReason, String)>;
 
-/// Linux's PATH_MAX: a path of this many bytes or more the kernel refuses (ENAMETOOLONG).
-const PATH_MAX: usize = 4096;
-
 /// `path` made absolute without changing what it names, for the daemon and for the
 /// client's own fallback open. `std::path::absolute` drops a final `.` (which makes a
 /// file's path ENOTDIR) and repeated `./` (which can shorten a path the kernel refuses as
@@ -648,7 +697,7 @@ const PATH_MAX: usize = 4096;
 fn absolute(path: &Path) -> io::Result<PathBuf> {
     use std::os::unix::ffi::OsStrExt;
     let raw = path.as_os_str().as_bytes();
-    if raw.len() >= PATH_MAX {
+    if raw.len() > wire::MAX_PATH {
         return Ok(path.to_owned());
     }
     let mut abs = std::path::absolute(path)?;
@@ -661,47 +710,94 @@ fn absolute(path: &Path) -> io::Result<PathBuf> {
 /// Most files per OpenMany request (the most descriptors one reply carries).
 const MAX_BATCH: usize = shardcache_proto::wire::MAX_FDS;
 
-/// Absolute paths of a batch, and the OpenMany request for them (none when a path is
-/// not UTF-8: the whole batch is then read directly).
-fn batch_request(chunk: &[&Path]) -> (Vec<io::Result<PathBuf>>, Option<request::Kind>) {
-    let abs: Vec<io::Result<PathBuf>> = chunk.iter().map(|p| absolute(p)).collect();
-    let names: Option<Vec<String>> = abs
-        .iter()
-        .map(|p| p.as_ref().ok().and_then(|p| p.to_str()).map(str::to_owned))
-        .collect();
-    (
-        abs,
-        names.map(|paths| request::Kind::OpenMany(pb::OpenManyRequest { paths })),
-    )
-}
-
-/// One outcome per path of a batch, from the daemon's reply (or its absence).
-fn batch_outcomes(
-    n: usize,
-    reply: Result<(response::Kind, Vec<OwnedFd>), CallError>,
-) -> Vec<Outcome> {
-    match reply {
-        Ok((response::Kind::OpenMany(m), fds)) if m.results.len() == n => {
-            let mut fds = fds.into_iter();
-            m.results
-                .into_iter()
-                .map(|r| outcome(r, &mut fds))
-                .collect()
-        }
-        Ok(_) => failed(n, FallbackReason::Protocol, "unexpected reply"),
-        Err(e) => failed(n, e.reason(), &e.to_string()),
+/// The path as the daemon is asked about it, or why it is not asked (the file is then
+/// read directly, where the kernel has the last word): not UTF-8, or longer than any
+/// path the daemon (and the kernel) accepts.
+fn askable(path: &Path) -> Result<&str, (FallbackReason, String)> {
+    match path.to_str() {
+        None => Err((FallbackReason::Refused, "path is not UTF-8".to_owned())),
+        Some(p) if p.len() > wire::MAX_PATH => Err((
+            FallbackReason::Refused,
+            format!("path longer than {} bytes", wire::MAX_PATH),
+        )),
+        Some(p) => Ok(p),
     }
 }
 
-fn build_all(
-    client: &Client,
+/// The paths of one OpenMany exchange. A path the daemon cannot be asked about (see
+/// [`askable`]) is left out of the request and read directly, without keeping the rest
+/// of its batch from the cache.
+struct Batch {
     abs: Vec<io::Result<PathBuf>>,
-    outcomes: Vec<Outcome>,
-) -> Vec<io::Result<Reader>> {
-    abs.into_iter()
-        .zip(outcomes)
-        .map(|(p, o)| p.and_then(|p| Reader::build(client.clone(), p, o)))
-        .collect()
+    /// Per path: `None` when it is in the request, else why it is not.
+    skipped: Vec<Option<(FallbackReason, String)>>,
+}
+
+impl Batch {
+    /// The batch, and its request (none when no path of it can be asked about).
+    fn new(chunk: &[&Path]) -> (Self, Option<request::Kind>) {
+        let abs: Vec<io::Result<PathBuf>> = chunk.iter().map(|p| absolute(p)).collect();
+        let mut paths = Vec::new();
+        let skipped = abs
+            .iter()
+            .map(|p| match p.as_ref().map(|p| askable(p)) {
+                Ok(Ok(p)) => {
+                    paths.push(p.to_owned());
+                    None
+                }
+                Ok(Err(why)) => Some(why),
+                Err(e) => Some((FallbackReason::Refused, e.to_string())),
+            })
+            .collect();
+        let req =
+            (!paths.is_empty()).then_some(request::Kind::OpenMany(pb::OpenManyRequest { paths }));
+        (Self { abs, skipped }, req)
+    }
+
+    /// One outcome per path, from the daemon's reply to the request (or its absence).
+    fn outcomes(
+        self,
+        reply: Result<(response::Kind, Vec<OwnedFd>), CallError>,
+    ) -> (Vec<io::Result<PathBuf>>, Vec<Outcome>) {
+        let sent = self.skipped.iter().filter(|s| s.is_none()).count();
+        let answers = match reply {
+            _ if sent == 0 => Vec::new(),
+            Ok((response::Kind::OpenMany(m), fds)) if m.results.len() == sent => {
+                let mut fds = fds.into_iter();
+                m.results
+                    .into_iter()
+                    .map(|r| outcome(r, &mut fds))
+                    .collect()
+            }
+            Ok(_) => failed(sent, FallbackReason::Protocol, "unexpected reply"),
+            Err(e) => failed(sent, e.reason(), &e.to_string()),
+        };
+        let mut answers = answers.into_iter();
+        let outcomes = self
+            .skipped
+            .into_iter()
+            .map(|s| match s {
+                Some(why) => Err(why),
+                None => answers
+                    .next()
+                    .unwrap_or_else(|| Err((FallbackReason::Protocol, "missing answer".into()))),
+            })
+            .collect();
+        (self.abs, outcomes)
+    }
+
+    /// The readers (or errors) of the batch, in its order.
+    fn build(
+        self,
+        client: &Client,
+        reply: Result<(response::Kind, Vec<OwnedFd>), CallError>,
+    ) -> Vec<io::Result<Reader>> {
+        let (abs, outcomes) = self.outcomes(reply);
+        abs.into_iter()
+            .zip(outcomes)
+            .map(|(p, o)| p.and_then(|p| Reader::build(client.clone(), p, o)))
+            .collect()
+    }
 }
 
 /// Opens files in a known order, one batch ahead: while the caller reads the files of
@@ -710,8 +806,8 @@ pub struct OpenAhead {
     client: Client,
     paths: std::vec::IntoIter<PathBuf>,
     batch: usize,
-    /// The batch sent and not yet answered, with its absolute paths.
-    pending: Option<(Pending, Vec<io::Result<PathBuf>>)>,
+    /// The batch sent and not yet answered.
+    pending: Option<(Pending, Batch)>,
     ready: VecDeque<io::Result<Reader>>,
 }
 
@@ -743,17 +839,14 @@ impl OpenAhead {
             return false;
         }
         let refs: Vec<&Path> = chunk.iter().map(PathBuf::as_path).collect();
-        let (abs, req) = batch_request(&refs);
+        let (batch, req) = Batch::new(&refs);
         let sent = match req {
             Some(req) => self.client.inner.send(req, true),
-            None => Err(CallError::Protocol("a path is not UTF-8".into())),
+            None => Err(CallError::Protocol("nothing to ask".into())),
         };
         match sent {
-            Ok(p) => self.pending = Some((p, abs)),
-            Err(e) => {
-                let outcomes = batch_outcomes(abs.len(), Err(e));
-                self.ready.extend(build_all(&self.client, abs, outcomes));
-            }
+            Ok(p) => self.pending = Some((p, batch)),
+            Err(e) => self.ready.extend(batch.build(&self.client, Err(e))),
         }
         true
     }
@@ -768,10 +861,9 @@ impl Iterator for OpenAhead {
                 return Some(r);
             }
             match self.pending.take() {
-                Some((p, abs)) => {
+                Some((p, batch)) => {
                     let reply = self.client.inner.finish(p, self.client.inner.cfg.timeout);
-                    let outcomes = batch_outcomes(abs.len(), reply);
-                    self.ready.extend(build_all(&self.client, abs, outcomes));
+                    self.ready.extend(batch.build(&self.client, reply));
                     // Keep the daemon busy while these are read.
                     self.send_next();
                 }

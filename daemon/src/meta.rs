@@ -586,7 +586,10 @@ mod tests {
         assert_eq!(stats_now(), before, "no backing stat");
         let other = m.stat_for(0, "mine", 2000).unwrap();
         assert_ne!(other.version, v1, "another user sees the store (TTL 0)");
-        assert_eq!(other.dirs[1].mode, 0o700, "and decides on fresh owners (the root, after `/`)");
+        assert_eq!(
+            other.dirs[1].mode, 0o700,
+            "and decides on fresh owners (the root, after `/`)"
+        );
         assert_ne!(m.stat(0, "mine").unwrap().version, v1, "so does the daemon");
         assert_eq!(
             m.stat_for(0, "mine", 1000).unwrap().version,

@@ -17,10 +17,28 @@ use rustix::net::{
     SendAncillaryMessage, SendFlags,
 };
 
-/// Largest frame either side accepts. Larger frames are a protocol error.
+/// Largest frame either side accepts: the client's limit on replies. Larger frames are
+/// a protocol error.
 pub const MAX_FRAME: usize = 16 << 20;
+/// Largest request the daemon reads (64 paths of 4 KiB fit easily; a manifest that does
+/// not fit travels by descriptor). The daemon answers a larger one with an `ErrorReply`
+/// naming this limit (its `id` is 0: the request was not read) and skips it.
+pub const MAX_REQUEST: usize = 1 << 20;
 /// Most descriptors one frame may carry (and most files one OpenMany may name).
 pub const MAX_FDS: usize = 64;
+/// Longest path a request may name, in bytes: Linux's `PATH_MAX` (4096) less its NUL, as
+/// the kernel counts (a longer path it refuses with `ENAMETOOLONG`, so neither may the
+/// cache serve it).
+pub const MAX_PATH: usize = 4095;
+
+/// A byte limit as people write it: `16 MiB`, `4 KiB`, or bytes.
+pub fn size_text(n: usize) -> String {
+    match n {
+        n if n >= 1 << 20 && n.is_multiple_of(1 << 20) => format!("{} MiB", n >> 20),
+        n if n >= 1 << 10 && n.is_multiple_of(1 << 10) => format!("{} KiB", n >> 10),
+        n => format!("{n} bytes"),
+    }
+}
 
 /// What can go wrong moving a frame.
 #[derive(Debug, thiserror::Error)]
@@ -31,9 +49,14 @@ pub enum WireError {
     /// The peer closed the connection.
     #[error("connection closed by peer")]
     Closed,
-    /// The peer announced a frame larger than the reader's limit.
-    #[error("frame of {0} bytes exceeds the limit")]
-    TooLarge(usize),
+    /// A frame (announced by the peer, or about to be sent) is larger than the limit.
+    #[error("a frame of {len} bytes is over the {} limit", size_text(*limit))]
+    TooLarge {
+        /// The frame's length.
+        len: usize,
+        /// The limit it exceeds.
+        limit: usize,
+    },
     /// The frame did not decode as the expected message.
     #[error("malformed message: {0}")]
     Decode(#[from] prost::DecodeError),
@@ -51,7 +74,10 @@ pub fn send<M: Message>(sock: impl AsFd, msg: &M, fds: &[BorrowedFd<'_>]) -> Res
     debug_assert!(fds.len() <= MAX_FDS);
     let len = msg.encoded_len();
     if len > MAX_FRAME {
-        return Err(WireError::TooLarge(len));
+        return Err(WireError::TooLarge {
+            len,
+            limit: MAX_FRAME,
+        });
     }
     let mut buf = Vec::with_capacity(4 + len);
     buf.extend_from_slice(&(len as u32).to_le_bytes());
@@ -154,6 +180,52 @@ impl FrameReader {
         Ok((msg, fds))
     }
 
+    /// Skips the frame that [`FrameReader::recv`] refused as too large (`len` bytes, as
+    /// its [`WireError::TooLarge`] said), reading and discarding its body in small
+    /// pieces (nothing is allocated for it) and closing any descriptors that came with
+    /// it, so that the next frame on the connection can be read. Blocks until the whole
+    /// body arrived (or the socket's read timeout passes).
+    pub fn skip(&mut self, sock: impl AsFd, len: usize) -> Result<(), WireError> {
+        debug_assert!(self.end - self.start >= 4, "skip follows a refused header");
+        self.start += 4;
+        let buffered = self.end - self.start;
+        if buffered >= len {
+            self.start += len;
+        } else {
+            let mut left = len - buffered;
+            self.start = 0;
+            self.end = 0;
+            let mut scratch = [0u8; 64 << 10];
+            let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+            while left > 0 {
+                let want = left.min(scratch.len());
+                let mut control = RecvAncillaryBuffer::new(&mut space);
+                let mut iov = [IoSliceMut::new(&mut scratch[..want])];
+                match rustix::net::recvmsg(&sock, &mut iov, &mut control, RecvFlags::CMSG_CLOEXEC) {
+                    Ok(r) => {
+                        // Descriptors of a skipped frame are closed here.
+                        for m in control.drain() {
+                            if let RecvAncillaryMessage::ScmRights(rights) = m {
+                                rights.for_each(drop);
+                            }
+                        }
+                        if r.bytes == 0 {
+                            return Err(WireError::Closed);
+                        }
+                        left -= r.bytes;
+                    }
+                    Err(rustix::io::Errno::INTR) => continue,
+                    Err(e) => return Err(io::Error::from(e).into()),
+                }
+            }
+        }
+        if self.start == self.end {
+            self.start = 0;
+            self.end = 0;
+        }
+        Ok(())
+    }
+
     fn frame_len(&self) -> Result<Option<usize>, WireError> {
         if self.end - self.start < 4 {
             return Ok(None);
@@ -162,7 +234,10 @@ impl FrameReader {
         b.copy_from_slice(&self.buf[self.start..self.start + 4]);
         let len = u32::from_le_bytes(b) as usize;
         if len > self.limit {
-            return Err(WireError::TooLarge(len));
+            return Err(WireError::TooLarge {
+                len,
+                limit: self.limit,
+            });
         }
         Ok(Some(len))
     }
@@ -263,7 +338,53 @@ mod tests {
         let mut r = FrameReader::new();
         assert!(matches!(
             r.recv::<pb::Request>(&b),
-            Err(WireError::TooLarge(_))
+            Err(WireError::TooLarge { .. })
         ));
+    }
+
+    #[test]
+    fn an_oversized_frame_is_skipped_whole_and_the_next_one_read() {
+        let (a, b) = UnixStream::pair().unwrap();
+        let req = pb::Request {
+            id: 9,
+            ..Default::default()
+        };
+        let limit = 1000;
+        for body_len in [10, 1001, 200_000] {
+            // The oversized frame, with a descriptor, then a good one; written from
+            // another thread (more than the socket buffer holds).
+            let a2 = a.try_clone().unwrap();
+            let req2 = req.clone();
+            let writer = std::thread::spawn(move || {
+                let f = tempfile::tempfile().unwrap();
+                let mut frame = (body_len as u32 + limit as u32).to_le_bytes().to_vec();
+                frame.resize(4 + body_len + limit, 7);
+                let iov = [IoSlice::new(&frame[..1])];
+                let fds = [f.as_fd()];
+                let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
+                let mut control = SendAncillaryBuffer::new(&mut space);
+                assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
+                rustix::net::sendmsg(&a2, &iov, &mut control, SendFlags::empty()).unwrap();
+                (&a2).write_all(&frame[1..]).unwrap();
+                send(&a2, &req2, &[]).unwrap();
+            });
+            let mut r = FrameReader::with_limit(limit);
+            let len = match r.recv::<pb::Request>(&b) {
+                Err(WireError::TooLarge { len, limit: l }) => {
+                    assert_eq!(l, limit);
+                    len
+                }
+                other => panic!("{other:?}"),
+            };
+            assert_eq!(len, body_len + limit);
+            r.skip(&b, len).unwrap();
+            let (got, fds): (pb::Request, _) = r.recv(&b).unwrap();
+            assert_eq!(got, req);
+            assert!(fds.is_empty());
+            writer.join().unwrap();
+        }
+        assert_eq!(size_text(16 << 20), "16 MiB");
+        assert_eq!(size_text(4096), "4 KiB");
+        assert_eq!(size_text(1000), "1000 bytes");
     }
 }

@@ -127,6 +127,7 @@ pub fn run(p: &Params) -> anyhow::Result<Outcome> {
             &creds,
             request::Kind::Register(pb::RegisterRequest {
                 manifest_json: m.to_string(),
+                ..Default::default()
             }),
         );
         if !matches!(r, response::Kind::Register(_)) {
@@ -268,6 +269,7 @@ fn read_file(
             count: nblocks as u32,
             have_data_gen: opened.data_gen,
             timeout_ms: 30_000,
+            ..Default::default()
         }),
     );
     if let response::Kind::Wait(pb::WaitReply {

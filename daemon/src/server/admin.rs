@@ -29,8 +29,43 @@ use crate::store::Store;
 
 /// File entries in a listing when the request names no limit.
 pub const DEFAULT_LIMIT: usize = 100;
-/// Most file entries in one listing reply (about 2 MB encoded at worst).
+/// Most file entries in one listing reply.
 pub const MAX_LIMIT: usize = 10_000;
+/// Most bytes of file entries in one listing reply: half the client's 16 MiB frame
+/// limit (10 000 entries of 4 KiB paths would be 40 MB). A page ends early when the next
+/// entry would pass it; the caller pages on with `offset` += files + hidden.
+pub const PAGE_BYTES: usize = shardcache_proto::wire::MAX_FRAME / 2;
+
+/// The file entries of one listing reply, kept under [`PAGE_BYTES`].
+#[derive(Default)]
+struct Page {
+    files: Vec<pb::FileEntry>,
+    hidden: u64,
+    bytes: usize,
+}
+
+impl Page {
+    /// Adds `e`; false (and `e` left out) when it would pass [`PAGE_BYTES`]: the page is
+    /// full. The first entry always fits.
+    fn push(&mut self, e: pb::FileEntry) -> bool {
+        let n = prost::Message::encoded_len(&e) + 8;
+        if self.bytes + n > PAGE_BYTES && !self.files.is_empty() {
+            return false;
+        }
+        self.bytes += n;
+        self.files.push(e);
+        true
+    }
+
+    fn reply(self, total: usize) -> pb::ListReply {
+        pb::ListReply {
+            files: self.files,
+            total: total as u64,
+            hidden: self.hidden,
+            ..Default::default()
+        }
+    }
+}
 
 /// True for the callers that may evict and see every listing: root and the daemon's
 /// own user.
@@ -245,14 +280,17 @@ fn list_job(
         .ok_or_else(|| unknown_job(ctx, job))?;
     let roots = ctx.meta.roots();
     let operator = is_operator(creds);
-    let page = files.iter().skip(offset).take(limit);
-    let (mut out, mut hidden) = (Vec::new(), 0);
-    for f in page {
+    let mut page = Page::default();
+    for f in files.iter().skip(offset).take(limit) {
         let root = &roots.get(f.root).name;
         if !operator {
             match readable(ctx, creds, f.root, &f.path) {
-                Some(stat) => out.push(file_entry(&ctx.store, root, &stat)),
-                None => hidden += 1,
+                Some(stat) => {
+                    if !page.push(file_entry(&ctx.store, root, &stat)) {
+                        break;
+                    }
+                }
+                None => page.hidden += 1,
             }
             continue;
         }
@@ -260,20 +298,18 @@ fn list_job(
         // Sizes the daemon knows first; a stat (through the metadata cache, and then
         // remembered for the datasets view) only for the rest of this page.
         let size = resident.map(|r| r.size).or_else(|| ctx.jobs.size_of(f));
-        out.push(pb::FileEntry {
+        let full = !page.push(pb::FileEntry {
             path: absolute(root, &f.path),
             size: size.unwrap_or(0),
             size_known: size.is_some(),
             resident_bytes: resident.map_or(0, |r| r.resident_bytes),
             is_dir: false,
         });
+        if full {
+            break;
+        }
     }
-    Ok(pb::ListReply {
-        files: out,
-        total: files.len() as u64,
-        hidden,
-        ..Default::default()
-    })
+    Ok(page.reply(files.len()))
 }
 
 fn list_path(
@@ -331,19 +367,22 @@ fn list_path(
             format!("{dir_rel}/{name}")
         }
     };
-    let (mut out, mut hidden) = (Vec::new(), 0);
+    let mut page = Page::default();
     for e in entries.iter().skip(offset).take(limit) {
         let rel = child(&e.name);
         if !operator && e.kind != EntryKind::File {
-            hidden += 1;
+            page.hidden += 1;
             continue;
         }
         if e.kind == EntryKind::Dir {
-            out.push(pb::FileEntry {
+            let entry = pb::FileEntry {
                 path: absolute(&root_name, &rel),
                 is_dir: true,
                 ..Default::default()
-            });
+            };
+            if !page.push(entry) {
+                break;
+            }
             continue;
         }
         if !operator {
@@ -356,30 +395,33 @@ fn list_path(
                         .last()
                         .is_some_and(|d| access::may_list(d, creds) == Decision::Allow) =>
                 {
-                    out.push(file_entry(&ctx.store, &root_name, &stat));
+                    if !page.push(file_entry(&ctx.store, &root_name, &stat)) {
+                        break;
+                    }
                 }
-                _ => hidden += 1,
+                _ => page.hidden += 1,
             }
             continue;
         }
-        match ctx.meta.stat(root, &rel) {
-            Ok(stat) => out.push(file_entry(&ctx.store, &root_name, &stat)),
+        let entry = match ctx.meta.stat(root, &rel) {
+            Ok(stat) => file_entry(&ctx.store, &root_name, &stat),
             // A symlink to a directory.
-            Err(BackingError::NotAFile(_)) => out.push(pb::FileEntry {
+            Err(BackingError::NotAFile(_)) => pb::FileEntry {
                 path: absolute(&root_name, &rel),
                 is_dir: true,
                 ..Default::default()
-            }),
+            },
             // Gone meanwhile, a dangling link, or a link out of the root: nothing to show.
-            Err(_) => hidden += 1,
+            Err(_) => {
+                page.hidden += 1;
+                continue;
+            }
+        };
+        if !page.push(entry) {
+            break;
         }
     }
-    Ok(pb::ListReply {
-        files: out,
-        total: entries.len() as u64,
-        hidden,
-        ..Default::default()
-    })
+    Ok(page.reply(entries.len()))
 }
 
 /// Serves an Evict request.

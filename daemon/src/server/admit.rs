@@ -65,6 +65,16 @@ pub enum Verdict {
     Refuse(Why),
 }
 
+/// A request in progress on a connection (see [`Activity::busy`]).
+#[derive(Debug)]
+pub struct Busy<'a>(&'a Activity);
+
+impl Drop for Busy<'_> {
+    fn drop(&mut self) {
+        self.0.end();
+    }
+}
+
 /// What a connection's thread is doing, kept up to date without a lock.
 #[derive(Debug)]
 pub struct Activity {
@@ -88,6 +98,12 @@ impl Activity {
 
     fn now(&self) -> u64 {
         self.epoch.elapsed().as_nanos() as u64
+    }
+
+    /// [`Activity::begin`] now, and [`Activity::end`] when the guard is dropped.
+    pub fn busy(&self) -> Busy<'_> {
+        self.begin();
+        Busy(self)
     }
 
     /// A request arrived: the connection may not be closed until [`Activity::end`].

@@ -41,17 +41,13 @@ use crate::store::{Store, StoreError, View};
 
 /// Most blocks one Wait request may name.
 const MAX_WAIT_BLOCKS: u64 = 1024;
-/// Largest request accepted (64 paths of 4 KiB fit easily); larger ones end the
-/// connection before anything is allocated for them.
-const MAX_REQUEST: usize = 1 << 20;
 /// How long a file stays pinned after a reader was told it is being filled (see
-/// [`Store::pin`]); each wait of that reader renews it.
+/// [`Store::pin`]); each wait of that reader (each slice of it) renews it.
 const PIN: Duration = Duration::from_secs(2);
 /// Longest a reply may wait for its client to read it.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
-/// Longest path accepted, in bytes: Linux's PATH_MAX (4096) less its NUL, as the kernel
-/// counts (a longer path it refuses with ENAMETOOLONG, so the cache must not serve it).
-const MAX_PATH: usize = 4095;
+/// Longest path accepted (see [`wire::MAX_PATH`]).
+const MAX_PATH: usize = wire::MAX_PATH;
 
 /// What request handlers share.
 #[derive(Debug)]
@@ -425,26 +421,141 @@ fn recv_request(
 }
 
 fn serve(conn: &UnixStream, creds: &Creds, ctx: &Ctx, activity: &Activity) {
-    let mut reader = FrameReader::with_limit(MAX_REQUEST);
+    let mut reader = FrameReader::with_limit(wire::MAX_REQUEST);
     loop {
-        let req: pb::Request = match recv_request(&mut reader, conn, ctx) {
-            Ok((req, _fds)) => req,
+        let (mut req, fds): (pb::Request, _) = match recv_request(&mut reader, conn, ctx) {
+            Ok(x) => x,
             Err(WireError::Closed) => return,
+            Err(WireError::TooLarge { len, limit }) => {
+                // Say which limit, then skip the frame: the client learns why instead of
+                // finding the connection closed, and the connection goes on.
+                let message = format!(
+                    "request of {len} bytes is over the local protocol's {} request limit: send less per request (the client library passes large manifests by descriptor; at most {} paths per open_many, {MAX_WAIT_BLOCKS} blocks per wait)",
+                    wire::size_text(limit),
+                    wire::MAX_FDS
+                );
+                let resp = pb::Response {
+                    id: 0,
+                    kind: Some(error_reply(message, pb::ErrorCode::Invalid)),
+                };
+                if wire::send(conn, &resp, &[]).is_err() || reader.skip(conn, len).is_err() {
+                    return;
+                }
+                continue;
+            }
             Err(e) => {
                 tracing::debug!(pid = creds.pid, error = %e, "client connection ended");
                 return;
             }
         };
-        activity.begin();
+        // Busy until the reply is sent: the admission never closes this connection now.
+        let _busy = activity.busy();
+        // A manifest passed by descriptor is read (one at a time: each may be 64 MiB)
+        // and then registered like an inline one.
+        let _big = match &mut req.kind {
+            Some(request::Kind::Register(r)) if r.manifest_fd => {
+                let one_at_a_time = BIG_MANIFEST.lock().unwrap_or_else(|e| e.into_inner());
+                match manifest_from_fd(fds.into_iter().next()) {
+                    Ok(json) => r.manifest_json = json,
+                    Err(message) => {
+                        let resp = pb::Response {
+                            id: req.id,
+                            kind: Some(error_reply(message, pb::ErrorCode::Invalid)),
+                        };
+                        if wire::send(conn, &resp, &[]).is_err() {
+                            return;
+                        }
+                        continue;
+                    }
+                }
+                Some(one_at_a_time)
+            }
+            _ => None,
+        };
+        let id = req.id;
         let (resp, fd) = handle_request(ctx, creds, req);
         let fds: Vec<_> = fd.iter().map(|f| f.as_fd()).collect();
-        let sent = wire::send(conn, &resp, &fds);
-        activity.end();
-        if let Err(e) = sent {
-            tracing::debug!(pid = creds.pid, error = %e, "reply failed");
-            return;
+        match wire::send(conn, &resp, &fds) {
+            Ok(()) => {}
+            Err(WireError::TooLarge { len, limit }) => {
+                // Nothing was sent: answer with why (a listing pages itself to fit, so
+                // this is a reply nobody planned for, e.g. a status with very many jobs).
+                let message = format!(
+                    "the reply of {len} bytes is over the local protocol's {} reply limit; ask for less (a smaller list page)",
+                    wire::size_text(limit)
+                );
+                tracing::warn!(pid = creds.pid, len, "reply over the frame limit");
+                let resp = pb::Response {
+                    id,
+                    kind: Some(error_reply(message, pb::ErrorCode::Invalid)),
+                };
+                if wire::send(conn, &resp, &[]).is_err() {
+                    return;
+                }
+            }
+            Err(e) => {
+                tracing::debug!(pid = creds.pid, error = %e, "reply failed");
+                return;
+            }
         }
     }
+}
+
+/// Held while a manifest passed by descriptor is read and registered: one at a time,
+/// so that clients cannot make the daemon hold many 64 MiB manifests at once.
+static BIG_MANIFEST: Mutex<()> = Mutex::new(());
+
+/// The manifest in the descriptor of a `RegisterRequest` with `manifest_fd`: a memfd or
+/// another shared-memory file (so that reading it cannot hang on a file system or a
+/// pipe), at most [`shardcache_plan::manifest::MAX_BYTES`], UTF-8.
+fn manifest_from_fd(fd: Option<std::os::fd::OwnedFd>) -> Result<String, String> {
+    use std::os::unix::fs::FileExt;
+    const MAX: usize = shardcache_plan::manifest::MAX_BYTES;
+    let too_big = |n: u64| {
+        format!(
+            "manifest: {n} bytes is over the {} limit (docs/MANIFEST.md): split the dataset into several jobs, or select its files with a glob",
+            wire::size_text(MAX)
+        )
+    };
+    let fd = fd.ok_or("register: manifest_fd is set but no descriptor came with the request")?;
+    if rustix::fs::fcntl_get_seals(&fd).is_err() {
+        return Err(
+            "register: the manifest descriptor must be a memfd (memfd_create), not a file, pipe or socket"
+                .into(),
+        );
+    }
+    let size = rustix::fs::fstat(&fd)
+        .map_err(|e| format!("register: manifest descriptor: {e}"))?
+        .st_size as u64;
+    if size > MAX as u64 {
+        return Err(too_big(size));
+    }
+    // Read from offset 0 (positioned: the client's file offset is its own), never more
+    // than the limit, whatever the size said (an unsealed file may grow meanwhile).
+    let f = File::from(fd);
+    let mut buf = vec![0u8; size as usize + 1];
+    let mut n = 0;
+    loop {
+        if n == buf.len() {
+            if n > MAX {
+                return Err(too_big(n as u64));
+            }
+            buf.resize((n * 2).clamp(4096, MAX + 1), 0);
+        }
+        match f.read_at(&mut buf[n..], n as u64) {
+            Ok(0) => break,
+            Ok(k) => n += k,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(format!("register: reading the manifest descriptor: {e}")),
+        }
+    }
+    buf.truncate(n);
+    String::from_utf8(buf).map_err(|e| {
+        format!(
+            "manifest: not UTF-8 (at byte {})",
+            e.utf8_error().valid_up_to()
+        )
+    })
 }
 
 /// An error reply with its code.
@@ -758,9 +869,26 @@ fn open(ctx: &Ctx, creds: &Creds, path: &str) -> (pb::open_reply::Result, Option
     (pb::open_reply::Result::Opened(opened), view.data.take())
 }
 
+/// Serves one Wait: fills the blocks asked for with demand priority and answers when
+/// they are present or `timeout_ms` has passed, whichever is first. Clients wait in
+/// slices shorter than their `timeout` (docs/SEMANTICS.md, section 2): every slice
+/// renews the pin that keeps what lands for the reader, says whether a fill is still
+/// running (`filling`), and only the first slice counts as a wait, only a last one
+/// (without `more`) as a wait timeout.
 fn wait(ctx: &Ctx, creds: &Creds, w: &pb::WaitRequest) -> (pb::wait_reply::Result, Option<File>) {
-    inc(&ctx.stats.waits);
+    if !w.resumed {
+        inc(&ctx.stats.waits);
+    }
     let refuse = |r| (pb::wait_reply::Result::Refused(r), None);
+    if u64::from(w.count) > MAX_WAIT_BLOCKS {
+        return refuse(refused(
+            Reason::Invalid,
+            format!(
+                "wait: {} blocks asked for; at most {MAX_WAIT_BLOCKS} per request",
+                w.count
+            ),
+        ));
+    }
     let (root, rel, stat) = match authorize(ctx, creds, &w.path) {
         Ok(x) => x,
         Err(r) => return refuse(r),
@@ -784,12 +912,9 @@ fn wait(ctx: &Ctx, creds: &Creds, w: &pb::WaitRequest) -> (pb::wait_reply::Resul
     };
     // Keep what lands for this reader until it has the descriptor.
     ctx.store.pin(&view.key, Instant::now() + timeout + PIN);
-    let first = w.first_block as usize;
-    let end = (w
-        .first_block
-        .saturating_add(w.count.max(1) as u64)
-        .min(MAX_WAIT_BLOCKS))
-    .min(view.nblocks as u64) as usize;
+    let first = w.first_block.min(view.nblocks as u64) as usize;
+    let end =
+        (w.first_block.saturating_add(w.count.max(1) as u64)).min(view.nblocks as u64) as usize;
     let mut flights = Vec::new();
     for i in first..end {
         if is_set(&view.present, i) {
@@ -811,7 +936,7 @@ fn wait(ctx: &Ctx, creds: &Creds, w: &pb::WaitRequest) -> (pb::wait_reply::Resul
             Some(ok) => declined |= !ok,
         }
     }
-    if timed_out {
+    if timed_out && !w.more {
         inc(&ctx.stats.wait_timeouts);
     }
     // Always a fresh view: blocks may have landed between the first view and the
@@ -823,12 +948,14 @@ fn wait(ctx: &Ctx, creds: &Creds, w: &pb::WaitRequest) -> (pb::wait_reply::Resul
     if declined
         && (first..end).any(|i| !is_set(&view.present, i))
         && let Some(peers) = &ctx.peers
-        && let Some((file, present)) = transient(ctx, peers, &root_name, &stat, first, end)
+        && let Some((file, present)) =
+            transient(ctx, peers, &root_name, &stat, first, end, deadline)
     {
         let waited = pb::Waited {
             present,
             data_gen: TRANSIENT_GEN | NEXT_TRANSIENT.fetch_add(1, Ordering::Relaxed),
             declined: false,
+            filling: false,
         };
         return (pb::wait_reply::Result::Waited(waited), Some(file));
     }
@@ -846,6 +973,7 @@ fn wait(ctx: &Ctx, creds: &Creds, w: &pb::WaitRequest) -> (pb::wait_reply::Resul
         present: std::mem::take(&mut view.present),
         data_gen: view.data_gen,
         declined,
+        filling: timed_out,
     };
     (pb::wait_reply::Result::Waited(waited), fd)
 }
@@ -857,8 +985,9 @@ static NEXT_TRANSIENT: AtomicU64 = AtomicU64::new(1);
 /// Blocks `first..end` of a file this node declined to cache (no room worth making),
 /// fetched from the node that owns it into an unlinked temporary file: the reader gets
 /// them from the cluster instead of the shared file system, and nothing is kept. `None`
-/// when this node owns the file, or a peer cannot supply every block (the reader then
-/// reads the backing store).
+/// when this node owns the file, or a peer cannot supply the first block (the reader
+/// then reads the backing store). Past `deadline` (the end of the reader's wait slice)
+/// no further block is fetched: the reader gets those fetched so far and asks again.
 fn transient(
     ctx: &Ctx,
     peers: &crate::peer::Peers,
@@ -866,6 +995,7 @@ fn transient(
     stat: &Stat,
     first: usize,
     end: usize,
+    deadline: Instant,
 ) -> Option<(File, Vec<u8>)> {
     use std::os::fd::AsRawFd;
     use std::os::unix::fs::{FileExt, OpenOptionsExt};
@@ -883,9 +1013,15 @@ fn transient(
     let mut present = vec![0u8; nblocks.div_ceil(8)];
     let mut data = Vec::new();
     for i in first..end {
+        if i > first && Instant::now() >= deadline {
+            break;
+        }
         let len = (size - i as u64 * bs).min(bs) as usize;
         if !peers.fetch(root, stat, i, len, false, &mut data) {
-            return None;
+            if i == first {
+                return None;
+            }
+            break;
         }
         tmp.write_all_at(&data, i as u64 * bs).ok()?;
         present[i / 8] |= 1 << (i % 8);

@@ -285,17 +285,27 @@ fn kind_strategy(root: String) -> impl Strategy<Value = Option<Kind>> {
             3 => p.clone().prop_map(|path| Kind::Open(pb::OpenRequest { path })),
             2 => prop::collection::vec(p.clone(), 0..70)
                 .prop_map(|paths| Kind::OpenMany(pb::OpenManyRequest { paths })),
-            3 => (p.clone(), version_strategy(), any::<u64>(), any::<u32>(), any::<u64>(), 0u32..3000)
-                .prop_map(|(path, version, first_block, count, have_data_gen, timeout_ms)| {
-                    Kind::Wait(pb::WaitRequest {
-                        path,
-                        version,
-                        first_block: first_block % 4,
-                        count: count % 2000,
-                        have_data_gen,
-                        timeout_ms,
-                    })
-                }),
+            3 => (
+                (p.clone(), version_strategy(), any::<u64>(), any::<u32>()),
+                (any::<u64>(), 0u32..3000, any::<bool>(), any::<bool>()),
+            )
+                .prop_map(
+                    |((path, version, first_block, count), (have_data_gen, timeout_ms, resumed, more))| {
+                        Kind::Wait(pb::WaitRequest {
+                            path,
+                            version,
+                            first_block: first_block % 4,
+                            count: count % 2000,
+                            have_data_gen,
+                            timeout_ms,
+                            resumed,
+                            more,
+                        })
+                    },
+                ),
+            1 => ("\\PC{0,40}", any::<bool>()).prop_map(|(manifest_json, manifest_fd)| {
+                Kind::Register(pb::RegisterRequest { manifest_json, manifest_fd })
+            }),
             1 => Just(Kind::Status(pb::StatusRequest {})),
             1 => Just(Kind::Verify(pb::VerifyRequest {})),
             1 => job.clone().prop_map(|job| Kind::Unregister(pb::UnregisterRequest { job })),
@@ -607,6 +617,7 @@ impl World<'_> {
                         report: None,
                         kind: Some(Kind::Register(pb::RegisterRequest {
                             manifest_json: json.clone(),
+                            manifest_fd: false,
                         })),
                     };
                     if wire::send(c, &req, &[]).is_err() {
