@@ -153,7 +153,7 @@ impl Daemon {
             .context("metrics_listen")?;
         let metrics = Metrics::new();
         let stats = Arc::new(Stats::default());
-        let roots = Arc::new(Roots::new(roots));
+        let roots = Arc::new(Roots::watched(roots, cfg.backing_stall_timeout));
         let meta = Arc::new(Meta::new(roots, cfg.metadata_ttl, 1 << 20, stats.clone()));
         let store_cfg = StoreConfig {
             dir: cfg.cache_dir.clone(),
