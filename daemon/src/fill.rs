@@ -541,11 +541,7 @@ fn worker(inner: &Inner, root: usize, me: u64) {
                         });
                         break job;
                     }
-                    None => {
-                        q = inner.cvs[root]
-                            .wait(q)
-                            .unwrap_or_else(|e| e.into_inner())
-                    }
+                    None => q = inner.cvs[root].wait(q).unwrap_or_else(|e| e.into_inner()),
                 }
             }
         };
@@ -558,10 +554,10 @@ fn worker(inner: &Inner, root: usize, me: u64) {
         );
         let mut q = lock(&inner.queue);
         let pool = &mut q.pools[root];
-        if let Some(i) = pool.busy.iter().position(|b| b.worker == me) {
-            if pool.busy.swap_remove(i).stuck {
-                pool.stuck -= 1;
-            }
+        if let Some(i) = pool.busy.iter().position(|b| b.worker == me)
+            && pool.busy.swap_remove(i).stuck
+        {
+            pool.stuck -= 1;
         }
     }
 }
@@ -1044,9 +1040,11 @@ mod tests {
                 }
             }
         }
-        until(Duration::from_secs(5), "workers blocked in the hung store", || {
-            r.faults.hung.load(Ordering::Relaxed) >= 4
-        });
+        until(
+            Duration::from_secs(5),
+            "workers blocked in the hung store",
+            || r.faults.hung.load(Ordering::Relaxed) >= 4,
+        );
         // The healthy root: every block lands, promptly.
         let t = Instant::now();
         for g in &good {

@@ -156,7 +156,8 @@ impl Watch {
     }
 
     fn stalled_in(&self, s: &State, now: Instant) -> bool {
-        now.duration_since(s.last_done) >= self.stall && s.calls.iter().any(|c| self.is_stuck(c, now))
+        now.duration_since(s.last_done) >= self.stall
+            && s.calls.iter().any(|c| self.is_stuck(c, now))
     }
 
     /// Why a call on `file` would be refused now (`None`: it would go through), and
@@ -389,16 +390,19 @@ impl<T> Slot<T> {
     }
 }
 
+/// A file to close, and its identity.
+type ToClose = (Box<dyn BackingFile>, u64);
+
 /// Closes files on a thread of the root's own.
 struct Closer {
-    tx: OnceLock<Option<SyncSender<(Box<dyn BackingFile>, u64)>>>,
+    tx: OnceLock<Option<SyncSender<ToClose>>>,
     leaked: AtomicU64,
 }
 
 impl Closer {
     fn close(&self, watch: &Arc<Watch>, f: Box<dyn BackingFile>, file: u64) {
         let tx = self.tx.get_or_init(|| {
-            let (tx, rx) = mpsc::sync_channel::<(Box<dyn BackingFile>, u64)>(CLOSE_QUEUE);
+            let (tx, rx) = mpsc::sync_channel::<ToClose>(CLOSE_QUEUE);
             let watch = watch.clone();
             std::thread::Builder::new()
                 .name("sc-close".into())
@@ -573,10 +577,48 @@ impl Drop for WatchedFile {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backing::Owner;
     use crate::backing::mem::MemBacking;
+    use crate::backing::{Owner, conformance};
 
     const STALL: Duration = Duration::from_millis(200);
+
+    /// The in-memory store behind the watch, for the conformance suite.
+    struct Watched {
+        mem: Arc<MemBacking>,
+        backing: WatchedBacking,
+    }
+
+    impl conformance::Fixture for Watched {
+        fn backing(&self) -> &dyn Backing {
+            &self.backing
+        }
+        fn put(&self, path: &str, data: &[u8], mode: u32) {
+            let owner = Owner {
+                mode,
+                ..Owner::default()
+            };
+            self.mem.put(path, data.to_vec(), owner);
+        }
+        fn set_dir_mode(&self, path: &str, mode: u32) {
+            let owner = Owner {
+                mode,
+                ..Owner::default()
+            };
+            self.mem.set_dir(path, owner);
+        }
+        fn rewrite_in_place(&self, path: &str, data: &[u8]) {
+            self.mem.rewrite_in_place(path, data.to_vec());
+        }
+    }
+
+    #[test]
+    fn conformance() {
+        conformance::run_all(&|| {
+            let mem = Arc::new(MemBacking::new());
+            let backing = WatchedBacking::new(mem.clone(), "/r", STALL);
+            Watched { mem, backing }
+        });
+    }
 
     fn fixture() -> (Arc<MemBacking>, WatchedBacking) {
         let mem = Arc::new(MemBacking::new());

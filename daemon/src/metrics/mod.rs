@@ -389,7 +389,11 @@ impl Metrics {
             w.gauge(&PEER_UP, &[&p.id], if p.healthy { 1.0 } else { 0.0 });
         }
         for b in &s.backing_health {
-            w.gauge(&BACKING_STALLED, &[&b.root], if b.stalled { 1.0 } else { 0.0 });
+            w.gauge(
+                &BACKING_STALLED,
+                &[&b.root],
+                if b.stalled { 1.0 } else { 0.0 },
+            );
             w.gauge(&BACKING_STUCK_CALLS, &[&b.root], b.calls_stuck as f64);
             w.counter(&BACKING_REFUSED_CALLS, &[&b.root], b.calls_refused);
         }

@@ -116,7 +116,10 @@ impl HangFs {
                     std::fs::read_to_string(&fs.log).unwrap_or_default()
                 );
             }
-            assert!(Instant::now() < deadline, "hangfs.py not mounted after 15 s");
+            assert!(
+                Instant::now() < deadline,
+                "hangfs.py not mounted after 15 s"
+            );
             std::thread::sleep(Duration::from_millis(20));
         }
         fs
@@ -443,7 +446,10 @@ fn a_hung_backing_root_costs_other_roots_nothing_and_its_own_reads_fall_back_at_
         timeout_ms: 500,
     });
     let (_, t) = raw_call(&socket, kind, Duration::from_secs(15));
-    eprintln!("a fill stuck in the hung store (wait answered in {:.3} s)", secs(t));
+    eprintln!(
+        "a fill stuck in the hung store (wait answered in {:.3} s)",
+        secs(t)
+    );
     let t = Instant::now();
     d.signal(libc::SIGTERM);
     while !d.log_text().contains("shardcached stopped") {

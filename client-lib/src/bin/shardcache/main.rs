@@ -241,7 +241,11 @@ fn status_text(s: &pb::StatusReply) -> String {
         ("directory", s.cache_dir.clone()),
         ("roots", s.backing_roots.join(", ")),
     ];
-    for h in s.backing_health.iter().filter(|h| h.stalled || h.calls_stuck > 0) {
+    for h in s
+        .backing_health
+        .iter()
+        .filter(|h| h.stalled || h.calls_stuck > 0)
+    {
         let state = if h.stalled { "stalled" } else { "stuck calls" };
         cache.push((
             state,
