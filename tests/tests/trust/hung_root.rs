@@ -15,6 +15,8 @@
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -252,7 +254,6 @@ fn a_hung_backing_root_costs_other_roots_nothing_and_its_own_reads_fall_back_at_
     let mut d;
     let fs = HangFs::mount(&src, &mnt, bed.tmp.path().join("hangfs.log"));
     let hung = |i: u64| mnt.join(format!("h{i}.bin"));
-    let healthy = |i: u64| bed.path(&format!("g{i}.bin"));
     // Metadata trusted for a minute: files opened before the hang are then opened from
     // the metadata cache while it lasts, and their missing blocks go to fill workers.
     d = bed.start(&[
@@ -337,34 +338,53 @@ fn a_hung_backing_root_costs_other_roots_nothing_and_its_own_reads_fall_back_at_
         }));
     }
 
-    // Meanwhile the healthy root, through the same client: every open and read is timed.
-    let mut times = Vec::new();
-    let mut slow = None;
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut i = 0;
-    while (i < 2 * HEALTHY || !asks.iter().all(JoinHandle::is_finished))
-        && Instant::now() < deadline
-    {
-        let f = i % HEALTHY;
-        let t = Instant::now();
-        let (v, st) = read_all(&client, &healthy(f)).expect("healthy read");
-        let took = t.elapsed();
-        assert_eq!(v, content(f, 4 * BS), "bytes of {}", healthy(f).display());
-        times.push(took);
-        if took > BOUND || st.fallback_bytes > 0 {
-            slow = Some((healthy(f), took, st));
-            break;
-        }
-        if i >= HEALTHY {
-            assert_eq!(
-                st.hit_bytes,
-                4 * BS,
-                "a second read of {} comes from the cache: {st:?}",
-                healthy(f).display()
-            );
-        }
-        i += 1;
-    }
+    // Meanwhile the healthy root, through the same client: every open and read is timed
+    // (on a thread of its own, so that reads blocked before the fix cannot hold the test).
+    let stop = Arc::new(AtomicBool::new(false));
+    let reads = {
+        let (client, stop, healthy) = (client.clone(), stop.clone(), bed.backing.clone());
+        std::thread::spawn(move || -> Result<(Vec<Duration>, Option<String>), String> {
+            let mut times = Vec::new();
+            let deadline = Instant::now() + Duration::from_secs(20);
+            let mut i = 0;
+            while (i < 2 * HEALTHY || !stop.load(Ordering::Acquire)) && Instant::now() < deadline {
+                let f = i % HEALTHY;
+                let path = healthy.join(format!("g{f}.bin"));
+                let t = Instant::now();
+                let (v, st) = read_all(&client, &path).map_err(|e| format!("{e}"))?;
+                let took = t.elapsed();
+                if v != content(f, 4 * BS) {
+                    return Err(format!("wrong bytes from {}", path.display()));
+                }
+                times.push(took);
+                if took > BOUND || st.fallback_bytes > 0 {
+                    let slow = format!(
+                        "healthy-root read of {} took {:.1} s (fallback bytes {}) while another root hangs",
+                        path.display(),
+                        secs(took),
+                        st.fallback_bytes
+                    );
+                    return Ok((times, Some(slow)));
+                }
+                if i >= HEALTHY && st.hit_bytes != 4 * BS {
+                    return Err(format!(
+                        "a second read of {} does not come from the cache: {st:?}",
+                        path.display()
+                    ));
+                }
+                i += 1;
+            }
+            Ok((times, None))
+        })
+    };
+    let answers: Vec<_> = asks
+        .into_iter()
+        .map(|h| join_by(h, Instant::now() + Duration::from_secs(20)).expect("bounded"))
+        .collect();
+    stop.store(true, Ordering::Release);
+    let (times, slow) = join_by(reads, Instant::now() + Duration::from_secs(30))
+        .expect("healthy-root reads blocked for more than 30 s while another root hangs")
+        .unwrap_or_else(|e| panic!("healthy-root reads: {e}"));
     let (p50, max) = (percentile(&times, 0.5), percentile(&times, 1.0));
     eprintln!(
         "healthy root while the other hangs: {} reads (open + whole file), p50 {:.4} s, max {:.4} s",
@@ -372,23 +392,14 @@ fn a_hung_backing_root_costs_other_roots_nothing_and_its_own_reads_fall_back_at_
         secs(p50),
         secs(max)
     );
-    let answers: Vec<_> = asks
-        .into_iter()
-        .map(|h| join_by(h, Instant::now() + Duration::from_secs(20)).expect("bounded"))
-        .collect();
     for (what, t, fell_back) in &answers {
         eprintln!(
             "hung root: {what}: answered in {:.3} s (fall back: {fell_back})",
             secs(*t)
         );
     }
-    if let Some((p, took, st)) = slow {
-        panic!(
-            "healthy-root read of {} took {:.1} s (fallback bytes {}) while another root hangs",
-            p.display(),
-            secs(took),
-            st.fallback_bytes
-        );
+    if let Some(slow) = slow {
+        panic!("{slow}");
     }
     for (what, t, fell_back) in &answers {
         assert!(
