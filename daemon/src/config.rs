@@ -230,7 +230,8 @@ pub struct Config {
     pub metadata_ttl: Duration,
     /// Blocks filled ahead of a client's position in a file. Default 8.
     pub readahead_blocks: u32,
-    /// Threads reading the backing store and writing the cache. Default 4.
+    /// Threads reading each backing root and writing the cache (per root: a hung root
+    /// holds only its own). Default 4.
     pub fill_workers: usize,
     /// Most queued block fills; read-ahead beyond it is dropped (counted). Default 8192.
     pub fill_queue: usize,
@@ -242,6 +243,12 @@ pub struct Config {
     /// Default no limit.
     #[serde(deserialize_with = "de_opt_bytes")]
     pub backing_bandwidth: Option<u64>,
+    /// How long a backing root may leave a call unanswered before it counts as hung: a
+    /// file with a call stuck that long is refused, and a root with one stuck and no call
+    /// completed for that long is refused whole (clients read it directly) until a call
+    /// on it completes again. `0` never refuses. Default 1 s.
+    #[serde(deserialize_with = "de_duration")]
+    pub backing_stall_timeout: Duration,
     /// Most simultaneous client connections. When they are all held, a newcomer takes
     /// the place of an idle connection of the uid holding the most (or is refused, and
     /// reads the backing store, when none is idle). Root and the daemon's user have
@@ -315,6 +322,7 @@ impl Default for Config {
             readahead_blocks: 8,
             fill_workers: 4,
             fill_queue: 8192,
+            backing_stall_timeout: crate::backing::watch::DEFAULT_STALL,
             max_wait: Duration::from_secs(30),
             backing_bandwidth: None,
             max_connections: 1024,

@@ -22,6 +22,21 @@ use crate::server::{self, Ctx, Server};
 use crate::stats::Stats;
 use crate::store::{Store, StoreConfig};
 
+/// The stall bound the roots are watched with: `backing_stall_timeout`, but never less
+/// than a read may legitimately wait for `backing_bandwidth` tokens (a piece of each of
+/// twice `fill_workers` reads ahead of it), so that throttling is not taken for a hang.
+fn stall_bound(cfg: &Config) -> Duration {
+    let stall = cfg.backing_stall_timeout;
+    match cfg.backing_bandwidth {
+        Some(bw) if !stall.is_zero() => {
+            let pieces = 2.0 * cfg.fill_workers as f64 + 1.0;
+            let wait = pieces * crate::backing::watch::READ_PIECE as f64 / bw.max(1) as f64;
+            stall.max(Duration::from_secs_f64(2.0 * wait))
+        }
+        _ => stall,
+    }
+}
+
 /// A running daemon.
 #[derive(Debug)]
 pub struct Daemon {
@@ -155,7 +170,7 @@ impl Daemon {
             .context("metrics_listen")?;
         let metrics = Metrics::new();
         let stats = Arc::new(Stats::default());
-        let roots = Arc::new(Roots::new(roots));
+        let roots = Arc::new(Roots::watched(roots, stall_bound(cfg)));
         let meta = Arc::new(Meta::new(roots, cfg.metadata_ttl, 1 << 20, stats.clone()));
         let store_cfg = StoreConfig {
             dir: cfg.cache_dir.clone(),

@@ -1,12 +1,21 @@
 //! The fill engine: reads blocks from the backing store into the NVMe store, once per
 //! block however many clients want it.
 //!
-//! Requests go into one bounded priority queue (a client waiting on a block first, then
-//! read-ahead, each in arrival order) served by a fixed pool of worker threads, which
-//! bounds the concurrency toward the backing store. A block has at most one fill in
-//! flight ([`Flight`]): every later request for it waits on the same flight
-//! (single-flight). When the queue is full, read-ahead is dropped and counted, and a
-//! waiting client falls back to the backing store itself.
+//! Requests go into a bounded priority queue (a client waiting on a block first, then
+//! read-ahead, each in arrival order), one heap per backing root, each served by the
+//! root's own pool of `fill_workers` threads, which bounds the concurrency toward that
+//! store. A block has at most one fill in flight ([`Flight`]): every later request for it
+//! waits on the same flight (single-flight). When the queue is full, read-ahead is
+//! dropped and counted, and a waiting client falls back to the backing store itself.
+//!
+//! **A root that stops answering costs the others nothing.** Its fills block only its
+//! own workers. A watchdog thread releases the waiters of a fill that has run longer
+//! than the root's stall bound (`backing_stall_timeout`: the client falls back at once)
+//! and starts a stand-in worker for it (at most `fill_workers` per root: a stuck thread
+//! cannot be cancelled, so its count is what is bounded); while the root is stalled
+//! ([`crate::backing::watch`]) its queued fills are released and new ones declined at
+//! once, until a call on it completes again. Shutdown waits a few seconds for workers,
+//! then leaves the stuck ones behind.
 //!
 //! A fill reads the block through a descriptor opened for the exact version the client
 //! was told about, and checks the version again after reading: a file changed
@@ -16,10 +25,12 @@ use std::cmp::Ordering as CmpOrdering;
 use std::collections::BinaryHeap;
 
 use rustc_hash::FxHashMap as HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
+use crate::backing::watch::file_id;
 use crate::backing::{BackingError, BackingFile, BackingFileExt, Stat};
 use crate::meta::Meta;
 use crate::stats::{Stats, add, inc};
@@ -107,6 +118,8 @@ struct Job {
     seq: u64,
     target: Arc<Target>,
     index: usize,
+    /// The flight its waiters wait on.
+    flight: Arc<Flight>,
 }
 
 impl PartialEq for Job {
@@ -127,11 +140,34 @@ impl Ord for Job {
     }
 }
 
+/// A fill a worker is running.
+struct Busy {
+    worker: u64,
+    started: Instant,
+    id: (Key, usize),
+    flight: Arc<Flight>,
+    /// Running for longer than the root's stall bound (its waiters were released and a
+    /// replacement worker started).
+    stuck: bool,
+}
+
+/// The workers of one root.
+#[derive(Default)]
+struct Pool {
+    /// Worker threads running, stuck ones included.
+    threads: usize,
+    /// Of those, the ones stuck in the backing store.
+    stuck: usize,
+    busy: Vec<Busy>,
+}
+
 #[derive(Default)]
 struct Queue {
-    heap: BinaryHeap<Job>,
+    /// One heap of jobs per root: each root's workers serve only its own.
+    heaps: Vec<BinaryHeap<Job>>,
     /// Blocks queued and not yet taken by a worker, with their current priority.
     queued: HashMap<(Key, usize), Priority>,
+    pools: Vec<Pool>,
     seq: u64,
     closed: bool,
 }
@@ -139,22 +175,26 @@ struct Queue {
 impl Queue {
     /// Queues block `index` of `target` at `prio` (a block queued again at a higher
     /// priority leaves a stale heap entry that workers skip).
-    fn enqueue(&mut self, target: &Arc<Target>, index: usize, prio: Priority) {
+    fn enqueue(&mut self, target: &Arc<Target>, index: usize, prio: Priority, f: &Arc<Flight>) {
         self.queued.insert((target.key, index), prio);
         self.seq += 1;
         let seq = self.seq;
-        self.heap.push(Job {
+        self.heaps[target.root].push(Job {
             prio,
             seq,
             target: target.clone(),
             index,
+            flight: f.clone(),
         });
     }
 }
 
 struct Inner {
     queue: Mutex<Queue>,
-    cv: Condvar,
+    /// One per root: its idle workers wait on it.
+    cvs: Vec<Condvar>,
+    /// The watchdog's sleep (woken by `close`).
+    tick: Condvar,
     flights: Mutex<HashMap<(Key, usize), Arc<Flight>>>,
     store: Arc<Store>,
     meta: Arc<Meta>,
@@ -164,6 +204,10 @@ struct Inner {
     meter: Mutex<Meter>,
     peers: OnceLock<Arc<crate::peer::Peers>>,
     handles: moka::sync::Cache<Key, Arc<dyn BackingFile>>,
+    threads: Mutex<Vec<JoinHandle<()>>>,
+    next_worker: AtomicU64,
+    /// Workers that ended by a panic.
+    died: AtomicUsize,
 }
 
 /// Moving averages of block reads from the backing store (what the prefetcher paces
@@ -201,10 +245,12 @@ pub struct Service {
     pub throughput: f64,
 }
 
+/// How long [`Filler::close`] waits for workers before leaving the stuck ones behind.
+const CLOSE_WAIT: Duration = Duration::from_secs(3);
+
 /// The fill engine.
 pub struct Filler {
     inner: Arc<Inner>,
-    workers: Mutex<Vec<JoinHandle<()>>>,
 }
 
 impl std::fmt::Debug for Filler {
@@ -219,8 +265,16 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// A flight that has already ended without the block (for a root that is not answering).
+fn declined() -> Arc<Flight> {
+    let f = Arc::new(Flight::default());
+    f.finish(false);
+    f
+}
+
 impl Filler {
-    /// Starts `workers` fill threads with a queue of at most `limit` read-ahead jobs.
+    /// Starts `workers` fill threads per backing root, with a queue of at most `limit`
+    /// read-ahead jobs.
     pub fn new(
         store: Arc<Store>,
         meta: Arc<Meta>,
@@ -228,9 +282,16 @@ impl Filler {
         workers: usize,
         limit: usize,
     ) -> std::io::Result<Self> {
+        let nroots = meta.roots().all().len();
+        let queue = Queue {
+            heaps: (0..nroots).map(|_| BinaryHeap::new()).collect(),
+            pools: (0..nroots).map(|_| Pool::default()).collect(),
+            ..Queue::default()
+        };
         let inner = Arc::new(Inner {
-            queue: Mutex::new(Queue::default()),
-            cv: Condvar::new(),
+            queue: Mutex::new(queue),
+            cvs: (0..nroots).map(|_| Condvar::new()).collect(),
+            tick: Condvar::new(),
             flights: Mutex::new(HashMap::default()),
             store,
             meta,
@@ -243,27 +304,46 @@ impl Filler {
                 .max_capacity(256)
                 .time_to_idle(std::time::Duration::from_secs(30))
                 .build(),
+            threads: Mutex::new(Vec::new()),
+            next_worker: AtomicU64::new(0),
+            died: AtomicUsize::new(0),
         });
-        let mut hs = Vec::with_capacity(workers);
-        for i in 0..workers {
-            let inner = inner.clone();
-            hs.push(
-                std::thread::Builder::new()
-                    .name(format!("sc-fill-{i}"))
-                    .spawn(move || worker(&inner))?,
-            );
+        let filler = Self { inner };
+        for root in 0..nroots {
+            for _ in 0..workers {
+                lock(&filler.inner.queue).pools[root].threads += 1;
+                if let Err(e) = spawn_worker(&filler.inner, root) {
+                    filler.close();
+                    return Err(e);
+                }
+            }
         }
-        Ok(Self {
-            inner,
-            workers: Mutex::new(hs),
-        })
+        let watched = (0..nroots).any(|r| !filler.inner.meta.roots().watch(r).stall().is_zero());
+        if watched {
+            let inner = filler.inner.clone();
+            let h = std::thread::Builder::new()
+                .name("sc-fill-watch".into())
+                .spawn(move || watchdog(&inner));
+            match h {
+                Ok(h) => lock(&filler.inner.threads).push(h),
+                Err(e) => {
+                    filler.close();
+                    return Err(e);
+                }
+            }
+        }
+        Ok(filler)
     }
 
-    /// Asks for block `index` of `target` at `prio`. Not blocking.
+    /// Asks for block `index` of `target` at `prio`. Not blocking. A block of a root (or
+    /// file) that is not answering is declined at once: the flight returned has ended.
     pub fn request(&self, target: &Arc<Target>, index: usize, prio: Priority) -> Scheduled {
         let inner = &self.inner;
         if inner.store.is_present(&target.key, index) {
             return Scheduled::Present;
+        }
+        if refused(inner, target) {
+            return Scheduled::InFlight(declined());
         }
         let mut flights = lock(&inner.flights);
         let id = (target.key, index);
@@ -274,8 +354,8 @@ impl Filler {
         if let Some(f) = flights.get(&id) {
             // Raise a queued read-ahead to demand.
             if q.queued.get(&id).is_some_and(|queued| *queued < prio) {
-                q.enqueue(target, index, prio);
-                inner.cv.notify_one();
+                q.enqueue(target, index, prio, f);
+                inner.cvs[target.root].notify_one();
             }
             return Scheduled::InFlight(f.clone());
         }
@@ -289,8 +369,8 @@ impl Filler {
         }
         let f = Arc::new(Flight::default());
         flights.insert(id, f.clone());
-        q.enqueue(target, index, prio);
-        inner.cv.notify_one();
+        q.enqueue(target, index, prio, &f);
+        inner.cvs[target.root].notify_one();
         Scheduled::InFlight(f)
     }
 
@@ -303,17 +383,21 @@ impl Filler {
         if inner.store.is_present(&target.key, index) {
             return true;
         }
-        let theirs = {
+        let (flight, theirs) = {
             let mut flights = lock(&inner.flights);
-            let theirs = flights.get(&(target.key, index)).cloned();
-            if theirs.is_none() {
-                flights.insert((target.key, index), Arc::new(Flight::default()));
+            match flights.get(&(target.key, index)) {
+                Some(f) => (f.clone(), true),
+                None => {
+                    let f = Arc::new(Flight::default());
+                    flights.insert((target.key, index), f.clone());
+                    (f, false)
+                }
             }
-            theirs
         };
-        match theirs {
-            Some(f) => f.wait_until(deadline).unwrap_or(false),
-            None => fill_and_land(inner, target, index, false),
+        if theirs {
+            flight.wait_until(deadline).unwrap_or(false)
+        } else {
+            fill_and_land(inner, target, index, false, &flight)
         }
     }
 
@@ -331,31 +415,53 @@ impl Filler {
         })
     }
 
-    /// Fill worker threads still running (all of them, unless one died).
+    /// Fill workers not ended by a failure (all of them, unless one died).
     pub fn workers_alive(&self) -> usize {
-        lock(&self.workers)
-            .iter()
-            .filter(|h| !h.is_finished())
-            .count()
+        self.workers()
+            .saturating_sub(self.inner.died.load(Ordering::Relaxed))
     }
 
-    /// The number of fill worker threads started.
+    /// The number of fill workers: `workers` per backing root (not counting the ones
+    /// started to stand in for workers stuck in a backing store).
     pub fn workers(&self) -> usize {
-        self.inner.workers
+        self.inner.workers * self.inner.cvs.len()
     }
 
     /// Stops the workers after their current fill; queued fills end unfinished (their
-    /// waiters are released and fall back).
+    /// waiters are released and fall back). Waits at most a few seconds: a worker stuck
+    /// in a backing store that does not answer is left behind (it cannot be cancelled;
+    /// the process exits without it).
     pub fn close(&self) {
         {
             let mut q = lock(&self.inner.queue);
             q.closed = true;
-            q.heap.clear();
+            for h in &mut q.heaps {
+                h.clear();
+            }
             q.queued.clear();
         }
-        self.inner.cv.notify_all();
-        for h in lock(&self.workers).drain(..) {
-            let _ = h.join();
+        for cv in &self.inner.cvs {
+            cv.notify_all();
+        }
+        self.inner.tick.notify_all();
+        let deadline = Instant::now() + CLOSE_WAIT;
+        let mut threads = std::mem::take(&mut *lock(&self.inner.threads));
+        while !threads.is_empty() && Instant::now() < deadline {
+            let (done, running): (Vec<_>, Vec<_>) =
+                threads.into_iter().partition(JoinHandle::is_finished);
+            for h in done {
+                let _ = h.join();
+            }
+            threads = running;
+            if !threads.is_empty() {
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        }
+        if !threads.is_empty() {
+            tracing::warn!(
+                stuck = threads.len(),
+                "fill workers still blocked in a backing store at shutdown; leaving them behind"
+            );
         }
         for (_, f) in lock(&self.inner.flights).drain() {
             f.finish(false);
@@ -363,15 +469,62 @@ impl Filler {
     }
 }
 
-fn worker(inner: &Inner) {
+/// Whether fills for `target` are declined at once: its root (or file) is not answering
+/// and no peer could supply the block instead.
+fn refused(inner: &Inner, target: &Target) -> bool {
+    (inner.peers.get().is_none() || !target.peer_ok)
+        && inner
+            .meta
+            .roots()
+            .watch(target.root)
+            .refuses(file_id(&target.stat.path))
+}
+
+/// Starts one worker for `root` (its pool's thread count already includes it).
+fn spawn_worker(inner: &Arc<Inner>, root: usize) -> std::io::Result<()> {
+    let n = inner.next_worker.fetch_add(1, Ordering::Relaxed);
+    let me = inner.clone();
+    let spawned = std::thread::Builder::new()
+        .name(format!("sc-fill-{root}-{n}"))
+        .spawn(move || worker(&me, root, n));
+    match spawned {
+        Ok(h) => {
+            let mut threads = lock(&inner.threads);
+            threads.retain(|h| !h.is_finished());
+            threads.push(h);
+            Ok(())
+        }
+        Err(e) => {
+            lock(&inner.queue).pools[root].threads -= 1;
+            Err(e)
+        }
+    }
+}
+
+/// Counts a worker that ends by a panic (the liveness probe reads it).
+struct Died<'a>(&'a Inner);
+
+impl Drop for Died<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.died.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+fn worker(inner: &Inner, root: usize, me: u64) {
+    let _died = Died(inner);
     loop {
         let job = {
             let mut q = lock(&inner.queue);
             loop {
-                if q.closed {
+                let pool = &q.pools[root];
+                // Closing, or a stand-in no longer needed (a stuck worker came back).
+                if q.closed || pool.threads - pool.stuck > inner.workers {
+                    q.pools[root].threads -= 1;
                     return;
                 }
-                match q.heap.pop() {
+                match q.heaps[root].pop() {
                     Some(job) => {
                         let id = (job.target.key, job.index);
                         // A stale duplicate (raised to demand, or already taken).
@@ -379,9 +532,16 @@ fn worker(inner: &Inner) {
                             continue;
                         }
                         q.queued.remove(&id);
+                        q.pools[root].busy.push(Busy {
+                            worker: me,
+                            started: Instant::now(),
+                            id,
+                            flight: job.flight.clone(),
+                            stuck: false,
+                        });
                         break job;
                     }
-                    None => q = inner.cv.wait(q).unwrap_or_else(|e| e.into_inner()),
+                    None => q = inner.cvs[root].wait(q).unwrap_or_else(|e| e.into_inner()),
                 }
             }
         };
@@ -390,30 +550,136 @@ fn worker(inner: &Inner) {
             &job.target,
             job.index,
             job.prio == Priority::Prefetch,
+            &job.flight,
         );
+        let mut q = lock(&inner.queue);
+        let pool = &mut q.pools[root];
+        if let Some(i) = pool.busy.iter().position(|b| b.worker == me)
+            && pool.busy.swap_remove(i).stuck
+        {
+            pool.stuck -= 1;
+        }
     }
 }
 
-/// Fills one block whose flight is registered, counts a failure, and ends the flight
-/// (releasing its waiters). True when the block landed.
-fn fill_and_land(inner: &Inner, target: &Target, index: usize, prefetch: bool) -> bool {
+/// Watches the workers: a fill running for longer than its root's stall bound releases
+/// its waiters (they fall back) and gets a stand-in worker (at most `workers` per root),
+/// so that a store that never answers holds no more than its own workers; the queue of a
+/// stalled root is emptied (its waiters released) as soon as the root is stalled.
+fn watchdog(inner: &Arc<Inner>) {
+    let roots = inner.meta.roots();
+    let tick = (0..roots.all().len())
+        .map(|r| roots.watch(r).stall())
+        .filter(|s| !s.is_zero())
+        .min()
+        .map_or(Duration::from_millis(100), |s| {
+            (s / 4).clamp(Duration::from_millis(10), Duration::from_millis(100))
+        });
+    let mut q = lock(&inner.queue);
+    loop {
+        q = inner
+            .tick
+            .wait_timeout(q, tick)
+            .unwrap_or_else(|e| e.into_inner())
+            .0;
+        if q.closed {
+            return;
+        }
+        let now = Instant::now();
+        let (mut release, mut spawn) = (Vec::new(), Vec::new());
+        let Queue {
+            heaps,
+            queued,
+            pools,
+            ..
+        } = &mut *q;
+        for (r, (pool, heap)) in pools.iter_mut().zip(heaps.iter_mut()).enumerate() {
+            let watch = roots.watch(r);
+            let stall = watch.stall();
+            if stall.is_zero() {
+                continue;
+            }
+            for b in &mut pool.busy {
+                if !b.stuck && now.duration_since(b.started) >= stall {
+                    b.stuck = true;
+                    pool.stuck += 1;
+                    release.push((b.id, b.flight.clone()));
+                }
+            }
+            while pool.threads - pool.stuck < inner.workers && pool.stuck <= inner.workers {
+                pool.threads += 1;
+                spawn.push(r);
+            }
+            if inner.peers.get().is_none() && !heap.is_empty() && watch.stalled() {
+                for job in heap.drain() {
+                    let id = (job.target.key, job.index);
+                    if queued.get(&id) == Some(&job.prio) {
+                        queued.remove(&id);
+                        release.push((id, job.flight));
+                    }
+                }
+            }
+        }
+        if release.is_empty() && spawn.is_empty() {
+            continue;
+        }
+        drop(q);
+        for (id, f) in release {
+            end_flight(inner, id, &f, false);
+        }
+        for r in spawn {
+            if let Err(e) = spawn_worker(inner, r) {
+                tracing::warn!(error = %e, "cannot start a fill worker to stand in for a stuck one");
+            }
+        }
+        q = lock(&inner.queue);
+    }
+}
+
+/// Ends flight `f` of block `id` with `ok` (releasing its waiters), and forgets it if it
+/// is still the block's flight (a later request may have started another).
+fn end_flight(inner: &Inner, id: (Key, usize), f: &Arc<Flight>, ok: bool) {
+    {
+        let mut flights = lock(&inner.flights);
+        if flights.get(&id).is_some_and(|g| Arc::ptr_eq(g, f)) {
+            flights.remove(&id);
+        }
+    }
+    f.finish(ok);
+}
+
+/// Fills one block whose flight `flight` is registered, counts a failure, and ends the
+/// flight (releasing its waiters). True when the block landed.
+fn fill_and_land(
+    inner: &Inner,
+    target: &Target,
+    index: usize,
+    prefetch: bool,
+    flight: &Arc<Flight>,
+) -> bool {
     let ok = match fill(inner, target, index, prefetch) {
         Ok(()) => true,
         Err(e) => {
             if !matches!(
                 e,
-                FillError::Store(StoreError::NoSpace) | FillError::Store(StoreError::Gone)
-            ) {
+                FillError::Store(StoreError::NoSpace)
+                    | FillError::Store(StoreError::Gone)
+                    | FillError::Backing(BackingError::Stalled(_))
+            ) && !is_stalled_read(&e)
+            {
                 inc(&inner.stats.fill_errors);
             }
             tracing::debug!(path = %target.stat.path, block = index, error = %e, "fill failed");
             false
         }
     };
-    if let Some(f) = lock(&inner.flights).remove(&(target.key, index)) {
-        f.finish(ok);
-    }
+    end_flight(inner, (target.key, index), flight, ok);
     ok
+}
+
+/// A read the root's watch refused (not an error of the store).
+fn is_stalled_read(e: &FillError) -> bool {
+    matches!(e, FillError::Read(io) if io.get_ref().is_some_and(|i| i.is::<BackingError>()))
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -511,8 +777,6 @@ mod tests {
     use crate::config::SizeSpec;
     use crate::meta::{Root, Roots};
     use crate::store::StoreConfig;
-    use std::sync::atomic::Ordering;
-    use std::time::Duration;
 
     const BS: u32 = 4096;
 
@@ -661,5 +925,189 @@ mod tests {
             matches!(r.filler.request(&t, 0, Priority::Demand), Scheduled::Shed),
             "closed: nothing scheduled"
         );
+    }
+
+    /// Waits (bounded) until `cond` holds.
+    fn until(limit: Duration, what: &str, cond: impl Fn() -> bool) {
+        let deadline = Instant::now() + limit;
+        while !cond() {
+            assert!(Instant::now() < deadline, "{what}: not after {limit:?}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    /// Two roots, one of which hangs every call (as a hung FUSE or NFS mount does).
+    struct TwoRoots {
+        _dir: tempfile::TempDir,
+        faults: Arc<Faults>,
+        meta: Arc<Meta>,
+        store: Arc<Store>,
+        filler: Filler,
+    }
+
+    const STALL: Duration = Duration::from_millis(300);
+
+    fn two_roots() -> TwoRoots {
+        let dir = tempfile::tempdir().unwrap();
+        let good = Arc::new(MemBacking::new());
+        let bad = Arc::new(MemBacking::new());
+        let owner = Owner {
+            mode: 0o644,
+            ..Owner::default()
+        };
+        for i in 0..8 {
+            good.put(&format!("g{i}"), vec![1; 4 * BS as usize], owner);
+            bad.put(&format!("h{i}"), vec![2; 8 * BS as usize], owner);
+        }
+        let (faulty, faults) = FaultyBacking::new(bad);
+        let roots = Arc::new(Roots::watched(
+            vec![
+                Root {
+                    path: "/g".into(),
+                    name: "/g".into(),
+                    backing: good,
+                },
+                Root {
+                    path: "/h".into(),
+                    name: "/h".into(),
+                    backing: Arc::new(faulty),
+                },
+            ],
+            STALL,
+        ));
+        let stats = Arc::new(Stats::default());
+        let meta = Arc::new(Meta::new(
+            roots,
+            Duration::from_secs(3600),
+            1000,
+            stats.clone(),
+        ));
+        let cfg = StoreConfig {
+            dir: dir.path().to_owned(),
+            capacity: SizeSpec::Bytes(1 << 30),
+            min_free: SizeSpec::Bytes(0),
+            block_size: BS,
+        };
+        let store = Arc::new(Store::open(&cfg, stats.clone()).unwrap());
+        let filler = Filler::new(store.clone(), meta.clone(), stats, 4, 64).unwrap();
+        TwoRoots {
+            _dir: dir,
+            faults,
+            meta,
+            store,
+            filler,
+        }
+    }
+
+    impl TwoRoots {
+        fn target(&self, root: usize, path: &str) -> Arc<Target> {
+            let stat = self.meta.stat(root, path).unwrap();
+            let name = &self.meta.roots().get(root).name;
+            let view = self.store.view(name, &stat).unwrap();
+            Arc::new(Target {
+                peer_ok: true,
+                root,
+                rel: path.to_owned(),
+                stat,
+                key: view.key,
+            })
+        }
+    }
+
+    fn outcome(s: Scheduled, deadline: Instant) -> Option<bool> {
+        match s {
+            Scheduled::Present => Some(true),
+            Scheduled::InFlight(f) => f.wait_until(deadline),
+            Scheduled::Shed => None,
+        }
+    }
+
+    /// Issue 12, point 6, without FUSE: a root whose calls never return holds no worker
+    /// that another root needs, its waiters are released within the stall bound, new
+    /// requests for it are declined at once, and it serves again once it answers.
+    #[test]
+    fn a_hung_root_costs_other_roots_nothing_and_its_waiters_are_released() {
+        let r = two_roots();
+        let hung: Vec<_> = (0..8).map(|i| r.target(1, &format!("h{i}"))).collect();
+        let good: Vec<_> = (0..8).map(|i| r.target(0, &format!("g{i}"))).collect();
+        r.faults.hang();
+        let t0 = Instant::now();
+        let mut waiting = Vec::new();
+        for t in &hung {
+            for i in 0..8 {
+                if let Scheduled::InFlight(f) = r.filler.request(t, i, Priority::Demand) {
+                    waiting.push(f);
+                }
+            }
+        }
+        until(
+            Duration::from_secs(5),
+            "workers blocked in the hung store",
+            || r.faults.hung.load(Ordering::Relaxed) >= 4,
+        );
+        // The healthy root: every block lands, promptly.
+        let t = Instant::now();
+        for g in &good {
+            for i in 0..4 {
+                let got = outcome(
+                    r.filler.request(g, i, Priority::Demand),
+                    Instant::now() + Duration::from_secs(5),
+                );
+                assert_eq!(got, Some(true), "healthy block {i} of {}", g.rel);
+            }
+        }
+        let took = t.elapsed();
+        assert!(
+            took < Duration::from_secs(2),
+            "32 healthy fills took {took:?} while another root hangs"
+        );
+        // Waiters on the hung root are released, declined, within about the bound.
+        for f in &waiting {
+            assert_eq!(f.wait_until(t0 + 10 * STALL), Some(false), "released");
+        }
+        eprintln!(
+            "healthy fills: {took:?} for 32 blocks; hung waiters released after {:?}",
+            t0.elapsed()
+        );
+        // A new request for the stalled root is declined at once.
+        let t = Instant::now();
+        let got = outcome(
+            r.filler.request(&hung[0], 0, Priority::Demand),
+            Instant::now() + Duration::from_secs(5),
+        );
+        assert_ne!(got, Some(true));
+        assert!(t.elapsed() < STALL, "declined at once: {:?}", t.elapsed());
+        // The store answers again: so does the root.
+        r.faults.release();
+        until(Duration::from_secs(5), "the root serves again", || {
+            let got = outcome(
+                r.filler.request(&hung[1], 7, Priority::Demand),
+                Instant::now() + Duration::from_secs(5),
+            );
+            got == Some(true)
+        });
+        r.filler.close();
+    }
+
+    #[test]
+    fn close_does_not_wait_for_a_worker_stuck_in_the_store() {
+        let r = two_roots();
+        let t = r.target(1, "h0");
+        r.faults.hang();
+        let Scheduled::InFlight(f) = r.filler.request(&t, 0, Priority::Demand) else {
+            panic!("not scheduled")
+        };
+        until(Duration::from_secs(5), "a worker blocked", || {
+            r.faults.hung.load(Ordering::Relaxed) >= 1
+        });
+        let started = Instant::now();
+        r.filler.close();
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "close took {:?}",
+            started.elapsed()
+        );
+        assert_eq!(f.outcome(), Some(false), "its waiter was released");
+        r.faults.release();
     }
 }

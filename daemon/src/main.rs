@@ -89,6 +89,10 @@ struct Args {
     /// File with the cluster's shared secret.
     #[arg(long, env = "SHARDCACHED_PEER_SECRET_FILE")]
     peer_secret_file: Option<PathBuf>,
+    /// How long a backing root may leave a call unanswered before its calls are refused
+    /// (clients read it directly) until one completes, e.g. 1s; 0 never [default: 1s].
+    #[arg(long, env = "SHARDCACHED_BACKING_STALL_TIMEOUT", value_parser = config::parse_duration)]
+    backing_stall_timeout: Option<std::time::Duration>,
     /// Longest fetch from a peer before reading the backing store, e.g. 2s [default: 2s].
     #[arg(long, env = "SHARDCACHED_PEER_TIMEOUT", value_parser = config::parse_duration)]
     peer_timeout: Option<std::time::Duration>,
@@ -154,6 +158,7 @@ fn load(args: &Args) -> anyhow::Result<Config> {
         prefetch_ahead,
         prefetch_concurrency,
         peer_timeout,
+        backing_stall_timeout,
         metrics_listen
     );
     if args.peer_listen.is_some() {

@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
+use crate::backing::watch::{Watch, WatchedBacking};
 use crate::backing::{Backing, BackingError, Stat};
 use crate::stats::{Stats, inc};
 
@@ -31,10 +32,12 @@ pub struct Root {
     pub backing: Arc<dyn Backing>,
 }
 
-/// The configured roots.
+/// The configured roots, each behind a [`WatchedBacking`]: a root that stops answering
+/// is refused at once instead of holding the daemon's threads.
 #[derive(Debug)]
 pub struct Roots {
     roots: Vec<Root>,
+    watches: Vec<Arc<Watch>>,
 }
 
 /// Why a path cannot be served.
@@ -49,9 +52,33 @@ pub enum ResolveError {
 }
 
 impl Roots {
-    /// Wraps the configured roots (their paths must be canonical).
+    /// Wraps the configured roots (their paths must be canonical), watched with the
+    /// default stall bound ([`crate::backing::watch::DEFAULT_STALL`]).
     pub fn new(roots: Vec<Root>) -> Self {
-        Self { roots }
+        Self::watched(roots, crate::backing::watch::DEFAULT_STALL)
+    }
+
+    /// Wraps the configured roots, each behind a [`WatchedBacking`] with stall bound
+    /// `stall` (zero: calls are counted and bounded, a root is never called stalled).
+    pub fn watched(roots: Vec<Root>, stall: Duration) -> Self {
+        let mut watches = Vec::with_capacity(roots.len());
+        let roots = roots
+            .into_iter()
+            .map(|r| {
+                let w = WatchedBacking::new(r.backing, r.name.clone(), stall);
+                watches.push(w.watch().clone());
+                Root {
+                    backing: Arc::new(w),
+                    ..r
+                }
+            })
+            .collect();
+        Self { roots, watches }
+    }
+
+    /// The watch over root `i`'s backing store calls.
+    pub fn watch(&self, i: usize) -> &Arc<Watch> {
+        &self.watches[i]
     }
 
     /// The root with index `i`.

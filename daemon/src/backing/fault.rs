@@ -1,11 +1,12 @@
 //! Fault injection and observation for tests and benchmarks, as a wrapper: a
-//! [`FaultyBacking`] counts every call that reaches the store and fails reads on demand,
-//! without a test-only field in any production type.
+//! [`FaultyBacking`] counts every call that reaches the store, fails reads on demand and
+//! hangs every call on demand (as a hung network file system does), without a test-only
+//! field in any production type.
 
 use std::fmt;
 use std::io;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex};
 
 use super::{Backing, BackingError, BackingFile, DirEntry, Owner, Stat, Version};
 
@@ -18,6 +19,36 @@ pub struct Faults {
     pub reads: AtomicU64,
     /// Make every read fail with an I/O error.
     pub fail_reads: AtomicBool,
+    /// Calls blocked by [`Faults::hang`] right now.
+    pub hung: AtomicU64,
+    /// While true, every call blocks until [`Faults::release`].
+    hang: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl Faults {
+    /// From now on every call (stat, open, list, read, version) blocks, as on a hung
+    /// file system, until [`Faults::release`].
+    pub fn hang(&self) {
+        *self.hang.lock().unwrap_or_else(|e| e.into_inner()) = true;
+    }
+
+    /// Lets blocked calls and later ones go on.
+    pub fn release(&self) {
+        *self.hang.lock().unwrap_or_else(|e| e.into_inner()) = false;
+        self.cv.notify_all();
+    }
+
+    fn block_while_hung(&self) {
+        let mut g = self.hang.lock().unwrap_or_else(|e| e.into_inner());
+        if *g {
+            self.hung.fetch_add(1, Ordering::Relaxed);
+            while *g {
+                g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+            }
+            self.hung.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
 }
 
 /// Wraps a backing store, counting calls and failing reads when told to.
@@ -51,10 +82,12 @@ impl FaultyBacking {
 impl Backing for FaultyBacking {
     fn stat(&self, path: &str) -> Result<Stat, BackingError> {
         self.faults.stats.fetch_add(1, Ordering::Relaxed);
+        self.faults.block_while_hung();
         self.inner.stat(path)
     }
 
     fn open(&self, stat: &Stat) -> Result<Box<dyn BackingFile>, BackingError> {
+        self.faults.block_while_hung();
         Ok(Box::new(FaultyFile {
             inner: self.inner.open(stat)?,
             faults: self.faults.clone(),
@@ -62,6 +95,7 @@ impl Backing for FaultyBacking {
     }
 
     fn list(&self, dir: &str) -> Result<Vec<DirEntry>, BackingError> {
+        self.faults.block_while_hung();
         self.inner.list(dir)
     }
 
@@ -79,6 +113,7 @@ struct FaultyFile {
 impl BackingFile for FaultyFile {
     fn read_at(&self, buf: &mut [u8], offset: u64) -> io::Result<usize> {
         self.faults.reads.fetch_add(1, Ordering::Relaxed);
+        self.faults.block_while_hung();
         if self.faults.fail_reads.load(Ordering::Relaxed) {
             return Err(io::Error::other("injected read failure"));
         }
@@ -86,6 +121,7 @@ impl BackingFile for FaultyFile {
     }
 
     fn version(&self) -> io::Result<Version> {
+        self.faults.block_while_hung();
         self.inner.version()
     }
 }

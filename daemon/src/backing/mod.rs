@@ -1,7 +1,9 @@
 //! The backing store: where the training data really lives (a mounted parallel file
 //! system, later an object store). The daemon reads it only through the [`Backing`]
 //! trait, which has a POSIX implementation ([`posix`]), an in-memory one ([`mem`]) and
-//! wrappers that change its behaviour without touching it ([`throttle`], [`fault`]).
+//! wrappers that change its behaviour without touching it ([`throttle`], [`fault`], and
+//! [`watch`], which every root runs behind: a root or file that stops answering is
+//! refused at once instead of holding the daemon's threads).
 //!
 //! A backing store owns path resolution: [`Backing::stat`] turns a path relative to the
 //! store's root into its canonical form (symlinks followed, never out of the root) and
@@ -23,6 +25,7 @@ pub mod fault;
 pub mod mem;
 pub mod posix;
 pub mod throttle;
+pub mod watch;
 
 #[cfg(test)]
 mod conformance;
@@ -125,6 +128,10 @@ pub enum BackingError {
          or the daemon is restarted"
     )]
     RootReplaced(String),
+    /// The root, or this file on it, is not answering: the call was refused at once
+    /// without reaching the store ([`watch`] says why).
+    #[error("{0}")]
+    Stalled(String),
     /// The store itself failed.
     #[error("{path}: {source}")]
     Io {

@@ -13,7 +13,8 @@
 //! ([`PrefetchInstruments`]).
 //!
 //! Label values are bounded: fixed sets (below), registered job ids (bounded by the
-//! registered jobs), and peer ids (bounded by the membership); never paths.
+//! registered jobs), peer ids (bounded by the membership) and the configured backing
+//! roots (bounded by the configuration); never the paths of files.
 //!
 //! This module reads a status reply and hands out instruments; it never reaches into the
 //! other modules' state.
@@ -118,6 +119,12 @@ defs! {
         "Fills refused because nothing could be evicted to make room.";
     FILL_QUEUE_SHED: Counter "shardcache_fill_queue_shed_total" COUNT, [],
         "Fill requests (read-ahead, prefetch) dropped because the fill queue was full.";
+    BACKING_STALLED: Gauge "shardcache_backing_stalled" NONE, ["root"],
+        "1 while the backing root is stalled (a call stuck and none completed for backing_stall_timeout: its calls are refused, clients read it directly), else 0.";
+    BACKING_STUCK_CALLS: Gauge "shardcache_backing_stuck_calls" COUNT, ["root"],
+        "Calls on the backing root in flight for at least backing_stall_timeout (threads held by it).";
+    BACKING_REFUSED_CALLS: Counter "shardcache_backing_refused_calls_total" COUNT, ["root"],
+        "Calls on the backing root refused at once: the root stalled, the file stuck, or too many calls in flight.";
 
     PEER_BYTES: Counter "shardcache_peer_bytes_total" BYTES, ["direction"],
         "Block bytes exchanged with peers: received (checked, then cached or passed on) and sent.";
@@ -413,6 +420,15 @@ impl Metrics {
         for p in &others {
             w.gauge(&PEER_UP, &[&p.id], if p.healthy { 1.0 } else { 0.0 });
         }
+        for b in &s.backing_health {
+            w.gauge(
+                &BACKING_STALLED,
+                &[&b.root],
+                if b.stalled { 1.0 } else { 0.0 },
+            );
+            w.gauge(&BACKING_STUCK_CALLS, &[&b.root], b.calls_stuck as f64);
+            w.counter(&BACKING_REFUSED_CALLS, &[&b.root], b.calls_refused);
+        }
         for (d, n) in [
             (&CAPACITY, s.capacity_bytes),
             (&USED, s.used_bytes),
@@ -614,6 +630,13 @@ mod tests {
                     ..Default::default()
                 },
             ],
+            backing_health: vec![pb::BackingHealth {
+                root: "/data".into(),
+                stalled: true,
+                calls_stuck: 4,
+                calls_refused: 9,
+                ..Default::default()
+            }],
             ..Default::default()
         }
     }

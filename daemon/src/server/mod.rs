@@ -716,6 +716,9 @@ fn refuse_resolve(stats: &Stats, e: ResolveError) -> pb::Refused {
             BackingError::Invalid { .. } => Reason::Invalid,
             BackingError::Changed(_) => Reason::Stale,
             BackingError::Io { .. } | BackingError::RootReplaced(_) => Reason::BackingError,
+            // The client reads the store itself at once (its own read may then hang in
+            // the kernel, as it would without the cache).
+            BackingError::Stalled(_) => Reason::Busy,
         },
     };
     match reason {
@@ -1067,6 +1070,19 @@ pub fn status(ctx: &Ctx) -> pb::StatusReply {
         unverified_blocks: s.unverified,
         counters: Some(ctx.stats.snapshot()),
         fallbacks: ctx.stats.fallbacks(),
+        backing_health: (0..names.len())
+            .map(|i| {
+                let h = ctx.meta.roots().watch(i).health();
+                pb::BackingHealth {
+                    root: names[i].clone(),
+                    stalled: h.stalled,
+                    calls_in_flight: h.in_flight,
+                    calls_stuck: h.stuck,
+                    oldest_call_seconds: h.oldest_seconds,
+                    calls_refused: h.refused,
+                }
+            })
+            .collect(),
         metrics_addr: ctx.metrics_addr.map(|a| a.to_string()).unwrap_or_default(),
         connections: ctx.stats.connections.load(Ordering::Relaxed),
         jobs,

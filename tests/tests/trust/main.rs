@@ -8,6 +8,7 @@
 mod config;
 mod floods;
 mod fuzz;
+mod hung_root;
 mod paths;
 mod peers_auth;
 mod registration;

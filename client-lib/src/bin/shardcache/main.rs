@@ -301,6 +301,20 @@ fn status_text(s: &pb::StatusReply) -> String {
         ("directory", s.cache_dir.clone()),
         ("roots", s.backing_roots.join(", ")),
     ];
+    for h in s
+        .backing_health
+        .iter()
+        .filter(|h| h.stalled || h.calls_stuck > 0)
+    {
+        let state = if h.stalled { "stalled" } else { "stuck calls" };
+        cache.push((
+            state,
+            format!(
+                "{}: {} calls stuck, oldest {:.1} s, {} refused (clients read it directly)",
+                h.root, h.calls_stuck, h.oldest_call_seconds, h.calls_refused
+            ),
+        ));
+    }
     if !s.metrics_addr.is_empty() {
         cache.push(("metrics", format!("http://{}/metrics", s.metrics_addr)));
     }
