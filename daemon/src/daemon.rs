@@ -9,7 +9,7 @@ use anyhow::Context;
 
 use crate::backing::Backing;
 use crate::backing::posix::PosixBacking;
-use crate::backing::throttle::ThrottledBacking;
+use crate::backing::throttle::{Bucket, ThrottledBacking};
 use crate::config::{Config, MetricsListen};
 use crate::fill::Filler;
 use crate::jobs::{Jobs, PlannedPolicy};
@@ -38,8 +38,12 @@ pub struct Daemon {
     probes: Arc<Probes>,
 }
 
-/// The background verification after an unclean start: its stop flag and thread.
+/// The background verification after a start: its stop flag and thread.
 type Scrub = (Arc<AtomicBool>, std::thread::JoinHandle<()>);
+
+/// Most bytes per second the background scrub reads (a fraction of an NVMe drive's
+/// read rate; blocks a reader wants are checked on first use at full speed anyway).
+pub const SCRUB_RATE: u64 = 256 << 20;
 
 /// Marks a long-running thread as alive for as long as it is held: its drop (the thread
 /// ending, by return or by panic) clears the flag the liveness probe reads.
@@ -326,11 +330,13 @@ impl Daemon {
         Ok(peers)
     }
 
-    /// After an unclean start, checks every block in the background (blocks are also
-    /// checked on first use; this makes sure the rest are too, so that the next orderly
-    /// shutdown can mark the cache clean).
+    /// After every start, checks in the background every block kept from before it
+    /// (blocks are also checked on first use; this checks the ones nobody reads, so that
+    /// corruption is found and counted). One thread, at most [`SCRUB_RATE`] bytes per
+    /// second, so that fills and readers keep the disk.
     fn start_scrub(store: &Arc<Store>) -> anyhow::Result<Option<Scrub>> {
-        if store.status().unverified == 0 {
+        let unverified = store.status().unverified;
+        if unverified == 0 {
             return Ok(None);
         }
         let stop = Arc::new(AtomicBool::new(false));
@@ -338,14 +344,22 @@ impl Daemon {
         let h = std::thread::Builder::new()
             .name("sc-scrub".into())
             .spawn(move || {
-                let r = st.verify_unverified(&|| s.load(Ordering::Relaxed));
+                let started = Instant::now();
+                let bucket = Bucket::new(SCRUB_RATE);
+                let r = st.verify_unverified(&mut |bytes| {
+                    bucket.take(bytes as usize);
+                    !s.load(Ordering::Relaxed)
+                });
                 tracing::info!(
                     checked = r.checked,
                     corrupt = r.corrupt,
+                    bytes = r.bytes,
+                    seconds = started.elapsed().as_secs_f64(),
                     "background verification finished"
                 );
             })
             .context("starting the scrub thread")?;
+        tracing::info!(unverified, "background verification started");
         Ok(Some((stop, h)))
     }
 

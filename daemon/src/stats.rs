@@ -66,6 +66,7 @@ counters!(
     peer_blocks_out,
     peer_bytes_out,
     peer_refused,
+    journal_recoveries,
 );
 
 /// Adds `n` to a counter.
