@@ -41,9 +41,13 @@ pub struct Daemon {
 /// The background verification after a start: its stop flag and thread.
 type Scrub = (Arc<AtomicBool>, std::thread::JoinHandle<()>);
 
-/// Most bytes per second the background scrub reads (a fraction of an NVMe drive's
-/// read rate; blocks a reader wants are checked on first use at full speed anyway).
+/// Most bytes per second the background scrub reads while clients are quiet (a fraction
+/// of an NVMe drive's read rate).
 pub const SCRUB_RATE: u64 = 256 << 20;
+
+/// Most bytes per second the background scrub reads while clients or peers are active
+/// (blocks they want are checked on first use anyway).
+pub const SCRUB_RATE_BUSY: u64 = 16 << 20;
 
 /// Marks a long-running thread as alive for as long as it is held: its drop (the thread
 /// ending, by return or by panic) clears the flag the liveness probe reads.
@@ -213,7 +217,7 @@ impl Daemon {
         )
         .context("starting the server")?;
         tracing::info!(socket = %cfg.socket.display(), "shardcached ready");
-        let scrub = Self::start_scrub(&store)?;
+        let scrub = Self::start_scrub(&store, &ctx.stats)?;
         let prefetch = match cfg.prefetch_ahead {
             0 => None,
             ahead => Some(
@@ -332,22 +336,35 @@ impl Daemon {
 
     /// After every start, checks in the background every block kept from before it
     /// (blocks are also checked on first use; this checks the ones nobody reads, so that
-    /// corruption is found and counted). One thread, at most [`SCRUB_RATE`] bytes per
-    /// second, so that fills and readers keep the disk.
-    fn start_scrub(store: &Arc<Store>) -> anyhow::Result<Option<Scrub>> {
+    /// corruption is found and counted). One thread, paced as a RAID resync is: at most
+    /// [`SCRUB_RATE`] bytes per second while clients and peers are quiet, at most
+    /// [`SCRUB_RATE_BUSY`] while they open, wait or fetch (they check what they read
+    /// themselves), so that fills and readers keep the disk.
+    fn start_scrub(store: &Arc<Store>, stats: &Arc<Stats>) -> anyhow::Result<Option<Scrub>> {
         let unverified = store.status().unverified;
         if unverified == 0 {
             return Ok(None);
         }
         let stop = Arc::new(AtomicBool::new(false));
-        let (st, s) = (store.clone(), stop.clone());
+        let (st, s, stats) = (store.clone(), stop.clone(), stats.clone());
         let h = std::thread::Builder::new()
             .name("sc-scrub".into())
             .spawn(move || {
                 let started = Instant::now();
-                let bucket = Bucket::new(SCRUB_RATE);
+                let (idle, busy) = (Bucket::new(SCRUB_RATE), Bucket::new(SCRUB_RATE_BUSY));
+                let activity = || {
+                    let c = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+                    c(&stats.opens) + c(&stats.waits) + c(&stats.peer_blocks_out)
+                };
+                let mut seen = activity();
                 let r = st.verify_unverified(&mut |bytes| {
-                    bucket.take(bytes as usize);
+                    let now = activity();
+                    if now != seen {
+                        busy.take(bytes as usize);
+                    } else {
+                        idle.take(bytes as usize);
+                    }
+                    seen = now;
                     !s.load(Ordering::Relaxed)
                 });
                 tracing::info!(

@@ -174,7 +174,7 @@ const MAX_PINS: usize = 4096;
 
 /// Most bytes the scrub ([`Store::verify_unverified`]) checks between two calls of its
 /// pace.
-pub const SCRUB_GROUP: u64 = 16 << 20;
+pub const SCRUB_GROUP: u64 = 4 << 20;
 
 /// Most bytes of unverified blocks one [`Store::view`] checks before it answers (at
 /// least one block): about 20 ms of reading at 1.5 GB/s, well inside a client's open
