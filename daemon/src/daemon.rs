@@ -9,7 +9,7 @@ use anyhow::Context;
 
 use crate::backing::Backing;
 use crate::backing::posix::PosixBacking;
-use crate::backing::throttle::ThrottledBacking;
+use crate::backing::throttle::{Bucket, ThrottledBacking};
 use crate::config::{Config, MetricsListen};
 use crate::fill::Filler;
 use crate::jobs::{Jobs, PlannedPolicy};
@@ -53,8 +53,16 @@ pub struct Daemon {
     probes: Arc<Probes>,
 }
 
-/// The background verification after an unclean start: its stop flag and thread.
+/// The background verification after a start: its stop flag and thread.
 type Scrub = (Arc<AtomicBool>, std::thread::JoinHandle<()>);
+
+/// Most bytes per second the background scrub reads while clients are quiet (a fraction
+/// of an NVMe drive's read rate).
+pub const SCRUB_RATE: u64 = 256 << 20;
+
+/// Most bytes per second the background scrub reads while clients or peers are active
+/// (blocks they want are checked on first use anyway).
+pub const SCRUB_RATE_BUSY: u64 = 16 << 20;
 
 /// Marks a long-running thread as alive for as long as it is held: its drop (the thread
 /// ending, by return or by panic) clears the flag the liveness probe reads.
@@ -230,7 +238,7 @@ impl Daemon {
         let server = Server::start(listener, cfg.socket.clone(), ctx.clone(), limits)
             .context("starting the server")?;
         tracing::info!(socket = %cfg.socket.display(), "shardcached ready");
-        let scrub = Self::start_scrub(&store)?;
+        let scrub = Self::start_scrub(&store, &ctx.stats)?;
         let prefetch = match cfg.prefetch_ahead {
             0 => None,
             ahead => Some(
@@ -337,26 +345,49 @@ impl Daemon {
         Ok(peers)
     }
 
-    /// After an unclean start, checks every block in the background (blocks are also
-    /// checked on first use; this makes sure the rest are too, so that the next orderly
-    /// shutdown can mark the cache clean).
-    fn start_scrub(store: &Arc<Store>) -> anyhow::Result<Option<Scrub>> {
-        if store.status().unverified == 0 {
+    /// After every start, checks in the background every block kept from before it
+    /// (blocks are also checked on first use; this checks the ones nobody reads, so that
+    /// corruption is found and counted). One thread, paced as a RAID resync is: at most
+    /// [`SCRUB_RATE`] bytes per second while clients and peers are quiet, at most
+    /// [`SCRUB_RATE_BUSY`] while they open, wait or fetch (they check what they read
+    /// themselves), so that fills and readers keep the disk.
+    fn start_scrub(store: &Arc<Store>, stats: &Arc<Stats>) -> anyhow::Result<Option<Scrub>> {
+        let unverified = store.status().unverified;
+        if unverified == 0 {
             return Ok(None);
         }
         let stop = Arc::new(AtomicBool::new(false));
-        let (st, s) = (store.clone(), stop.clone());
+        let (st, s, stats) = (store.clone(), stop.clone(), stats.clone());
         let h = std::thread::Builder::new()
             .name("sc-scrub".into())
             .spawn(move || {
-                let r = st.verify_unverified(&|| s.load(Ordering::Relaxed));
+                let started = Instant::now();
+                let (idle, busy) = (Bucket::new(SCRUB_RATE), Bucket::new(SCRUB_RATE_BUSY));
+                let activity = || {
+                    let c = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+                    c(&stats.opens) + c(&stats.waits) + c(&stats.peer_blocks_out)
+                };
+                let mut seen = activity();
+                let r = st.verify_unverified(&mut |bytes| {
+                    let now = activity();
+                    if now != seen {
+                        busy.take(bytes as usize);
+                    } else {
+                        idle.take(bytes as usize);
+                    }
+                    seen = now;
+                    !s.load(Ordering::Relaxed)
+                });
                 tracing::info!(
                     checked = r.checked,
                     corrupt = r.corrupt,
+                    bytes = r.bytes,
+                    seconds = started.elapsed().as_secs_f64(),
                     "background verification finished"
                 );
             })
             .context("starting the scrub thread")?;
+        tracing::info!(unverified, "background verification started");
         Ok(Some((stop, h)))
     }
 

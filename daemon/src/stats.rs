@@ -73,6 +73,7 @@ counters!(
     conns_refused_other,
     conns_closed_uid_limit,
     conns_closed_full,
+    journal_recoveries,
 );
 
 /// Adds `n` to a counter.

@@ -15,6 +15,7 @@ use shardcache_client::{Client, ClientConfig, proto as pb};
 pub mod live;
 pub mod peerbench;
 pub mod policy;
+pub mod restartbench;
 
 /// Path of a workspace binary next to the running executable.
 pub fn bin(name: &str) -> PathBuf {

@@ -140,9 +140,11 @@ defs! {
         "1 while a peer is healthy, 0 while it is down (one series per other member).";
 
     BLOCKS_VERIFIED: Counter "shardcache_blocks_verified_total" COUNT, [],
-        "Blocks whose checksum was checked (after an unclean start, or by verify).";
+        "Blocks whose checksum was checked (after a start, before first use or by the background scrub; or by verify).";
     CORRUPT_BLOCKS: Counter "shardcache_corrupt_blocks_total" COUNT, [],
         "Blocks that failed their checksum (dropped, fetched again on next use).";
+    JOURNAL_RECOVERIES: Counter "shardcache_journal_recoveries_total" COUNT, [],
+        "Starts that found the index journal damaged (unreadable, not a journal, a torn or corrupt record): it was set aside as journal.bad-(unix seconds), and the cache started from the intact records before the damage.";
     EVICTED_FILES: Counter "shardcache_evicted_files_total" COUNT, [],
         "Files evicted to respect capacity or min_free, or by shardcache evict.";
     EVICTED_BYTES: Counter "shardcache_evicted_bytes_total" BYTES, [],
@@ -163,7 +165,7 @@ defs! {
     CACHED_BLOCKS: Gauge "shardcache_cache_blocks" COUNT, [],
         "Cached blocks.";
     UNVERIFIED_BLOCKS: Gauge "shardcache_cache_unverified_blocks" COUNT, [],
-        "Cached blocks not yet verified since an unclean start.";
+        "Cached blocks not yet verified since this start (checked before first use, or by the background scrub).";
 
     JOBS: Gauge "shardcache_jobs" COUNT, [],
         "Registered jobs (prefetch manifests).";
@@ -401,6 +403,7 @@ impl Metrics {
             (&PEER_REFUSED, c.peer_refused),
             (&BLOCKS_VERIFIED, c.blocks_verified),
             (&CORRUPT_BLOCKS, c.corrupt_blocks),
+            (&JOURNAL_RECOVERIES, c.journal_recoveries),
             (&EVICTED_FILES, c.evicted_files),
             (&EVICTED_BYTES, c.evicted_bytes),
         ] {

@@ -3,8 +3,17 @@
 //!
 //! Layout: the 8-byte magic `SCJRNL01`, then frames of a little-endian `u32` payload
 //! length, a little-endian `u64` xxh3 of the payload, and the payload (a prost-encoded
-//! [`Record`]). Replay stops at the first frame that is short or fails its checksum: that
-//! is a write torn by a crash, and everything before it is intact.
+//! [`Record`]). Every frame checks itself. Replay stops at the first frame that is short,
+//! fails its checksum or does not decode — a write torn by a power loss or a full disk,
+//! or bytes damaged since — and keeps every record before it.
+//!
+//! A journal replay could not read whole is [`Damage`]d: [`set_aside`] renames it
+//! (`journal.bad-<unix seconds>`, the newest few kept) so that a person can look at it,
+//! and the store starts from what replay kept. Keeping the records before the damage is
+//! safe because no record is trusted for the bytes it names: every block is checked
+//! against its checksum after every start before it is handed out (`store/mod.rs`), so a
+//! record lost after the damage can only make a block absent, or bring back one whose
+//! bytes are then checked like any other.
 //!
 //! Appends go through one writer thread that batches whatever is queued into one
 //! `write` and one `fdatasync` (group commit); [`Journal::append`] returns only once its
@@ -12,8 +21,10 @@
 //! block's data durably before appending, so a replayed record never points at data that
 //! did not reach the disk.
 
+use std::fmt;
 use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
@@ -57,41 +68,200 @@ pub struct Journal {
     compacting: AtomicBool,
 }
 
-/// Reads every intact record of the journal at `path` (none if it does not exist).
-pub fn replay(path: &Path) -> io::Result<Vec<Record>> {
-    let mut bytes = Vec::new();
-    match File::open(path) {
-        Ok(mut f) => {
-            f.read_to_end(&mut bytes)?;
+/// What replay found wrong with a journal.
+#[derive(Debug)]
+pub enum Damage {
+    /// It could not be read: an I/O error, or it is not a regular file.
+    Unreadable(io::Error),
+    /// It does not start with the journal's magic: empty, cut inside its header, or not
+    /// a journal at all. Nothing in it can be used.
+    NotAJournal {
+        /// Its length in bytes.
+        len: u64,
+    },
+    /// The frame at byte `at` is cut short, fails its checksum or does not decode;
+    /// the records before it are kept, nothing from it on.
+    Cut {
+        /// Offset of the first unusable byte.
+        at: u64,
+        /// The journal's length in bytes.
+        len: u64,
+    },
+}
+
+impl fmt::Display for Damage {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Unreadable(e) => write!(f, "unreadable: {e}"),
+            Self::NotAJournal { len } => {
+                write!(f, "not a shardcache journal (bad magic, {len} bytes)")
+            }
+            Self::Cut { at, len } => write!(
+                f,
+                "unusable from byte {at} of {len} (a torn or corrupt record)"
+            ),
         }
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
-        Err(e) => return Err(e),
     }
+}
+
+/// What [`replay`] read.
+#[derive(Debug, Default)]
+pub struct Replayed {
+    /// Every intact record before the first damage, in order.
+    pub records: Vec<Record>,
+    /// What was wrong, if anything (`None` also when there was no journal).
+    pub damage: Option<Damage>,
+}
+
+/// Reads every intact record of the journal at `path` (none if it does not exist),
+/// and says what, if anything, could not be read. Never blocks on a special file and
+/// never follows a symbolic link: either is [`Damage::Unreadable`].
+pub fn replay(path: &Path) -> Replayed {
+    let bytes = match read_regular(path) {
+        Ok(Some(b)) => b,
+        Ok(None) => return Replayed::default(),
+        Err(e) => {
+            return Replayed {
+                records: Vec::new(),
+                damage: Some(Damage::Unreadable(e)),
+            };
+        }
+    };
+    let len = bytes.len() as u64;
     if bytes.len() < MAGIC.len() || &bytes[..MAGIC.len()] != MAGIC {
+        return Replayed {
+            records: Vec::new(),
+            damage: Some(Damage::NotAJournal { len }),
+        };
+    }
+    let mut records = Vec::new();
+    let mut at = MAGIC.len();
+    while at < bytes.len() {
+        let Some(r) = decode_frame(&bytes[at..]) else {
+            return Replayed {
+                records,
+                damage: Some(Damage::Cut { at: at as u64, len }),
+            };
+        };
+        records.push(r.0);
+        at += r.1;
+    }
+    Replayed {
+        records,
+        damage: None,
+    }
+}
+
+/// The record at the start of `b` and the length of its frame, if the frame is whole
+/// and intact.
+fn decode_frame(b: &[u8]) -> Option<(Record, usize)> {
+    let len = u32::from_le_bytes(b.get(..4)?.try_into().ok()?) as usize;
+    let sum = u64::from_le_bytes(b.get(4..12)?.try_into().ok()?);
+    if len > MAX_RECORD {
+        return None;
+    }
+    let payload = b.get(12..12 + len)?;
+    if xxh3_64(payload) != sum {
+        return None;
+    }
+    Some((Record::decode(payload).ok()?, 12 + len))
+}
+
+/// The contents of the regular file at `path`; `None` if nothing is there.
+fn read_regular(path: &Path) -> io::Result<Option<Vec<u8>>> {
+    let mut f = match OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+    {
+        Ok(f) => f,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let meta = f.metadata()?;
+    if !meta.is_file() {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            format!("{}: not a shardcache journal (bad magic)", path.display()),
+            format!("not a regular file ({:?})", meta.file_type()),
         ));
     }
-    let mut out = Vec::new();
-    let mut at = MAGIC.len();
-    while bytes.len() - at >= 12 {
-        let len = u32::from_le_bytes(bytes[at..at + 4].try_into().expect("4 bytes")) as usize;
-        let sum = u64::from_le_bytes(bytes[at + 4..at + 12].try_into().expect("8 bytes"));
-        if len > MAX_RECORD || bytes.len() - at - 12 < len {
-            break;
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    f.read_to_end(&mut bytes)?;
+    Ok(Some(bytes))
+}
+
+/// Set-aside journals kept at most (the oldest beyond are removed).
+pub const KEEP_SET_ASIDE: usize = 3;
+
+/// Renames the journal at `path` to `<name>.bad-<unix seconds>` (with `-<n>` added if
+/// that exists), makes the rename durable, and removes the oldest set-aside journals
+/// beyond [`KEEP_SET_ASIDE`]. Returns the new path.
+pub fn set_aside(path: &Path) -> io::Result<PathBuf> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let name = path
+        .file_name()
+        .and_then(|n| n.to_str())
+        .ok_or_else(|| io::Error::other("journal path has no UTF-8 file name"))?;
+    let prefix = format!("{name}.bad-");
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    // Those set aside before, as (seconds, n) from their names.
+    let mut aside: Vec<((u64, u64), PathBuf)> = std::fs::read_dir(dir)?
+        .flatten()
+        .filter_map(|e| {
+            let file = e.file_name();
+            let rest = file.to_str()?.strip_prefix(&prefix)?;
+            let (s, n) = rest.split_once('-').unwrap_or((rest, "0"));
+            Some(((s.parse().ok()?, n.parse().ok()?), e.path()))
+        })
+        .collect();
+    // A name after every earlier one (several in one second get -1, -2, ...; a clock
+    // set back does not make the newest look oldest).
+    let secs = aside.iter().map(|((s, _), _)| *s).fold(secs, u64::max);
+    let n = aside
+        .iter()
+        .filter(|((s, _), _)| *s == secs)
+        .map(|((_, n), _)| n + 1)
+        .max()
+        .unwrap_or(0);
+    let to = match n {
+        0 => dir.join(format!("{prefix}{secs}")),
+        n => dir.join(format!("{prefix}{secs}-{n}")),
+    };
+    std::fs::rename(path, &to)?;
+    sync_dir(dir)?;
+    aside.push(((secs, n), to.clone()));
+    aside.sort();
+    let extra = aside.len().saturating_sub(KEEP_SET_ASIDE);
+    for (_, p) in aside.into_iter().take(extra) {
+        if let Err(e) = remove_any(&p) {
+            tracing::warn!(path = %p.display(), error = %e, "could not remove an old set-aside journal");
         }
-        let payload = &bytes[at + 12..at + 12 + len];
-        if xxh3_64(payload) != sum {
-            break;
-        }
-        match Record::decode(payload) {
-            Ok(r) => out.push(r),
-            Err(_) => break,
-        }
-        at += 12 + len;
     }
-    Ok(out)
+    Ok(to)
+}
+
+/// Removes whatever is at `path` unless it is a regular file (a directory with its
+/// contents; a link, not its target). For the store's own names, where only the store
+/// writes and anything else is debris that must not stop a start.
+pub fn clear_unless_file(path: &Path) -> io::Result<()> {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.is_file() => Ok(()),
+        Ok(_) => remove_any(path),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Removes a file, link or directory tree at `path` (never following a link).
+pub fn remove_any(path: &Path) -> io::Result<()> {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => std::fs::remove_dir_all(path),
+        Ok(_) => std::fs::remove_file(path),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
 }
 
 fn frame(rec: &Record) -> Vec<u8> {
@@ -219,13 +389,18 @@ impl Drop for Journal {
 /// rename, fsync of the directory); returns it opened for appends, and its size.
 fn write_new(path: &Path, records: impl IntoIterator<Item = Record>) -> io::Result<(File, u64)> {
     let tmp: PathBuf = path.with_extension("tmp");
+    clear_unless_file(&tmp)?;
     let mut size = 0;
     {
+        // 0600: the journal names every cached file (the store's directory is private too).
         let mut f = OpenOptions::new()
             .write(true)
             .create(true)
             .truncate(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW)
             .open(&tmp)?;
+        f.set_permissions(std::os::unix::fs::PermissionsExt::from_mode(0o600))?;
         let mut buf = Vec::with_capacity(1 << 20);
         buf.extend_from_slice(MAGIC);
         for r in records {
@@ -329,18 +504,86 @@ mod tests {
             j.append(&block(i)).unwrap();
         }
         j.close();
-        assert_eq!(replay(&p).unwrap().len(), 50);
-        // A crash mid-append leaves a partial frame: replay keeps everything before it.
+        let r = replay(&p);
+        assert_eq!(r.records.len(), 50);
+        assert!(r.damage.is_none());
+        // A power loss mid-append leaves a partial frame: replay keeps everything before
+        // it and says where it stopped.
+        let whole = std::fs::metadata(&p).unwrap().len();
         let mut f = OpenOptions::new().append(true).open(&p).unwrap();
         let torn = frame(&block(99));
         f.write_all(&torn[..torn.len() - 3]).unwrap();
-        assert_eq!(replay(&p).unwrap().len(), 50);
+        let r = replay(&p);
+        assert_eq!(r.records.len(), 50);
+        assert!(matches!(r.damage, Some(Damage::Cut { at, .. }) if at == whole));
         // A corrupted byte in the middle stops replay there.
         let mut bytes = std::fs::read(&p).unwrap();
         let mid = MAGIC.len() + 10 * torn.len() + 14;
         bytes[mid] ^= 0xff;
         std::fs::write(&p, &bytes).unwrap();
-        assert_eq!(replay(&p).unwrap().len(), 10);
+        let r = replay(&p);
+        assert_eq!(r.records.len(), 10);
+        assert!(matches!(r.damage, Some(Damage::Cut { .. })));
+    }
+
+    #[test]
+    fn replay_names_what_is_wrong_and_never_blocks_or_follows_links() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("journal");
+        let r = replay(&p);
+        assert!(
+            r.records.is_empty() && r.damage.is_none(),
+            "no journal: nothing wrong"
+        );
+        for bad in [&b""[..], b"SCJR", b"not a journal at all"] {
+            std::fs::write(&p, bad).unwrap();
+            let r = replay(&p);
+            assert!(
+                matches!(r.damage, Some(Damage::NotAJournal { len }) if len == bad.len() as u64),
+                "{bad:?}: {:?}",
+                r.damage
+            );
+        }
+        std::fs::remove_file(&p).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", &p).unwrap();
+        assert!(matches!(replay(&p).damage, Some(Damage::Unreadable(_))));
+        std::fs::remove_file(&p).unwrap();
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            &p,
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o600),
+            0,
+        )
+        .unwrap();
+        assert!(matches!(replay(&p).damage, Some(Damage::Unreadable(_))));
+        std::fs::remove_file(&p).unwrap();
+        std::fs::create_dir(&p).unwrap();
+        let r = replay(&p);
+        assert!(matches!(r.damage, Some(Damage::Unreadable(_))));
+        assert!(r.damage.unwrap().to_string().contains("unreadable"));
+    }
+
+    #[test]
+    fn set_aside_renames_and_keeps_the_newest_few() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("journal");
+        let mut aside = Vec::new();
+        for i in 0..KEEP_SET_ASIDE + 2 {
+            std::fs::write(&p, format!("bad {i}")).unwrap();
+            let to = set_aside(&p).unwrap();
+            assert!(!p.exists());
+            assert_eq!(std::fs::read_to_string(&to).unwrap(), format!("bad {i}"));
+            aside.push(to);
+        }
+        // Each name is new, and only the newest KEEP_SET_ASIDE remain.
+        let names: std::collections::HashSet<_> = aside.iter().collect();
+        assert_eq!(names.len(), aside.len());
+        let left: Vec<bool> = aside.iter().map(|a| a.exists()).collect();
+        assert_eq!(left, [false, false, true, true, true]);
+        // A directory (or anything else) is set aside the same way.
+        std::fs::create_dir_all(p.join("x")).unwrap();
+        assert!(set_aside(&p).unwrap().join("x").is_dir());
     }
 
     #[test]
@@ -365,7 +608,7 @@ mod tests {
         j.append(&block(5000)).unwrap();
         j.close();
         let got: Vec<u64> = replay(&p)
-            .unwrap()
+            .records
             .into_iter()
             .map(|r| match r.kind {
                 Some(Kind::BlockAdded(b)) => b.index,
@@ -405,7 +648,7 @@ mod tests {
             t.join().unwrap();
         }
         j.close();
-        assert_eq!(replay(&p).unwrap().len(), 800);
+        assert_eq!(replay(&p).records.len(), 800);
         assert!(
             j.append(&block(1)).is_err(),
             "closed journal refuses appends"

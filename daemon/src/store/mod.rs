@@ -7,15 +7,26 @@
 //!   is the xxh3-128 of (root, path, version), so a changed backing file can never map
 //!   to an old copy; `generation` tells successive data files of one key apart.
 //! - `journal`: the index, as an append-only log ([`journal`]).
-//! - `LOCK`: held (`flock`) by the running daemon. `CLEAN`: written at orderly shutdown.
+//! - `LOCK`: held (`flock`) by the running daemon. `CLEAN`: written at orderly shutdown;
+//!   the next start only logs it.
 //!
 //! ## Rules
 //! - A block becomes visible only after its bytes are written and `fdatasync`ed and its
 //!   journal record (with the xxh3 of the bytes) is durable. A crash at any point leaves
 //!   at most a block that is absent from the index, never one that is present but wrong.
-//! - After a start without `CLEAN`, every block is *unverified*: its checksum is checked
-//!   before the block is first handed out ([`Store::view`]); corrupt blocks are dropped
-//!   (and refetched by whoever needs them). `shardcache verify` checks all blocks.
+//! - After every start, orderly shutdown before it or not, every block is *unverified*:
+//!   its checksum is checked before the block is first handed out — to a local client
+//!   ([`Store::view`], at most [`VERIFY_PER_VIEW`] bytes per call; a fill worker checks
+//!   the blocks a reader waits for, [`Store::begin_fill`]) or to a peer
+//!   ([`Store::read_block_into`] checks every block it sends) — and the daemon's
+//!   background scrub ([`Store::verify_unverified`]) checks the rest. Corrupt blocks are
+//!   dropped (and refetched by whoever needs them). A clean shutdown saves no check: the
+//!   bytes on disk may have changed while no daemon ran. `shardcache verify` checks all
+//!   blocks.
+//! - A journal that cannot be read whole is set aside and the store starts from the
+//!   intact records before the damage (none if it has no valid header); data files no
+//!   record names are removed. The data files carry no checksums of their own, so there
+//!   is nothing else to rebuild the index from ([`journal`]).
 //! - Space: cached bytes stay under `capacity`, and the cache file system keeps
 //!   `min_free` free; room is made by evicting whole files in the order the
 //!   [`evict::EvictionPolicy`] gives. Eviction unlinks the data file, so a client that
@@ -161,6 +172,15 @@ struct Index {
 /// Pins held at most at once (a bound on memory if readers vanish mid-wait).
 const MAX_PINS: usize = 4096;
 
+/// Most bytes the scrub ([`Store::verify_unverified`]) checks between two calls of its
+/// pace.
+pub const SCRUB_GROUP: u64 = 4 << 20;
+
+/// Most bytes of unverified blocks one [`Store::view`] checks before it answers (at
+/// least one block): about 20 ms of reading at 1.5 GB/s, well inside a client's open
+/// timeout.
+pub const VERIFY_PER_VIEW: u64 = 32 << 20;
+
 /// A file that left the index and whose data file is still to be removed.
 #[derive(Debug)]
 struct Evicted {
@@ -302,7 +322,7 @@ pub struct StoreStatus {
     pub files: u64,
     /// Present blocks.
     pub blocks: u64,
-    /// Present blocks not yet verified since an unclean start.
+    /// Present blocks not yet verified since this start.
     pub unverified: u64,
 }
 
@@ -358,19 +378,25 @@ impl Store {
         policy: Box<dyn EvictionPolicy>,
     ) -> io::Result<Self> {
         let dir = cfg.dir.join("shardcache-v1");
+        ensure_dir(&dir)?;
+        // Private to the daemon: the journal names every cached file.
+        std::fs::set_permissions(&dir, std::os::unix::fs::PermissionsExt::from_mode(0o700))?;
         let data_dir = dir.join("data");
-        std::fs::create_dir_all(&data_dir)?;
+        ensure_dir(&data_dir)?;
         for i in 0..=255u8 {
-            std::fs::create_dir_all(data_dir.join(format!("{i:02x}")))?;
+            ensure_dir(&data_dir.join(format!("{i:02x}")))?;
         }
         journal::sync_dir(&data_dir)?;
         journal::sync_dir(&dir)?;
 
+        let lock_path = dir.join("LOCK");
+        journal::clear_unless_file(&lock_path)?;
         let lock = OpenOptions::new()
             .create(true)
             .truncate(false)
             .write(true)
-            .open(dir.join("LOCK"))?;
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(&lock_path)?;
         rustix::fs::flock(&lock, rustix::fs::FlockOperation::NonBlockingLockExclusive).map_err(
             |_| {
                 io::Error::new(
@@ -383,29 +409,45 @@ impl Store {
             },
         )?;
 
+        // CLEAN says only how the last run ended (for the log): it vouches for no block.
         let clean_marker = dir.join("CLEAN");
-        let clean = clean_marker.exists();
-        if clean {
-            std::fs::remove_file(&clean_marker)?;
-            journal::sync_dir(&dir)?;
+        let clean = std::fs::symlink_metadata(&clean_marker).is_ok_and(|m| m.is_file());
+        if let Err(e) = journal::remove_any(&clean_marker) {
+            tracing::warn!(path = %clean_marker.display(), error = %e, "could not remove the CLEAN marker");
         }
+        journal::sync_dir(&dir)?;
 
         let (fs_size, _) = fs_stats(&dir)?;
         let capacity = cfg.capacity.resolve(fs_size);
         let min_free = cfg.min_free.resolve(fs_size);
 
         let journal_path = dir.join("journal");
-        let records = journal::replay(&journal_path)?;
+        let replayed = journal::replay(&journal_path);
+        if let Some(damage) = &replayed.damage {
+            inc(&stats.journal_recoveries);
+            let kept = replayed.records.len();
+            match journal::set_aside(&journal_path) {
+                Ok(aside) => tracing::warn!(
+                    kept,
+                    "index journal damaged ({damage}): set aside as {}; kept the {kept} intact records before the damage (their blocks are checked before use), the rest is fetched again",
+                    aside.display()
+                ),
+                Err(e) => tracing::warn!(
+                    kept,
+                    "index journal damaged ({damage}), and it could not be set aside ({e}): it is replaced; kept the {kept} intact records before the damage (their blocks are checked before use), the rest is fetched again"
+                ),
+            }
+        }
         let mut files: HashMap<Key, Entry> = HashMap::default();
-        for r in records {
+        for r in replayed.records {
             apply(&mut files, r);
         }
         let mut max_generation = 0;
         let mut dropped = 0;
         files.retain(|key, e| {
             max_generation = max_generation.max(e.generation);
-            let ok = std::fs::metadata(data_path(&data_dir, key, e.generation))
-                .is_ok_and(|m| m.len() == e.version.size);
+            let ok = std::fs::symlink_metadata(data_path(&data_dir, key, e.generation))
+                .is_ok_and(|m| m.is_file() && m.len() == e.version.size);
             if !ok {
                 dropped += 1;
             }
@@ -423,12 +465,13 @@ impl Store {
             pins: HashMap::default(),
             pins_swept: Instant::now(),
         };
+        // No block is trusted for what a previous run did, however it ended: each is
+        // checked against its checksum before it is first handed out (`view`, `begin_fill`,
+        // `read_block_into`) or by the background scrub.
         for (key, mut e) in files {
             for b in e.blocks.iter_mut().flatten() {
-                b.verified = clean;
-                if !clean {
-                    index.unverified += 1;
-                }
+                b.verified = false;
+                index.unverified += 1;
                 index.used += b.len as u64;
                 e.bytes += b.len as u64;
             }
@@ -442,7 +485,8 @@ impl Store {
             files = index.files.len(),
             used = index.used,
             capacity,
-            clean,
+            unverified = index.unverified,
+            previous_stop = if clean { "orderly" } else { "crash" },
             dropped,
             "store opened"
         );
@@ -516,11 +560,21 @@ impl Store {
             }
             idx.policy.touch(key);
             let e = &idx.files[&key];
+            // The first unverified blocks, up to VERIFY_PER_VIEW bytes (at least one):
+            // a small file is checked whole at its open; a large one a part at a time,
+            // in the order a sequential reader needs it, the rest by the fill workers
+            // when a reader waits for it (`begin_fill`) and by the scrub.
+            let mut budget = 0u64;
             let list: Vec<(usize, BlockMeta)> = e
                 .blocks
                 .iter()
                 .enumerate()
                 .filter_map(|(i, b)| b.filter(|b| !b.verified).map(|b| (i, b)))
+                .take_while(|(_, b)| {
+                    let go = budget < VERIFY_PER_VIEW;
+                    budget += b.len as u64;
+                    go
+                })
                 .collect();
             (e.generation, list)
         };
@@ -708,6 +762,10 @@ impl Store {
             self.verify_blocks(key, generation, &[(i, meta)]);
             return None;
         }
+        if !meta.verified {
+            // Checked since this start: no need to read it again for a local reader.
+            self.record_checks(key, generation, vec![(i, meta, true)]);
+        }
         Some(sum)
     }
 
@@ -760,6 +818,16 @@ impl Store {
         prefetch: bool,
     ) -> Result<Option<Permit>, StoreError> {
         let key = &Key::of(root, &stat.path, &stat.version);
+        // A block kept from before this start is checked now (on a fill worker, for a
+        // reader waiting on it): if it holds, there is nothing to fill; if not, it is
+        // dropped and filled below.
+        let unverified = self.lock().files.get(key).and_then(|e| {
+            let b = (*e.blocks.get(i)?)?;
+            (!b.verified).then_some((e.generation, b))
+        });
+        if let Some((generation, meta)) = unverified {
+            self.verify_blocks(key, generation, &[(i, meta)]);
+        }
         let mut evicted = Vec::new();
         let result = (|| {
             let mut idx = self.lock();
@@ -1001,12 +1069,18 @@ impl Store {
         generation: u64,
         blocks: &[(usize, BlockMeta)],
     ) -> VerifyReport {
-        let mut report = VerifyReport::default();
         let Some(bs) = self.lock().files.get(key).map(|e| e.block_size) else {
-            return report;
+            return VerifyReport::default();
         };
-        let file = File::open(self.data_path(key, generation));
-        let mut buf = vec![0u8; bs as usize];
+        let file = self.open_data(key, generation);
+        let mut buf = vec![
+            0u8;
+            blocks
+                .iter()
+                .map(|(_, b)| b.len as usize)
+                .max()
+                .unwrap_or(0)
+        ];
         let mut results = Vec::with_capacity(blocks.len());
         for &(i, meta) in blocks {
             let b = &mut buf[..meta.len as usize];
@@ -1016,9 +1090,24 @@ impl Store {
                 }
                 Err(_) => false,
             };
-            report.checked += 1;
             results.push((i, meta, ok));
         }
+        self.record_checks(key, generation, results)
+    }
+
+    /// Records the outcome of checking blocks of `key` (generation `generation`): those
+    /// that held become verified, the others are dropped (counted, logged, and their
+    /// removal journaled). A block that changed meanwhile (refilled) is left alone.
+    fn record_checks(
+        &self,
+        key: &Key,
+        generation: u64,
+        results: Vec<(usize, BlockMeta, bool)>,
+    ) -> VerifyReport {
+        let mut report = VerifyReport {
+            checked: results.len() as u64,
+            ..VerifyReport::default()
+        };
         let mut removed = Vec::new();
         {
             let mut idx = self.lock();
@@ -1067,16 +1156,21 @@ impl Store {
 
     /// Re-checks the checksum of every present block.
     pub fn verify_all(&self) -> VerifyReport {
-        self.verify_where(false, &|| false)
+        self.verify_where(false, &mut |_| true)
     }
 
-    /// Checks the blocks not yet verified since an unclean start (the background scrub),
-    /// stopping early when `stop` says so.
-    pub fn verify_unverified(&self, stop: &dyn Fn() -> bool) -> VerifyReport {
-        self.verify_where(true, stop)
+    /// Checks the blocks not yet verified since this start (the background scrub). After
+    /// each group of blocks (at most [`SCRUB_GROUP`] bytes) `pace` is told the bytes just
+    /// read, and may sleep to hold a rate; it returns false to stop.
+    pub fn verify_unverified(&self, pace: &mut dyn FnMut(u64) -> bool) -> VerifyReport {
+        self.verify_where(true, pace)
     }
 
-    fn verify_where(&self, only_unverified: bool, stop: &dyn Fn() -> bool) -> VerifyReport {
+    fn verify_where(
+        &self,
+        only_unverified: bool,
+        pace: &mut dyn FnMut(u64) -> bool,
+    ) -> VerifyReport {
         type Snapshot = (Key, u64, bool, Vec<(usize, BlockMeta)>);
         let entries: Vec<Snapshot> = self
             .lock()
@@ -1096,10 +1190,7 @@ impl Store {
             })
             .collect();
         let mut total = VerifyReport::default();
-        for (key, generation, durable, blocks) in entries {
-            if stop() {
-                break;
-            }
+        'files: for (key, generation, durable, blocks) in entries {
             if blocks.is_empty() {
                 continue;
             }
@@ -1107,10 +1198,39 @@ impl Store {
                 total.missing_files += 1;
             }
             total.files += 1;
-            total.bytes += blocks.iter().map(|(_, b)| b.len as u64).sum::<u64>();
-            let r = self.verify_blocks(&key, generation, &blocks);
-            total.checked += r.checked;
-            total.corrupt += r.corrupt;
+            let mut group = Vec::new();
+            let mut group_bytes = 0u64;
+            let last = blocks.len() - 1;
+            for (n, b) in blocks.into_iter().enumerate() {
+                group_bytes += b.1.len as u64;
+                group.push(b);
+                if group_bytes < SCRUB_GROUP && n < last {
+                    continue;
+                }
+                // What was checked since the snapshot (by a reader's view, a fill
+                // worker or a peer's request) is not read again.
+                if only_unverified {
+                    let idx = self.lock();
+                    let still = |(i, m): &(usize, BlockMeta)| {
+                        idx.files
+                            .get(&key)
+                            .filter(|e| e.generation == generation)
+                            .and_then(|e| e.blocks[*i])
+                            .is_some_and(|b| !b.verified && b.xxh3 == m.xxh3)
+                    };
+                    group.retain(still);
+                }
+                let bytes: u64 = group.iter().map(|(_, b)| b.len as u64).sum();
+                let r = self.verify_blocks(&key, generation, &group);
+                total.bytes += bytes;
+                total.checked += r.checked;
+                total.corrupt += r.corrupt;
+                group.clear();
+                group_bytes = 0;
+                if !pace(bytes) {
+                    break 'files;
+                }
+            }
         }
         total
     }
@@ -1143,21 +1263,13 @@ impl Store {
         self.block_size
     }
 
-    /// Flushes the journal and, when every block is verified, marks the shutdown clean
-    /// (the next start then trusts the journal). Blocks still unverified since an unclean
-    /// start withhold the mark, so the next start checks everything again rather than
-    /// trust a block nobody checked. Call once, after every fill has finished.
+    /// Flushes the journal and marks the shutdown orderly (`CLEAN`, which the next start
+    /// only logs: no start trusts a block it did not check). Call once, after every fill
+    /// has finished.
     pub fn close(&self) -> io::Result<()> {
         self.journal.close();
-        let unverified = self.lock().unverified;
-        if unverified > 0 {
-            tracing::info!(
-                unverified,
-                "blocks not yet verified: the next start verifies the cache again"
-            );
-            return Ok(());
-        }
         let marker = self.dir.join("CLEAN");
+        journal::clear_unless_file(&marker)?;
         File::create(&marker)?.sync_all()?;
         journal::sync_dir(&self.dir)
     }
@@ -1256,26 +1368,54 @@ fn evict_locked(idx: &mut Index, key: &Key) -> Option<Evicted> {
     })
 }
 
+/// Removes everything under `data_dir` that is not the data file of an entry of `files`:
+/// data files no durable record names (a crash between creating one and recording it,
+/// or a journal that was lost) and anything that is not ours (directories, links,
+/// special files). Only the 256 subdirectories are looked into, and links are never
+/// followed: nothing outside the store is touched.
 fn remove_orphans(data_dir: &Path, files: &HashMap<Key, Entry>) {
     let keep: std::collections::HashSet<String> = files
         .iter()
         .map(|(k, e)| format!("{}.{}", k.hex(), e.generation))
         .collect();
-    let Ok(subdirs) = std::fs::read_dir(data_dir) else {
-        return;
-    };
-    for sub in subdirs.flatten() {
-        let Ok(ents) = std::fs::read_dir(sub.path()) else {
+    let mut removed = 0u64;
+    for i in 0..=255u8 {
+        let sub = data_dir.join(format!("{i:02x}"));
+        let Ok(ents) = std::fs::read_dir(&sub) else {
             continue;
         };
         for ent in ents.flatten() {
-            let name = ent.file_name();
-            if !keep.contains(name.to_string_lossy().as_ref()) {
-                tracing::debug!(file = %ent.path().display(), "removing orphaned data file");
-                let _ = std::fs::remove_file(ent.path());
+            let regular = ent.file_type().is_ok_and(|t| t.is_file());
+            if regular && keep.contains(ent.file_name().to_string_lossy().as_ref()) {
+                continue;
+            }
+            tracing::debug!(file = %ent.path().display(), regular, "removing an orphaned data file");
+            match journal::remove_any(&ent.path()) {
+                Ok(()) => removed += 1,
+                Err(e) => {
+                    tracing::warn!(path = %ent.path().display(), error = %e, "could not remove an orphaned data file")
+                }
             }
         }
     }
+    if removed > 0 {
+        tracing::info!(removed, "orphaned data files removed");
+    }
+}
+
+/// Makes `path` a real directory (not a link to one): whatever else is there is removed
+/// first. For the store's own directories.
+fn ensure_dir(path: &Path) -> io::Result<()> {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => return Ok(()),
+        Ok(_) => {
+            tracing::warn!(path = %path.display(), "not a directory in the cache: replaced by one");
+            journal::remove_any(path)?;
+        }
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    std::fs::create_dir_all(path)
 }
 
 /// Applies one replayed journal record.

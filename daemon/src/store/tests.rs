@@ -108,7 +108,11 @@ fn blocks_survive_clean_and_unclean_restarts() {
     }
     {
         let s = Store::open(&cfg(dir.path(), 1 << 30), Arc::default()).unwrap();
-        assert_eq!(s.status().unverified, 0, "clean restart trusts the journal");
+        assert_eq!(
+            s.status().unverified,
+            4,
+            "an orderly restart trusts no block either"
+        );
         assert_eq!(check(&s, &st), 4);
         // Dropped without close: a crash.
     }
@@ -258,7 +262,11 @@ mod model {
     enum Op {
         Fill(usize, usize),
         Rewrite(usize),
+        /// Bytes of a block changed while the store ran (caught by verify).
         Corrupt(usize, usize),
+        /// Bytes of a block changed while the store was down, after an orderly stop
+        /// (`true`) or a crash: caught before the block is handed out.
+        CorruptWhileDown(usize, usize, bool),
         Crash,
         Restart,
         Verify,
@@ -269,10 +277,26 @@ mod model {
             6 => (0..3usize, 0..4usize).prop_map(|(f, b)| Op::Fill(f, b)),
             1 => (0..3usize).prop_map(Op::Rewrite),
             1 => (0..3usize, 0..4usize).prop_map(|(f, b)| Op::Corrupt(f, b)),
+            2 => (0..3usize, 0..4usize, any::<bool>()).prop_map(|(f, b, c)| Op::CorruptWhileDown(f, b, c)),
             1 => Just(Op::Crash),
             1 => Just(Op::Restart),
             1 => Just(Op::Verify),
         ]
+    }
+
+    /// Overwrites bytes of block `b` of the data file of `st`, if there is one.
+    fn corrupt_block(dir: &Path, st: &Stat, b: usize) {
+        let key = Key::of("/r", &st.path, &st.version);
+        let hex = key.hex();
+        let sub = dir.join("shardcache-v1/data").join(&hex[..2]);
+        if let Ok(rd) = std::fs::read_dir(&sub) {
+            for e in rd.flatten() {
+                if e.file_name().to_string_lossy().starts_with(&hex) {
+                    let f = OpenOptions::new().write(true).open(e.path()).unwrap();
+                    let _ = f.write_all_at(b"corrupt!", b as u64 * BS as u64);
+                }
+            }
+        }
     }
 
     proptest! {
@@ -295,20 +319,19 @@ mod model {
                     }
                     Op::Rewrite(f) => versions[f] += 1,
                     Op::Corrupt(f, b) => {
-                        let key = Key::of("/r", &format!("f{f}"), &st(f, versions[f]).version);
-                        let hex = key.hex();
-                        let sub = dir.path().join("shardcache-v1/data").join(&hex[..2]);
-                        if let Ok(rd) = std::fs::read_dir(&sub) {
-                            for e in rd.flatten() {
-                                if e.file_name().to_string_lossy().starts_with(&hex) {
-                                    let f = OpenOptions::new().write(true).open(e.path()).unwrap();
-                                    let _ = f.write_all_at(b"corrupt!", b as u64 * BS as u64);
-                                }
-                            }
-                        }
-                        // Corruption is only promised to be caught at an unclean restart
-                        // or by verify: model the daemon doing one of them now.
+                        corrupt_block(dir.path(), &st(f, versions[f]), b);
+                        // Corruption while running is only promised to be caught by
+                        // verify (or a restart): model the daemon doing it now.
                         s.verify_all();
+                    }
+                    Op::CorruptWhileDown(f, b, orderly) => {
+                        let s = store.take().unwrap();
+                        if orderly {
+                            s.close().unwrap();
+                        }
+                        drop(s);
+                        corrupt_block(dir.path(), &st(f, versions[f]), b);
+                        store = Some(Store::open(&c, Arc::default()).unwrap());
                     }
                     Op::Crash => {
                         drop(store.take());
@@ -367,11 +390,11 @@ fn the_scrub_verifies_what_an_unclean_start_left_unverified() {
     } // crash
     let s = Store::open(&cfg(dir.path(), 1 << 30), Arc::default()).unwrap();
     assert_eq!(s.status().unverified, 3);
-    let r = s.verify_unverified(&|| false);
+    let r = s.verify_unverified(&mut |_| true);
     assert_eq!((r.checked, r.corrupt), (3, 0));
     assert_eq!(s.status().unverified, 0);
     assert_eq!(
-        s.verify_unverified(&|| false).checked,
+        s.verify_unverified(&mut |_| true).checked,
         0,
         "nothing left to scrub"
     );
@@ -471,4 +494,283 @@ fn evict_matching_drops_what_matches_keeps_readers_whole_and_survives_reopen() {
     assert_eq!(s.status().used, BS as u64);
     assert_eq!(check(&s, &b), 0);
     assert_eq!(check(&s, &c), 0);
+}
+
+/// Issue 12, point 3: bytes that changed on the disk while no daemon ran were served
+/// after an orderly restart (the CLEAN marker made the start trust every block).
+#[test]
+fn an_orderly_restart_serves_no_block_it_did_not_check() {
+    let dir = tempfile::tempdir().unwrap();
+    let st = stat("a", 3 * BS as u64, 1);
+    let key = {
+        let s = Store::open(&cfg(dir.path(), 1 << 30), Arc::default()).unwrap();
+        for i in 0..3 {
+            fill(&s, &st, i).unwrap();
+        }
+        assert_eq!(check(&s, &st), 3);
+        s.close().unwrap();
+        Key::of("/r", &st.path, &st.version)
+    };
+    corrupt(dir.path(), &key, &[0x5a; 16], BS as u64 + 100);
+    let stats = Arc::new(Stats::default());
+    let s = Store::open(&cfg(dir.path(), 1 << 30), stats.clone()).unwrap();
+    assert_eq!(s.status().unverified, 3, "every block is checked again");
+    assert_eq!(check(&s, &st), 2, "the changed block is not served");
+    assert_eq!(stats.corrupt_blocks.load(Ordering::Relaxed), 1);
+    assert!(!s.is_present(&key, 1));
+    fill(&s, &st, 1).unwrap();
+    assert_eq!(check(&s, &st), 3, "and is fetched again");
+}
+
+/// A store over `bs`-byte blocks.
+fn cfg_bs(dir: &Path, bs: u32) -> StoreConfig {
+    StoreConfig {
+        block_size: bs,
+        ..cfg(dir, 1 << 40)
+    }
+}
+
+/// Fills every block of `st` (block size `bs`) with `data`.
+fn fill_all(s: &Store, st: &Stat, bs: usize, data: &[u8]) {
+    for i in 0..data.len().div_ceil(bs) {
+        let p = s.begin_fill("/r", st, i, false).unwrap().unwrap();
+        let r = p.offset() as usize..p.offset() as usize + p.len();
+        s.commit_fill(p, &data[r]).unwrap();
+    }
+}
+
+#[test]
+fn a_large_file_is_checked_a_part_per_view_the_rest_when_a_reader_waits() {
+    const MB: u32 = 1 << 20;
+    let dir = tempfile::tempdir().unwrap();
+    let blocks = (VERIFY_PER_VIEW / MB as u64) as usize + 8;
+    let st = stat("big", blocks as u64 * MB as u64, 1);
+    let data: Vec<u8> = (0..st.version.size).map(|i| (i % 251) as u8).collect();
+    let key = Key::of("/r", &st.path, &st.version);
+    {
+        let s = Store::open(&cfg_bs(dir.path(), MB), Arc::default()).unwrap();
+        fill_all(&s, &st, MB as usize, &data);
+        s.close().unwrap();
+    }
+    corrupt(dir.path(), &key, b"rot", (blocks as u64 - 2) * MB as u64);
+    let stats = Arc::new(Stats::default());
+    let s = Store::open(&cfg_bs(dir.path(), MB), stats.clone()).unwrap();
+    let v = s.view("/r", &st).unwrap();
+    let first = (VERIFY_PER_VIEW / MB as u64) as usize;
+    assert_eq!(v.npresent, first, "one view checks VERIFY_PER_VIEW bytes");
+    assert_eq!(s.status().unverified, (blocks - first) as u64);
+    // A reader waiting on an unchecked block: the fill worker checks it, nothing to fill.
+    assert!(!s.is_present(&key, first + 1));
+    assert!(s.begin_fill("/r", &st, first + 1, false).unwrap().is_none());
+    assert!(s.is_present(&key, first + 1));
+    // One that fails its check is dropped and filled.
+    let p = s.begin_fill("/r", &st, blocks - 2, false).unwrap();
+    assert!(p.is_some(), "the corrupt block needs a fill");
+    s.abort_fill(p.unwrap());
+    assert_eq!(stats.corrupt_blocks.load(Ordering::Relaxed), 1);
+    // The scrub checks the rest, paced in groups.
+    let mut paced = Vec::new();
+    let r = s.verify_unverified(&mut |b| {
+        paced.push(b);
+        true
+    });
+    assert_eq!((r.checked, r.corrupt), ((blocks - first - 2) as u64, 0));
+    assert!(paced.iter().all(|b| *b <= SCRUB_GROUP));
+    assert_eq!(s.status().unverified, 0);
+    // A scrub asked to stop stops.
+    drop(s);
+    let s = Store::open(&cfg_bs(dir.path(), MB), Arc::default()).unwrap();
+    let r = s.verify_unverified(&mut |_| false);
+    assert_eq!(r.checked, SCRUB_GROUP / MB as u64);
+}
+
+#[test]
+fn a_block_sent_to_a_peer_counts_as_checked() {
+    let dir = tempfile::tempdir().unwrap();
+    let st = stat("a", 2 * BS as u64, 1);
+    {
+        let s = Store::open(&cfg(dir.path(), 1 << 30), Arc::default()).unwrap();
+        fill(&s, &st, 0).unwrap();
+        fill(&s, &st, 1).unwrap();
+    }
+    let s = Store::open(&cfg(dir.path(), 1 << 30), Arc::default()).unwrap();
+    let key = Key::of("/r", &st.path, &st.version);
+    assert!(!s.is_present(&key, 0));
+    let (bytes, _) = s.read_block(&key, 0).unwrap();
+    assert_eq!(bytes, content(&st)[..BS as usize]);
+    assert!(s.is_present(&key, 0));
+    assert_eq!(s.status().unverified, 1);
+}
+
+/// How the tests damage a journal.
+fn damage_journal(dir: &Path, how: &str) {
+    let j = dir.join("shardcache-v1/journal");
+    let bytes = std::fs::read(&j).unwrap();
+    match how {
+        "empty" => std::fs::write(&j, b"").unwrap(),
+        "garbage" => std::fs::write(&j, vec![0xa7; 1000]).unwrap(),
+        "short header" => std::fs::write(&j, &bytes[..5]).unwrap(),
+        "torn tail" => std::fs::write(&j, &bytes[..bytes.len() - 3]).unwrap(),
+        "corrupt middle" => {
+            // The header, one whole record (FileAdded), then a flipped byte.
+            let mut b = bytes.clone();
+            let first = u32::from_le_bytes(b[8..12].try_into().unwrap()) as usize;
+            b[8 + 12 + first + 14] ^= 0xff;
+            std::fs::write(&j, b).unwrap();
+        }
+        "directory" => {
+            std::fs::remove_file(&j).unwrap();
+            std::fs::create_dir(&j).unwrap();
+            std::fs::write(j.join("x"), b"x").unwrap();
+        }
+        "fifo" => {
+            std::fs::remove_file(&j).unwrap();
+            rustix::fs::mknodat(
+                rustix::fs::CWD,
+                &j,
+                rustix::fs::FileType::Fifo,
+                rustix::fs::Mode::from_raw_mode(0o600),
+                0,
+            )
+            .unwrap();
+        }
+        "symlink" => {
+            std::fs::remove_file(&j).unwrap();
+            std::os::unix::fs::symlink("/dev/zero", &j).unwrap();
+        }
+        _ => unreachable!("{how}"),
+    }
+}
+
+/// Issue 12, point 4: a damaged journal stopped the store from opening ("bad magic").
+/// Now it opens, the journal is set aside, counted, and the index holds only what the
+/// intact records before the damage prove; data files nothing names are removed.
+#[test]
+fn a_damaged_journal_is_set_aside_and_the_store_starts_from_what_it_proves() {
+    // (damage, blocks still served, data files kept)
+    for (how, served, files) in [
+        ("empty", 0, 0),
+        ("garbage", 0, 0),
+        ("short header", 0, 0),
+        // The last record (block 2 of b) is lost; the records before it hold.
+        ("torn tail", 4, 2),
+        // Only the first record (a's FileAdded) is before the damage.
+        ("corrupt middle", 0, 1),
+        ("directory", 0, 0),
+        ("fifo", 0, 0),
+        ("symlink", 0, 0),
+    ] {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, b) = (stat("a", 2 * BS as u64, 1), stat("b", 3 * BS as u64, 1));
+        {
+            let s = Store::open(&cfg(dir.path(), 1 << 30), Arc::default()).unwrap();
+            for i in 0..2 {
+                fill(&s, &a, i).unwrap();
+            }
+            for i in 0..3 {
+                fill(&s, &b, i).unwrap();
+            }
+            s.close().unwrap();
+        }
+        damage_journal(dir.path(), how);
+        let stats = Arc::new(Stats::default());
+        let s = Store::open(&cfg(dir.path(), 1 << 30), stats.clone())
+            .unwrap_or_else(|e| panic!("{how}: the store must open: {e}"));
+        assert_eq!(stats.journal_recoveries.load(Ordering::Relaxed), 1, "{how}");
+        let aside: Vec<_> = std::fs::read_dir(dir.path().join("shardcache-v1"))
+            .unwrap()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with("journal.bad-"))
+            .collect();
+        assert_eq!(aside.len(), 1, "{how}: set aside, not deleted");
+        assert_eq!(
+            check(&s, &a) + check(&s, &b),
+            served,
+            "{how}: only what the intact records prove"
+        );
+        let data_files = (0..=255u8)
+            .flat_map(|i| {
+                std::fs::read_dir(dir.path().join(format!("shardcache-v1/data/{i:02x}")))
+                    .unwrap()
+                    .flatten()
+            })
+            .count();
+        assert_eq!(data_files, files, "{how}: unnamed data files are removed");
+        // Refilling works, and the new journal is sound.
+        for i in 0..2 {
+            fill(&s, &a, i).unwrap();
+        }
+        s.close().unwrap();
+        drop(s);
+        let stats = Arc::new(Stats::default());
+        let s = Store::open(&cfg(dir.path(), 1 << 30), stats.clone()).unwrap();
+        assert_eq!(stats.journal_recoveries.load(Ordering::Relaxed), 0);
+        assert_eq!(check(&s, &a), 2, "{how}");
+    }
+}
+
+#[test]
+fn debris_in_the_store_directory_does_not_stop_a_start_or_reach_outside() {
+    let dir = tempfile::tempdir().unwrap();
+    let outside = tempfile::tempdir().unwrap();
+    std::fs::write(outside.path().join("precious"), b"keep me").unwrap();
+    let st = stat("a", 2 * BS as u64, 1);
+    let key = Key::of("/r", &st.path, &st.version);
+    {
+        let s = Store::open(&cfg(dir.path(), 1 << 30), Arc::default()).unwrap();
+        fill(&s, &st, 0).unwrap();
+        fill(&s, &st, 1).unwrap();
+        s.close().unwrap();
+    }
+    let v1 = dir.path().join("shardcache-v1");
+    let hex = key.hex();
+    // Every name the store uses, as something else than it expects.
+    std::fs::remove_file(v1.join("CLEAN")).unwrap();
+    std::fs::create_dir(v1.join("CLEAN")).unwrap();
+    std::fs::remove_file(v1.join("LOCK")).unwrap();
+    std::fs::create_dir(v1.join("LOCK")).unwrap();
+    std::fs::create_dir_all(v1.join("journal.tmp/sub")).unwrap();
+    let other = if &hex[..2] == "00" { "01" } else { "00" };
+    std::fs::remove_dir(v1.join("data").join(other)).unwrap();
+    std::fs::write(v1.join("data").join(other), b"not a directory").unwrap();
+    let linked = if &hex[..2] == "ff" { "fe" } else { "ff" };
+    std::fs::remove_dir(v1.join("data").join(linked)).unwrap();
+    std::os::unix::fs::symlink(outside.path(), v1.join("data").join(linked)).unwrap();
+    let sub = v1.join("data").join(&hex[..2]);
+    std::fs::create_dir(sub.join("a-directory")).unwrap();
+    std::os::unix::fs::symlink(outside.path().join("precious"), sub.join("a-link")).unwrap();
+
+    let s = Store::open(&cfg(dir.path(), 1 << 30), Arc::default()).unwrap();
+    assert_eq!(check(&s, &st), 2, "the cached file survives the debris");
+    assert_eq!(
+        std::fs::read(outside.path().join("precious")).unwrap(),
+        b"keep me",
+        "nothing outside the store is touched"
+    );
+    assert!(v1.join("data").join(other).is_dir());
+    assert!(!v1.join("data").join(linked).is_symlink());
+    assert!(!sub.join("a-directory").exists() && !sub.join("a-link").is_symlink());
+    s.close().unwrap();
+    assert!(v1.join("CLEAN").is_file());
+}
+
+#[test]
+fn the_store_directory_and_journal_are_private() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let s = Store::open(&cfg(dir.path(), 1 << 30), Arc::default()).unwrap();
+    fill(&s, &stat("a", BS as u64, 1), 0).unwrap();
+    let mode = |p: &str| {
+        std::fs::metadata(dir.path().join(p))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777
+    };
+    assert_eq!(mode("shardcache-v1"), 0o700);
+    assert_eq!(
+        mode("shardcache-v1/journal"),
+        0o600,
+        "it names every cached file"
+    );
 }

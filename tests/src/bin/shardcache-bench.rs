@@ -11,6 +11,9 @@
 //!   on the local cache files directly (p50, p99, files/s).
 //!
 //! Rounds alternate which side goes first; the median ratio is reported.
+//!
+//! `shardcache-bench restart`: the first epoch after a restart ÷ the same read before it
+//! and ÷ a raw read of the cache's data files (see `restartbench.rs`).
 
 use std::fs::File;
 use std::io::{Read, Write};
@@ -49,12 +52,43 @@ enum Cmd {
         #[arg(long, default_value_t = 9)]
         rounds: usize,
     },
+    /// The first epoch after a restart (every block checked on first use) against the
+    /// same read before it and a raw read of the cache's data files.
+    Restart(RestartArgs),
     /// The planner's eviction index against an exhaustive search, at scale.
     PlannerScale {
         /// Files in the dataset (half of them cached).
         #[arg(long, default_value_t = 100_000)]
         files: usize,
     },
+}
+
+#[derive(Debug, clap::Args)]
+struct RestartArgs {
+    /// Directory for the generated data and the cache (local disk).
+    #[arg(long, default_value_os_t = std::env::temp_dir())]
+    dir: PathBuf,
+    /// Number of large files.
+    #[arg(long, default_value_t = 8)]
+    large_files: u64,
+    /// Size of each large file in MiB.
+    #[arg(long, default_value_t = 256)]
+    large_mib: u64,
+    /// Number of small files.
+    #[arg(long, default_value_t = 20_000)]
+    small_files: u64,
+    /// Size of each small file in KiB.
+    #[arg(long, default_value_t = 100)]
+    small_kib: u64,
+    /// Cache block size.
+    #[arg(long, default_value = "4MiB")]
+    block_size: String,
+    /// Rounds (each: raw and warm, alternating, then a restart and the first epoch).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Parallel readers.
+    #[arg(long, default_value_t = 8)]
+    readers: usize,
 }
 
 #[derive(Debug, clap::Args)]
@@ -396,6 +430,19 @@ fn main() {
         Cmd::Foundation(a) => foundation(&a),
         Cmd::Policy(a) => policy(&a),
         Cmd::PlannerScale { files } => planner_scale(files),
+        Cmd::Restart(a) => {
+            shardcache_tests::restartbench::run(&shardcache_tests::restartbench::Args {
+                dir: a.dir,
+                large_files: a.large_files,
+                large_mib: a.large_mib,
+                small_files: a.small_files,
+                small_kib: a.small_kib,
+                block_size: a.block_size,
+                rounds: a.rounds,
+                readers: a.readers,
+            })
+            .expect("restart benchmark")
+        }
         Cmd::Peers { dir, mib, rounds } => {
             shardcache_tests::peerbench::run(&dir, mib, rounds).expect("peers benchmark")
         }
