@@ -66,6 +66,7 @@ counters!(
     peer_blocks_out,
     peer_bytes_out,
     peer_refused,
+    peer_forged,
 );
 
 /// Adds `n` to a counter.

@@ -4,15 +4,16 @@
 //! hands it to gRPC (with those bytes put back in front, [`Prefixed`]) or, when they are
 //! [`wire::MAGIC`], to a block-stream thread. A block-stream connection runs on a thread
 //! of its own with blocking I/O, as the Unix-socket server does: a block is one `pread`
-//! into a buffer, a checksum check and one `write` of it to the socket, with no runtime
-//! hand-offs in between. The handshake (the caller proves the shared secret) comes first
-//! and is bounded by the peer timeout; at most [`MAX_CONNS`] such connections are open at
+//! into a buffer, a checksum check, a MAC over it and one `write` of it to the socket,
+//! with no runtime hand-offs in between. The handshake (the caller proves the shared
+//! secret) comes first and is bounded by the peer timeout; after it, every request must
+//! carry its session's MAC and every answer carries one (see [`wire`]). At most [`MAX_CONNS`] such connections are open at
 //! once (more are closed at once: their callers read the backing store), so that callers
 //! without the secret cannot hold more than that many threads, each for at most the
 //! timeout.
 
 use std::collections::HashMap;
-use std::io::{self, Write};
+use std::io;
 use std::net::TcpStream;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -25,7 +26,7 @@ use tonic::transport::server::{Connected, TcpConnectInfo};
 
 use super::proto::{BlockHeader, FetchRequest};
 use super::service::{Service, serve_block};
-use super::wire::{self, HandshakeError};
+use super::wire::{self, HandshakeError, WireError};
 use crate::stats::inc;
 
 /// Most block-stream connections served at once (a peer opens about one per fill worker).
@@ -219,7 +220,7 @@ impl DataServer {
     }
 
     /// One connection: the handshake, then requests until the caller closes it, it idles
-    /// for [`IDLE`], or anything fails.
+    /// for [`IDLE`], or anything fails (a request that fails its MAC included).
     fn serve(&self, mut s: TcpStream) {
         let setup = s
             .set_nodelay(true)
@@ -229,8 +230,8 @@ impl DataServer {
             tracing::debug!(error = %e, "block stream: socket setup failed");
             return;
         }
-        match wire::server_handshake(&mut s, &self.secret) {
-            Ok(()) => {}
+        let mut session = match wire::server_handshake(&mut s, &self.secret) {
+            Ok(session) => session,
             Err(HandshakeError::Refused) => {
                 inc(&self.svc.stats.peer_refused);
                 tracing::debug!(peer = ?s.peer_addr().ok(), "block stream: caller without the secret refused");
@@ -240,29 +241,40 @@ impl DataServer {
                 tracing::debug!(error = %e, "block stream: handshake failed");
                 return;
             }
-        }
+        };
         // One block buffer for the connection's life.
         let mut buf = Vec::new();
         loop {
             if s.set_read_timeout(Some(IDLE)).is_err() {
                 return;
             }
-            let req: FetchRequest = match wire::read_frame(&mut s) {
+            let req = match session.read_request(&mut s) {
                 Ok(Some(r)) => r,
                 Ok(None) => return,
-                Err(e) => {
+                Err(WireError::Forged) => {
+                    inc(&self.svc.stats.peer_forged);
+                    tracing::warn!(peer = ?s.peer_addr().ok(), "block stream: a request failed its MAC (forged or replayed on the way); connection closed");
+                    return;
+                }
+                Err(WireError::Io(e)) => {
                     tracing::debug!(error = %e, "block stream: reading a request failed");
                     return;
                 }
             };
-            if let Err(e) = self.answer(&mut s, &req, &mut buf) {
+            if let Err(e) = self.answer(&mut s, &mut session, &req, &mut buf) {
                 tracing::debug!(error = %e, "block stream: sending a block failed");
                 return;
             }
         }
     }
 
-    fn answer(&self, s: &mut TcpStream, req: &FetchRequest, data: &mut Vec<u8>) -> io::Result<()> {
+    fn answer(
+        &self,
+        s: &mut TcpStream,
+        session: &mut wire::Session,
+        req: &FetchRequest,
+        data: &mut Vec<u8>,
+    ) -> io::Result<()> {
         let svc = &self.svc;
         if req.release {
             svc.released(req);
@@ -272,7 +284,7 @@ impl DataServer {
                 length: 0,
                 xxh3: crate::checksum::block_xxh3(&[]),
             };
-            return wire::write_frame(s, &head);
+            return session.send_reply(s, &head, &[]);
         }
         let got = serve_block(
             &svc.store,
@@ -290,8 +302,7 @@ impl DataServer {
                     length: data.len() as u64,
                     xxh3: sum,
                 };
-                wire::write_frame(s, &head)?;
-                s.write_all(data)?;
+                session.send_reply(s, &head, data)?;
                 svc.served(req, key, data.len());
             }
             Err(status) => {
@@ -301,7 +312,7 @@ impl DataServer {
                     length: 0,
                     xxh3: 0,
                 };
-                wire::write_frame(s, &head)?;
+                session.send_reply(s, &head, &[])?;
             }
         }
         Ok(())
