@@ -318,6 +318,7 @@ impl Daemon {
             secret,
             timeout: cfg.peer_timeout,
             refresh: cfg.peer_refresh,
+            tls: cfg.peer_tls(),
         };
         let (peers, fill_cell) = Peers::start(&pc, store.clone(), meta.clone(), stats.clone())?;
         let _ = fill_cell.set(filler.clone());

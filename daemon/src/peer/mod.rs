@@ -24,6 +24,7 @@ mod data;
 pub mod membership;
 pub mod ring;
 mod service;
+pub mod tls;
 pub mod wire;
 
 use std::collections::HashMap;
@@ -78,6 +79,8 @@ pub struct PeerConfig {
     pub timeout: Duration,
     /// How often the member list is read again.
     pub refresh: Duration,
+    /// TLS on the peer port (both protocols), when set.
+    pub tls: Option<tls::TlsFiles>,
 }
 
 /// Where the peer service finds the fill engine once it exists (the fill engine also
@@ -159,6 +162,8 @@ pub struct Peers {
     channels: Mutex<HashMap<String, Channel>>,
     /// This node's block size (every peer must use the same).
     block_size: u32,
+    /// TLS on the peer port, when configured.
+    tls: Option<Arc<tls::Tls>>,
     /// Idle block-stream connections, authenticated, by peer.
     idle: Mutex<HashMap<String, Vec<(Conn, Instant)>>>,
     timeout: Duration,
@@ -191,6 +196,12 @@ impl Peers {
         stats: Arc<Stats>,
     ) -> anyhow::Result<(Arc<Self>, FillerCell)> {
         use anyhow::Context;
+        let tls = match &cfg.tls {
+            Some(files) => Some(Arc::new(
+                tls::Tls::load(files).map_err(|e| anyhow::anyhow!(e))?,
+            )),
+            None => None,
+        };
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("sc-peer")
@@ -230,6 +241,7 @@ impl Peers {
         let refused = stats.clone();
         let (grpc_tx, grpc_rx) = tokio::sync::mpsc::channel(data::MAX_CONNS);
         let (d, mut s, timeout) = (data.clone(), stopped.clone(), cfg.timeout);
+        let accept_tls = tls.clone();
         rt.spawn(async move {
             let listener = match tokio::net::TcpListener::from_std(listener) {
                 Ok(l) => l,
@@ -238,7 +250,9 @@ impl Peers {
                     return;
                 }
             };
-            tokio::spawn(data::accept(listener, grpc_tx, d, stopped, timeout));
+            tokio::spawn(data::accept(
+                listener, grpc_tx, d, accept_tls, stopped, timeout,
+            ));
             // Every call proves the secret over a fresh nonce; the handler MACs its
             // reply with that nonce.
             let auth = move |mut req: tonic::Request<()>| match auth::check_request(
@@ -289,13 +303,14 @@ impl Peers {
                 }
             }
         });
-        tracing::info!(listen = %cfg.listen, me = %cfg.advertise, "peer service ready");
+        tracing::info!(listen = %cfg.listen, me = %cfg.advertise, tls = tls.is_some(), "peer service ready");
         let peers = Arc::new(Self {
             membership,
             key: cfg.secret.as_bytes().to_vec(),
             channels: Mutex::new(HashMap::new()),
             block_size: store.block_size(),
             idle: Mutex::new(HashMap::new()),
+            tls,
             timeout: cfg.timeout,
             stats,
             stop,
@@ -691,7 +706,24 @@ impl Peers {
             .initial_connection_window_size(2 * WINDOW)
             .max_frame_size(FRAME)
             .tcp_nodelay(true);
-        let c = ep.connect_lazy();
+        let c = match &self.tls {
+            None => ep.connect_lazy(),
+            // TLS by hand (tonic's own needs its TLS features): the same rustls
+            // settings as the block stream's.
+            Some(t) => {
+                let (connector, name) = t.connector();
+                let addr = peer.to_owned();
+                ep.connect_with_connector_lazy(tower::service_fn(move |_: http::Uri| {
+                    let (connector, name, addr) = (connector.clone(), name.clone(), addr.clone());
+                    async move {
+                        let tcp = tokio::net::TcpStream::connect(&addr).await?;
+                        tcp.set_nodelay(true)?;
+                        let s = connector.connect(name, tcp).await?;
+                        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(s))
+                    }
+                }))
+            }
+        };
         chans.insert(peer.to_owned(), c.clone());
         Ok(c)
     }
@@ -760,12 +792,16 @@ impl Peers {
             .next()
             .ok_or_else(|| FetchError::Failed("resolving: no address".into()))?;
         let t = left(deadline).map_err(|e| failed("connecting", &e))?;
-        let mut s = TcpStream::connect_timeout(&addr, t).map_err(|e| failed("connecting", &e))?;
+        let s = TcpStream::connect_timeout(&addr, t).map_err(|e| failed("connecting", &e))?;
         let setup = s
             .set_nodelay(true)
             .and_then(|()| s.set_read_timeout(Some(left(deadline)?)))
             .and_then(|()| s.set_write_timeout(Some(left(deadline)?)));
         setup.map_err(|e| failed("connecting", &e))?;
+        let mut s = match &self.tls {
+            None => tls::Stream::Plain(s),
+            Some(t) => t.connect(s).map_err(|e| failed("TLS", &e))?,
+        };
         let session =
             wire::client_handshake(&mut s, &self.key).map_err(|e| failed("handshake", &e))?;
         Ok(Conn { io: s, session })
@@ -789,7 +825,7 @@ enum FetchError {
 /// A block-stream connection past its handshake: the socket and its session.
 #[derive(Debug)]
 struct Conn {
-    io: TcpStream,
+    io: tls::Stream,
     session: wire::Session,
 }
 
@@ -827,10 +863,12 @@ fn exchange(
         wire::WireError::Io(e) => midway(e.to_string()),
     };
     let Conn { io: s, session } = conn;
-    s.set_write_timeout(Some(left(deadline).map_err(before)?))
+    s.tcp()
+        .set_write_timeout(Some(left(deadline).map_err(before)?))
         .map_err(before)?;
     session.send_request(s, req).map_err(before)?;
-    s.set_read_timeout(Some(left(deadline).map_err(before)?))
+    s.tcp()
+        .set_read_timeout(Some(left(deadline).map_err(before)?))
         .map_err(before)?;
     let (head, mut opened) = match session.read_reply(s) {
         Ok(h) => h,
@@ -859,7 +897,8 @@ fn exchange(
     let mut at = 0;
     while at < len {
         let t = left(deadline).map_err(|e| midway(e.to_string()))?;
-        s.set_read_timeout(Some(t))
+        s.tcp()
+            .set_read_timeout(Some(t))
             .map_err(|e| midway(e.to_string()))?;
         let end = (at + STEP).min(len);
         let n = match s.read(&mut data[at..end]) {

@@ -285,7 +285,8 @@ fn write_all_parts<W: Write>(w: &mut W, mut parts: &mut [IoSlice<'_>]) -> io::Re
             Err(e) => return Err(e),
         }
     }
-    Ok(())
+    // Nothing for TCP; TLS sends what it still holds.
+    w.flush()
 }
 
 /// The client's side of the handshake on a fresh connection (nothing read or written

@@ -39,6 +39,8 @@ enum Attack {
     /// gRPC: in the reply data, rewrites a job's ranks `[0, 1]` into `[0, 2]` (the same
     /// length: only the meaning changes).
     RewriteRanks,
+    /// Changes nothing; keeps the first 16 MiB the peer sent (what a listener sees).
+    Watch,
 }
 
 /// A proxy on 127.0.0.1 in front of `upstream`, carrying out `attack`. Its threads end
@@ -47,6 +49,8 @@ struct Proxy {
     addr: String,
     /// How many times the attack was carried out.
     done: Arc<AtomicU64>,
+    /// What the peer sent ([`Attack::Watch`]).
+    seen: Arc<std::sync::Mutex<Vec<u8>>>,
 }
 
 impl Proxy {
@@ -54,18 +58,19 @@ impl Proxy {
         let l = TcpListener::bind("127.0.0.1:0").expect("bind the proxy");
         let addr = l.local_addr().expect("address").to_string();
         let done = Arc::new(AtomicU64::new(0));
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
         let once = Arc::new(AtomicBool::new(false));
-        let d = done.clone();
+        let (d, w) = (done.clone(), seen.clone());
         std::thread::spawn(move || {
             for c in l.incoming() {
                 let Ok(c) = c else { return };
-                let (up, d, once) = (upstream.clone(), d.clone(), once.clone());
+                let (up, d, w, once) = (upstream.clone(), d.clone(), w.clone(), once.clone());
                 std::thread::spawn(move || {
-                    let _ = relay(c, &up, attack, &d, &once);
+                    let _ = relay(c, &up, attack, &d, &w, &once);
                 });
             }
         });
-        Self { addr, done }
+        Self { addr, done, seen }
     }
 
     fn done(&self) -> u64 {
@@ -80,6 +85,7 @@ fn relay(
     upstream: &str,
     attack: Attack,
     done: &AtomicU64,
+    seen: &std::sync::Mutex<Vec<u8>>,
     once: &AtomicBool,
 ) -> std::io::Result<()> {
     let mut server = TcpStream::connect(upstream)?;
@@ -104,6 +110,21 @@ fn relay(
             blocks(&mut server, &mut client, tag, attack, done, once)
         }
         (None, Attack::RewriteRanks) => http2(&mut server, &mut client, done),
+        (_, Attack::Watch) => {
+            let mut buf = vec![0u8; 64 << 10];
+            loop {
+                let n = server.read(&mut buf)?;
+                if n == 0 {
+                    break Ok(());
+                }
+                let mut w = seen.lock().unwrap_or_else(|e| e.into_inner());
+                if w.len() < 16 << 20 {
+                    w.extend_from_slice(&buf[..n]);
+                }
+                drop(w);
+                client.write_all(&buf[..n])?;
+            }
+        }
         _ => std::io::copy(&mut server, &mut client).map(|_| ()),
     };
     let _ = client.shutdown(std::net::Shutdown::Write);
@@ -359,4 +380,195 @@ fn a_tampered_ranks_reply_is_refused_and_steers_nothing() {
         "node 1 took the forged ranks: the job was placed"
     );
     assert!(c.peer_forged >= 1, "the forged replies were counted");
+}
+
+/// A certificate authority that issues peer certificates, as PEM files.
+struct Ca {
+    cert: rcgen::Certificate,
+    key: rcgen::KeyPair,
+}
+
+impl Ca {
+    fn new(name: &str) -> Self {
+        let key = rcgen::KeyPair::generate().expect("key");
+        let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
+        p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        p.distinguished_name
+            .push(rcgen::DnType::CommonName, format!("{name} CA"));
+        p.key_usages = vec![
+            rcgen::KeyUsagePurpose::KeyCertSign,
+            rcgen::KeyUsagePurpose::CrlSign,
+            rcgen::KeyUsagePurpose::DigitalSignature,
+        ];
+        let cert = p.self_signed(&key).expect("CA certificate");
+        Self { cert, key }
+    }
+
+    /// A node's TLS files in `dir`, as a Kubernetes Secret would mount them: `tls.crt`
+    /// (for the peers' name, issued by this CA), `tls.key`, and `ca.crt` holding the
+    /// certificates of `trust`. The daemon's flags for them.
+    fn issue(&self, dir: &std::path::Path, trust: &[&Ca]) -> Vec<String> {
+        std::fs::create_dir_all(dir).expect("mkdir");
+        let key = rcgen::KeyPair::generate().expect("key");
+        let mut p =
+            rcgen::CertificateParams::new(vec!["shardcache-peer".to_owned()]).expect("params");
+        p.extended_key_usages = vec![
+            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
+            rcgen::ExtendedKeyUsagePurpose::ClientAuth,
+        ];
+        let cert = p
+            .signed_by(&key, &self.cert, &self.key)
+            .expect("certificate");
+        let ca: String = trust.iter().map(|c| c.cert.pem()).collect();
+        for (name, pem) in [
+            ("tls.crt", cert.pem()),
+            ("tls.key", key.serialize_pem()),
+            ("ca.crt", ca),
+        ] {
+            std::fs::write(dir.join(name), pem).expect("write PEM");
+        }
+        let f = |n: &str| dir.join(n).display().to_string();
+        vec![
+            "--peer-tls-cert".into(),
+            f("tls.crt"),
+            "--peer-tls-key".into(),
+            f("tls.key"),
+            "--peer-tls-ca".into(),
+            f("ca.crt"),
+        ]
+    }
+}
+
+fn strs(v: &[String]) -> Vec<&str> {
+    v.iter().map(String::as_str).collect()
+}
+
+/// A file that `me` sees `owner` own when the members are `me` and `owner`.
+fn owned_by(bed: &Bed, me: &str, owner: &str, prefix: &str) -> String {
+    let root = bed.backing.display().to_string();
+    (0..200)
+        .map(|i| format!("ds/{prefix}{i}"))
+        .find(|p| shardcache_daemon::peer::file_owner([me, owner], &root, p) == Some(owner))
+        .expect("a file the owner owns")
+}
+
+/// (d) With TLS configured (certificates from files, mutual): two nodes exchange blocks
+/// (block stream) and ranks (gRPC) through TLS, and a listener on the path sees none of
+/// the block's bytes; a node whose certificate comes from another CA gets nothing, nor
+/// does a node without TLS; a certificate that does not verify against the node's own
+/// CA file is refused by `--check-config`.
+#[test]
+fn tls_peers_exchange_blocks_and_refuse_other_cas_and_plaintext() {
+    let bed = Bed::new();
+    let secret = "peer tls cluster shared secret";
+    let (cluster, other) = (Ca::new("cluster"), Ca::new("other"));
+    let dir = |n: &str| bed.tmp.path().join(n);
+    let a: Vec<String> = (0..4)
+        .map(|_| format!("127.0.0.1:{}", free_port()))
+        .collect();
+    // Node 1 reaches node 0 through a proxy that records what it carries.
+    let watch = Proxy::start(a[0].clone(), Attack::Watch);
+    let tls0 = cluster.issue(&dir("tls-0"), &[&cluster]);
+    let tls1 = cluster.issue(&dir("tls-1"), &[&cluster]);
+    // Node 2's certificate is from another CA (it trusts both: its own check passes).
+    let tls2 = other.issue(&dir("tls-2"), &[&cluster, &other]);
+    let nodes = [
+        node(&bed, 0, &a[0], &[&a[1]], secret, &strs(&tls0)),
+        node(&bed, 1, &a[1], &[&watch.addr], secret, &strs(&tls1)),
+        node(&bed, 2, &a[2], &[&a[0]], secret, &strs(&tls2)),
+        node(&bed, 3, &a[3], &[&a[0]], secret, &[]),
+    ];
+    let len = 6 * BLOCK;
+
+    // Blocks over TLS, checked by their MAC inside it.
+    let rel = owned_by(&bed, &a[1], &watch.addr, "t");
+    write_file(&bed.path(&rel), 31, len);
+    let (got, _) = read_all(&bed.node_client(1), &bed.path(&rel)).expect("read");
+    assert!(got == content(31, len), "node 1 read the right bytes");
+    let c1 = nodes[1].counters();
+    let out0 = nodes[0].counters().peer_blocks_out;
+    eprintln!(
+        "node 1: from peers {} (errors {}), node 0 sent {out0}",
+        c1.peer_blocks_in, c1.peer_errors
+    );
+    assert_eq!(
+        c1.peer_blocks_in, 6,
+        "every block came from node 0, over TLS"
+    );
+    assert_eq!(c1.peer_errors + c1.peer_forged, 0);
+    let seen = watch.seen.lock().expect("seen").clone();
+    let block = &content(31, len)[..64];
+    assert!(seen.len() as u64 > len, "the proxy carried the blocks");
+    assert!(
+        !seen.windows(block.len()).any(|w| w == block),
+        "a listener saw a block's bytes"
+    );
+
+    // Ranks over TLS (gRPC): node 1 learns node 0's ranks and places the job.
+    for i in 0..6 {
+        write_file(&bed.path(&format!("job/s{i}")), 40 + i, BLOCK);
+    }
+    let files: Vec<String> = (0..6).map(|i| format!("s{i}")).collect();
+    for (i, rank) in [(0usize, 0u64), (1, 1)] {
+        let m = serde_json::json!({
+            "version": 1, "job": "train", "root": bed.path("job"), "files": files,
+            "immutable": true,
+            "plan": {"kind": "shuffle", "algorithm": "pcg64-fisher-yates/v1", "seed": 5,
+                     "epochs": 2, "world_size": 2, "ranks": [rank]}
+        });
+        bed.node_client(i)
+            .register(&m.to_string())
+            .expect("register");
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let placed = loop {
+        let job = nodes[1].status().jobs.into_iter().next().expect("the job");
+        if job.placement_nodes == 2 || Instant::now() > deadline {
+            break job.placement_nodes;
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    assert_eq!(placed, 2, "node 1 got node 0's ranks over TLS");
+
+    // Another CA's certificate, and no TLS at all: nothing from node 0, right bytes.
+    let refused0 = nodes[0].counters().peer_refused;
+    for (i, prefix) in [(2usize, "o"), (3, "p")] {
+        let rel = owned_by(&bed, &a[i], &a[0], prefix);
+        write_file(&bed.path(&rel), 50 + i as u64, len);
+        let (got, _) = read_all(&bed.node_client(i), &bed.path(&rel)).expect("read");
+        assert!(got == content(50 + i as u64, len), "node {i}: right bytes");
+        let c = nodes[i].counters();
+        eprintln!(
+            "node {i}: from peers {}, errors {}, backing reads {}",
+            c.peer_blocks_in, c.peer_errors, c.backing_reads
+        );
+        assert_eq!(c.peer_blocks_in, 0, "node {i} got nothing from node 0");
+        assert!(c.peer_errors >= 1, "node {i} tried");
+    }
+    let c0 = nodes[0].counters();
+    eprintln!(
+        "node 0: refused {} more callers; sent {} blocks in all",
+        c0.peer_refused - refused0,
+        c0.peer_blocks_out
+    );
+    assert!(c0.peer_refused >= refused0 + 2, "node 0 refused both");
+
+    // A certificate its own CA file does not vouch for: the configuration is refused,
+    // naming the key.
+    let bad = other.issue(&dir("tls-bad"), &[&cluster]);
+    let out = std::process::Command::new(shardcache_tests::bin("shardcached"))
+        .args(["--backing-root", &bed.backing.display().to_string()])
+        .args(["--peer-listen", "127.0.0.1:1", "--peer", "127.0.0.1:2"])
+        .args(["--peer-secret-file", &dir("secret-0").display().to_string()])
+        .args(&bad)
+        .arg("--check-config")
+        .output()
+        .expect("run shardcached --check-config");
+    let err = String::from_utf8_lossy(&out.stderr);
+    eprintln!("--check-config: {err}");
+    assert!(
+        !out.status.success(),
+        "accepted a certificate its CA does not vouch for"
+    );
+    assert!(err.contains("peer_tls_cert"), "{err}");
 }
