@@ -48,6 +48,9 @@ enum Cmd {
         /// in a rotating order).
         #[arg(long, default_value_t = 9)]
         rounds: usize,
+        /// Transfer over mutual TLS on the peer port (the placement part is left out).
+        #[arg(long)]
+        tls: bool,
     },
     /// The planner's eviction index against an exhaustive search, at scale.
     PlannerScale {
@@ -396,9 +399,12 @@ fn main() {
         Cmd::Foundation(a) => foundation(&a),
         Cmd::Policy(a) => policy(&a),
         Cmd::PlannerScale { files } => planner_scale(files),
-        Cmd::Peers { dir, mib, rounds } => {
-            shardcache_tests::peerbench::run(&dir, mib, rounds).expect("peers benchmark")
-        }
+        Cmd::Peers {
+            dir,
+            mib,
+            rounds,
+            tls,
+        } => shardcache_tests::peerbench::run(&dir, mib, rounds, tls).expect("peers benchmark"),
     }
 }
 

@@ -14,6 +14,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use shardcache_daemon::peer::{proto, wire};
+use shardcache_tests::certs::Ca;
 use shardcache_tests::{Bed, Daemon, content, read_all, write_file};
 
 const BLOCK: u64 = 64 << 10;
@@ -382,63 +383,6 @@ fn a_tampered_ranks_reply_is_refused_and_steers_nothing() {
     assert!(c.peer_forged >= 1, "the forged replies were counted");
 }
 
-/// A certificate authority that issues peer certificates, as PEM files.
-struct Ca {
-    cert: rcgen::Certificate,
-    key: rcgen::KeyPair,
-}
-
-impl Ca {
-    fn new(name: &str) -> Self {
-        let key = rcgen::KeyPair::generate().expect("key");
-        let mut p = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
-        p.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
-        p.distinguished_name
-            .push(rcgen::DnType::CommonName, format!("{name} CA"));
-        p.key_usages = vec![
-            rcgen::KeyUsagePurpose::KeyCertSign,
-            rcgen::KeyUsagePurpose::CrlSign,
-            rcgen::KeyUsagePurpose::DigitalSignature,
-        ];
-        let cert = p.self_signed(&key).expect("CA certificate");
-        Self { cert, key }
-    }
-
-    /// A node's TLS files in `dir`, as a Kubernetes Secret would mount them: `tls.crt`
-    /// (for the peers' name, issued by this CA), `tls.key`, and `ca.crt` holding the
-    /// certificates of `trust`. The daemon's flags for them.
-    fn issue(&self, dir: &std::path::Path, trust: &[&Ca]) -> Vec<String> {
-        std::fs::create_dir_all(dir).expect("mkdir");
-        let key = rcgen::KeyPair::generate().expect("key");
-        let mut p =
-            rcgen::CertificateParams::new(vec!["shardcache-peer".to_owned()]).expect("params");
-        p.extended_key_usages = vec![
-            rcgen::ExtendedKeyUsagePurpose::ServerAuth,
-            rcgen::ExtendedKeyUsagePurpose::ClientAuth,
-        ];
-        let cert = p
-            .signed_by(&key, &self.cert, &self.key)
-            .expect("certificate");
-        let ca: String = trust.iter().map(|c| c.cert.pem()).collect();
-        for (name, pem) in [
-            ("tls.crt", cert.pem()),
-            ("tls.key", key.serialize_pem()),
-            ("ca.crt", ca),
-        ] {
-            std::fs::write(dir.join(name), pem).expect("write PEM");
-        }
-        let f = |n: &str| dir.join(n).display().to_string();
-        vec![
-            "--peer-tls-cert".into(),
-            f("tls.crt"),
-            "--peer-tls-key".into(),
-            f("tls.key"),
-            "--peer-tls-ca".into(),
-            f("ca.crt"),
-        ]
-    }
-}
-
 fn strs(v: &[String]) -> Vec<&str> {
     v.iter().map(String::as_str).collect()
 }
@@ -468,10 +412,10 @@ fn tls_peers_exchange_blocks_and_refuse_other_cas_and_plaintext() {
         .collect();
     // Node 1 reaches node 0 through a proxy that records what it carries.
     let watch = Proxy::start(a[0].clone(), Attack::Watch);
-    let tls0 = cluster.issue(&dir("tls-0"), &[&cluster]);
-    let tls1 = cluster.issue(&dir("tls-1"), &[&cluster]);
+    let tls0 = cluster.issue(&dir("tls-0"), &[&cluster]).flags();
+    let tls1 = cluster.issue(&dir("tls-1"), &[&cluster]).flags();
     // Node 2's certificate is from another CA (it trusts both: its own check passes).
-    let tls2 = other.issue(&dir("tls-2"), &[&cluster, &other]);
+    let tls2 = other.issue(&dir("tls-2"), &[&cluster, &other]).flags();
     let nodes = [
         node(&bed, 0, &a[0], &[&a[1]], secret, &strs(&tls0)),
         node(&bed, 1, &a[1], &[&watch.addr], secret, &strs(&tls1)),
@@ -555,7 +499,7 @@ fn tls_peers_exchange_blocks_and_refuse_other_cas_and_plaintext() {
 
     // A certificate its own CA file does not vouch for: the configuration is refused,
     // naming the key.
-    let bad = other.issue(&dir("tls-bad"), &[&cluster]);
+    let bad = other.issue(&dir("tls-bad"), &[&cluster]).flags();
     let out = std::process::Command::new(shardcache_tests::bin("shardcached"))
         .args(["--backing-root", &bed.backing.display().to_string()])
         .args(["--peer-listen", "127.0.0.1:1", "--peer", "127.0.0.1:2"])
