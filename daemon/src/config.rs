@@ -301,6 +301,19 @@ pub struct Config {
     /// How often `peer_dns` is resolved again. Default 30 s.
     #[serde(deserialize_with = "de_duration")]
     pub peer_refresh: Duration,
+    /// TLS on the peer port (gRPC and the block stream; mutual): this node's
+    /// certificate chain, a PEM file (a Kubernetes Secret's `tls.crt`). Set all of
+    /// `peer_tls_cert`, `peer_tls_key` and `peer_tls_ca`, or none (the default: no TLS;
+    /// every byte is still authenticated by the shared secret, not hidden).
+    pub peer_tls_cert: Option<PathBuf>,
+    /// The certificate's private key, a PEM file (`tls.key`).
+    pub peer_tls_key: Option<PathBuf>,
+    /// The CA certificates peers' certificates must chain to, a PEM file (`ca.crt`).
+    pub peer_tls_ca: Option<PathBuf>,
+    /// The DNS name every node's certificate carries (a subject alternative name), which
+    /// a connecting node checks instead of the address it dialled. Default
+    /// `shardcache-peer`.
+    pub peer_tls_name: String,
     /// Where the HTTP endpoint for Prometheus (`/metrics`) and the probes (`/healthz`,
     /// `/readyz`) listens: `host:port` (port 0 picks a free one), or `off`. Default
     /// `127.0.0.1:9477`.
@@ -339,6 +352,10 @@ impl Default for Config {
             peer_secret_file: None,
             peer_timeout: Duration::from_secs(2),
             peer_refresh: Duration::from_secs(30),
+            peer_tls_cert: None,
+            peer_tls_key: None,
+            peer_tls_ca: None,
+            peer_tls_name: crate::peer::tls::DEFAULT_NAME.to_owned(),
             metrics_listen: MetricsListen::Addr(std::net::SocketAddr::from(([127, 0, 0, 1], 9477))),
         }
     }
@@ -353,8 +370,44 @@ impl Config {
             .clamp(1, self.max_connections.max(1))
     }
 
+    /// The peer port's TLS files, when all three are set.
+    pub fn peer_tls(&self) -> Option<crate::peer::tls::TlsFiles> {
+        match (&self.peer_tls_cert, &self.peer_tls_key, &self.peer_tls_ca) {
+            (Some(cert), Some(key), Some(ca)) => Some(crate::peer::tls::TlsFiles {
+                cert: cert.clone(),
+                key: key.clone(),
+                ca: ca.clone(),
+                name: self.peer_tls_name.clone(),
+            }),
+            _ => None,
+        }
+    }
+
+    /// TLS keys: all or none, and only with `peer_listen` (whether the files load is
+    /// [`Config::check_node`]'s to say: they are files of this machine).
+    fn validate_peer_tls(&self) -> Result<(), String> {
+        let set = [&self.peer_tls_cert, &self.peer_tls_key, &self.peer_tls_ca]
+            .iter()
+            .filter(|f| f.is_some())
+            .count();
+        if set == 0 {
+            return Ok(());
+        }
+        if self.peer_tls().is_none() {
+            return Err(
+                "peer_tls_cert, peer_tls_key, peer_tls_ca: set all three (TLS on the peer port) or none"
+                    .into(),
+            );
+        }
+        if self.peer_listen.is_none() {
+            return Err("peer_tls_cert: TLS needs peer_listen (it secures the peer port)".into());
+        }
+        Ok(())
+    }
+
     /// Checks every field once; the message names the offending key.
     pub fn validate(&self) -> Result<(), String> {
+        self.validate_peer_tls()?;
         if let Some(listen) = self.peer_listen {
             if self.peer_secret_file.is_none() {
                 return Err("peer_secret_file: required with peer_listen (peers authenticate every call with it)".into());
@@ -451,7 +504,9 @@ impl Config {
     /// backing root is a directory with a UTF-8 path; the cache directory and the
     /// socket's directory are directories this process may write (or can be created);
     /// the socket path is free or a socket; the peer secret file is readable and holds a
-    /// valid secret ([`read_peer_secret`]); the listen addresses belong to this host.
+    /// valid secret ([`read_peer_secret`]); the peer TLS files load (read and parse, the
+    /// key fits the certificate, the certificate verifies against the CA); the listen
+    /// addresses belong to this host.
     ///
     /// Not checked, because they are not the configuration's doing and a new
     /// configuration must be checkable beside the running daemon: a port another process
@@ -493,6 +548,9 @@ impl Config {
                 read_peer_secret(f)?;
             }
         }
+        if let Some(files) = self.peer_tls() {
+            crate::peer::tls::Tls::load(&files)?;
+        }
         Ok(())
     }
 }
@@ -506,7 +564,7 @@ pub fn parse_dns(name: &str) -> Result<(String, u16), String> {
 }
 
 /// Reads the cluster's shared secret from `file`: its text, trimmed, at least 16
-/// characters of printable ASCII (it travels in a gRPC header). The error names the key.
+/// characters of printable ASCII. The error names the key.
 pub fn read_peer_secret(file: &std::path::Path) -> Result<String, String> {
     let bad = |why: String| format!("peer_secret_file: {}: {why}", file.display());
     let secret = std::fs::read_to_string(file)
@@ -578,6 +636,47 @@ fn local_address(key: &str, addr: std::net::SocketAddr) -> Result<(), String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn peer_tls_is_all_or_nothing_with_peers_and_files_that_load() {
+        let dir = tempfile::tempdir().unwrap();
+        let base = Config {
+            backing_roots: vec![PathBuf::from("/data")],
+            peer_listen: Some("127.0.0.1:7070".parse().unwrap()),
+            peers: vec!["127.0.0.1:7071".into()],
+            peer_secret_file: Some(dir.path().join("secret")),
+            ..Config::default()
+        };
+        assert_eq!(base.validate(), Ok(()));
+        assert_eq!(base.peer_tls(), None);
+        let f = |n: &str| Some(dir.path().join(n));
+        let partial = Config {
+            peer_tls_cert: f("tls.crt"),
+            peer_tls_key: f("tls.key"),
+            ..base.clone()
+        };
+        let e = partial.validate().unwrap_err();
+        assert!(e.contains("set all three"), "{e}");
+        let all = Config {
+            peer_tls_ca: f("ca.crt"),
+            ..partial
+        };
+        assert_eq!(all.peer_tls().unwrap().name, "shardcache-peer");
+        // Missing files: the key that names them.
+        let e = all.validate().unwrap_err();
+        assert!(e.starts_with("peer_tls_cert:"), "{e}");
+        std::fs::write(dir.path().join("tls.crt"), "not PEM").unwrap();
+        let e = all.validate().unwrap_err();
+        assert!(e.contains("no PEM certificate"), "{e}");
+        let e = Config {
+            peer_listen: None,
+            peers: Vec::new(),
+            ..all
+        }
+        .validate()
+        .unwrap_err();
+        assert!(e.contains("needs peer_listen"), "{e}");
+    }
 
     #[test]
     fn sizes_and_durations_parse() {

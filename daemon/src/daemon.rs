@@ -336,6 +336,7 @@ impl Daemon {
             secret,
             timeout: cfg.peer_timeout,
             refresh: cfg.peer_refresh,
+            tls: cfg.peer_tls(),
         };
         let (peers, fill_cell) = Peers::start(&pc, store.clone(), meta.clone(), stats.clone())
             .with_context(|| format!("peer_listen: starting the peer service on {listen}"))?;

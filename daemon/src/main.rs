@@ -93,6 +93,19 @@ struct Args {
     /// (clients read it directly) until one completes, e.g. 1s; 0 never [default: 1s].
     #[arg(long, env = "SHARDCACHED_BACKING_STALL_TIMEOUT", value_parser = config::parse_duration)]
     backing_stall_timeout: Option<std::time::Duration>,
+    /// TLS on the peer port: this node's certificate chain (PEM); with --peer-tls-key and
+    /// --peer-tls-ca [default: no TLS].
+    #[arg(long, env = "SHARDCACHED_PEER_TLS_CERT")]
+    peer_tls_cert: Option<PathBuf>,
+    /// The private key of --peer-tls-cert (PEM).
+    #[arg(long, env = "SHARDCACHED_PEER_TLS_KEY")]
+    peer_tls_key: Option<PathBuf>,
+    /// The CA certificates peers' certificates must chain to (PEM).
+    #[arg(long, env = "SHARDCACHED_PEER_TLS_CA")]
+    peer_tls_ca: Option<PathBuf>,
+    /// The name every peer's certificate carries [default: shardcache-peer].
+    #[arg(long, env = "SHARDCACHED_PEER_TLS_NAME")]
+    peer_tls_name: Option<String>,
     /// Longest fetch from a peer before reading the backing store, e.g. 2s [default: 2s].
     #[arg(long, env = "SHARDCACHED_PEER_TIMEOUT", value_parser = config::parse_duration)]
     peer_timeout: Option<std::time::Duration>,
@@ -159,6 +172,7 @@ fn load(args: &Args) -> anyhow::Result<Config> {
         prefetch_concurrency,
         peer_timeout,
         backing_stall_timeout,
+        peer_tls_name,
         metrics_listen
     );
     if args.peer_listen.is_some() {
@@ -175,6 +189,15 @@ fn load(args: &Args) -> anyhow::Result<Config> {
     }
     if args.peer_secret_file.is_some() {
         cfg.peer_secret_file = args.peer_secret_file.clone();
+    }
+    for (arg, field) in [
+        (&args.peer_tls_cert, &mut cfg.peer_tls_cert),
+        (&args.peer_tls_key, &mut cfg.peer_tls_key),
+        (&args.peer_tls_ca, &mut cfg.peer_tls_ca),
+    ] {
+        if arg.is_some() {
+            field.clone_from(arg);
+        }
     }
     if let Some(bw) = args.backing_bandwidth {
         cfg.backing_bandwidth = (bw > 0).then_some(bw);

@@ -74,6 +74,7 @@ counters!(
     conns_closed_uid_limit,
     conns_closed_full,
     journal_recoveries,
+    peer_forged,
 );
 
 /// Adds `n` to a counter.

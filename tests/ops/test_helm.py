@@ -291,6 +291,25 @@ def test_existing_secret_and_peers_off():
     assert [p["name"] for p in one(objs, "Service")["spec"]["ports"]] == ["metrics"]
 
 
+def test_peer_tls_mounts_the_named_secret_and_points_the_daemon_at_it():
+    objs = render({"peers": {"tls": {"existingSecret": "peer-tls", "name": "peers.ml.example"}}})
+    validate_all(objs)
+    cfg = toml_of(objs)
+    files = {k: cfg[k] for k in ("peer_tls_cert", "peer_tls_key", "peer_tls_ca")}
+    assert {os.path.basename(f) for f in files.values()} == {"tls.crt", "tls.key", "ca.crt"}
+    assert cfg["peer_tls_name"] == "peers.ml.example"
+    (d,) = {os.path.dirname(f) for f in files.values()}
+    vol, mount = mounts(objs)[d]
+    assert mount["readOnly"] is True
+    assert vol["secret"]["secretName"] == "peer-tls"
+    assert vol["secret"]["defaultMode"] == 0o400
+    assert sorted(i["key"] for i in vol["secret"]["items"]) == ["ca.crt", "tls.crt", "tls.key"]
+    # Off by default, and the chart owns the keys.
+    assert not {k for k in toml_of(render()) if k.startswith("peer_tls")}
+    with pytest.raises(helm.HelmError, match="peer_tls_cert"):
+        render({"config": {"peer_tls_cert": "/x.crt"}})
+
+
 def test_config_values_become_typed_toml_and_chart_owned_keys_are_refused():
     cfg = toml_of(render({"config": {"fill_workers": 12, "block_size": "1MiB", "max_wait": "5s"}}))
     assert cfg["fill_workers"] == 12 and isinstance(cfg["fill_workers"], int)

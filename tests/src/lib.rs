@@ -12,6 +12,7 @@ use std::time::{Duration, Instant};
 
 use shardcache_client::{Client, ClientConfig, proto as pb};
 
+pub mod certs;
 pub mod live;
 pub mod peerbench;
 pub mod policy;

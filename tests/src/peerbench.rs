@@ -2,10 +2,11 @@
 //! loopback addresses, sharing one backing directory.
 //!
 //! 1. Transfer: node B fetches every block of a file node A owns and holds, through the
-//!    peer block stream (HMAC-authenticated connections, checksums on both ends, 4
-//!    fetches in flight as the fill engine does), ÷ raw TCP moving the same bytes from
-//!    the same page-cached file on the same loopback path: one stream, and 4 streams at
-//!    once (as many as the peer fetches in flight), whichever is faster. The three are
+//!    peer block stream (a MAC per block, checksums on both ends, with `--tls` inside
+//!    mutual TLS; 4 fetches in flight as the fill engine does), ÷ raw TCP moving the
+//!    same bytes from the same page-cached file on the same loopback path: one stream,
+//!    and 4 streams at once (as many as the peer fetches in flight), whichever is
+//!    faster. The three are
 //!    measured in turn, in a rotating order, for several rounds; medians are compared.
 //! 2. Placement: M nodes run a distributed shuffle (one rank each) with aggregate cache
 //!    a = M·C/N; per epoch after the first, the backing traffic ÷ the dataset (floor
@@ -31,16 +32,19 @@ fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
-/// Starts `m` daemons sharing `backing`, each with `capacity` bytes of cache.
+/// Starts `m` daemons sharing `backing`, each with `capacity` bytes of cache; with
+/// `tls`, mutual TLS on the peer port (certificates from one test CA).
 fn cluster(
     dir: &Path,
     backing: &Path,
     m: usize,
     block: u64,
     capacity: u64,
+    tls: bool,
 ) -> anyhow::Result<(Vec<Daemon>, Vec<String>, Vec<PathBuf>)> {
     let secret = dir.join("secret");
     std::fs::write(&secret, SECRET)?;
+    let ca = tls.then(|| crate::certs::Ca::new("bench"));
     let addrs: Vec<String> = (0..m)
         .map(|_| free_port().map(|p| format!("127.0.0.1:{p}")))
         .collect::<Result<_, _>>()?;
@@ -48,7 +52,13 @@ fn cluster(
     let mut sockets = Vec::new();
     for i in 0..m {
         let socket = dir.join(format!("node-{i}.sock"));
+        let files = ca
+            .as_ref()
+            .map(|ca| ca.issue(&dir.join(format!("tls-{i}")), &[ca]));
         let cfg = Config {
+            peer_tls_cert: files.as_ref().map(|f| f.cert.clone()),
+            peer_tls_key: files.as_ref().map(|f| f.key.clone()),
+            peer_tls_ca: files.as_ref().map(|f| f.ca.clone()),
             backing_roots: vec![backing.to_owned()],
             cache_dir: dir.join(format!("cache-{i}")),
             socket: socket.clone(),
@@ -100,14 +110,15 @@ pub struct Transfer {
     pub ratio_one: f64,
 }
 
-/// Peer transfer and raw TCP, both on loopback, `rounds` rounds of `mib` MiB each.
-pub fn transfer(dir: &Path, mib: u64, rounds: usize) -> anyhow::Result<Transfer> {
+/// Peer transfer (over TLS with `tls`) and raw TCP, both on loopback, `rounds` rounds of
+/// `mib` MiB each.
+pub fn transfer(dir: &Path, mib: u64, rounds: usize, tls: bool) -> anyhow::Result<Transfer> {
     let block = 4u64 << 20;
     let tmp = tempfile::tempdir_in(dir)?;
     let backing = tmp.path().join("backing");
     std::fs::create_dir_all(&backing)?;
     let backing = backing.canonicalize()?;
-    let (nodes, addrs, sockets) = cluster(tmp.path(), &backing, 2, block, (8 * mib) << 20)?;
+    let (nodes, addrs, sockets) = cluster(tmp.path(), &backing, 2, block, (8 * mib) << 20, tls)?;
     let root = backing.display().to_string();
     // A file node 0 owns.
     let rel = (0..1000)
@@ -298,7 +309,7 @@ pub fn placement(
         write_file(&backing.join(format!("ds/s{i:05}")), i, size);
     }
     let capacity = ((a * files as f64 / m as f64).round() as u64).max(1) * size;
-    let (nodes, addrs, sockets) = cluster(tmp.path(), &backing, m, block, capacity)?;
+    let (nodes, addrs, sockets) = cluster(tmp.path(), &backing, m, block, capacity, false)?;
     if std::env::var_os("SHARDCACHE_BENCH_VERBOSE").is_some() {
         for (i, a) in addrs.iter().enumerate() {
             eprintln!(
@@ -397,15 +408,17 @@ pub fn placement(
     })
 }
 
-/// Prints the benchmark.
-pub fn run(dir: &Path, mib: u64, rounds: usize) -> anyhow::Result<()> {
+/// Prints the benchmark; with `tls`, the transfer runs over mutual TLS and placement
+/// is left out (TLS changes no placement).
+pub fn run(dir: &Path, mib: u64, rounds: usize, tls: bool) -> anyhow::Result<()> {
     if rounds > 0 {
-        let t = transfer(dir, mib, rounds)?;
+        let t = transfer(dir, mib, rounds, tls)?;
         println!(
             "transfer: {mib} MiB in 4 MiB blocks, node to node over loopback, {rounds} rounds in rotating order (medians)"
         );
         println!(
-            "  peer fetch (block stream: HMAC-authenticated TCP, sender reads and checks xxh3 then writes, receiver checks xxh3; {IN_FLIGHT} in flight as the fill engine does) {:.0} MiB/s",
+            "  peer fetch (block stream{}: a MAC per block (keyed BLAKE3) and xxh3, the sender reads, checks, MACs then writes, the receiver checks both; {IN_FLIGHT} in flight as the fill engine does) {:.0} MiB/s",
+            if tls { " over mutual TLS 1.3" } else { "" },
             t.peer
         );
         println!(
@@ -420,6 +433,9 @@ pub fn run(dir: &Path, mib: u64, rounds: usize) -> anyhow::Result<()> {
             "  ratio peer ÷ the faster raw configuration of the same round (stricter): median {:.2} (rounds {:.2}–{:.2})",
             t.ratio, t.ratio_range.0, t.ratio_range.1
         );
+    }
+    if tls {
+        return Ok(());
     }
     let (m, files, kib, epochs) = (4usize, 240u64, 128u64, 4u64);
     println!(

@@ -114,11 +114,12 @@ fn a_node_without_the_secret_gets_nothing_and_still_reads_right() {
     assert_eq!(nodes[2].counters().peer_blocks_in, 0);
 }
 
-/// The gRPC side of the peer port (`Ranks`, and `Fetch` for older nodes) refuses calls
-/// without the secret, or with a wrong one, before any handler runs.
+/// The gRPC side of the peer port (`Ranks`; `Fetch` is retired) refuses calls without a
+/// proof of the secret, or with a wrong one, before any handler runs. With the proof,
+/// `Ranks` answers, MACed for the request's nonce.
 #[test]
 fn grpc_calls_without_the_secret_are_refused() {
-    use shardcache_daemon::peer::{SECRET_HEADER, proto};
+    use shardcache_daemon::peer::{auth, proto};
     let bed = Bed::new();
     let secret = "the grpc path's shared secret";
     let (nodes, addrs) = cluster(&bed, &[secret, secret]);
@@ -131,11 +132,12 @@ fn grpc_calls_without_the_secret_are_refused() {
         .build()
         .unwrap();
     let refused_before = nodes[0].counters().peer_refused;
-    let codes = rt.block_on(async {
+    let (codes, macs) = rt.block_on(async {
         let mut client = proto::peer_client::PeerClient::connect(format!("http://{}", addrs[0]))
             .await
             .unwrap();
         let mut codes = Vec::new();
+        let mut macs = Vec::new();
         for header in [None, Some("a wrong secret of some length"), Some(secret)] {
             let mut r = tonic::Request::new(proto::RanksRequest {});
             let mut f = tonic::Request::new(proto::FetchRequest {
@@ -148,15 +150,30 @@ fn grpc_calls_without_the_secret_are_refused() {
                 block_size: BLOCK as u32,
                 ..Default::default()
             });
+            let mut nonce = None;
             if let Some(h) = header {
-                r.metadata_mut().insert(SECRET_HEADER, h.parse().unwrap());
-                f.metadata_mut().insert(SECRET_HEADER, h.parse().unwrap());
+                nonce = Some(auth::sign_request(h.as_bytes(), r.metadata_mut()).unwrap());
+                auth::sign_request(h.as_bytes(), f.metadata_mut()).unwrap();
             }
-            let ranks = client.ranks(r).await.map(|_| ()).map_err(|s| s.code());
+            let ranks = client
+                .ranks(r)
+                .await
+                .map(|r| {
+                    let r = r.into_inner();
+                    let n = nonce.unwrap();
+                    macs.push(auth::check_reply(
+                        secret.as_bytes(),
+                        "Ranks",
+                        &n,
+                        &r.sealed,
+                        &r.mac,
+                    ));
+                })
+                .map_err(|s| s.code());
             let fetch = client.fetch(f).await.map(|_| ()).map_err(|s| s.code());
             codes.push((header.is_some(), ranks, fetch));
         }
-        codes
+        (codes, macs)
     });
     use tonic::Code::Unauthenticated;
     assert_eq!(codes[0].1, Err(Unauthenticated), "{codes:?}");
@@ -164,9 +181,11 @@ fn grpc_calls_without_the_secret_are_refused() {
     assert_eq!(codes[1].1, Err(Unauthenticated), "{codes:?}");
     assert_eq!(codes[1].2, Err(Unauthenticated), "{codes:?}");
     assert_eq!(codes[2].1, Ok(()), "the secret opens the door: {codes:?}");
-    assert!(
-        codes[2].2 != Err(Unauthenticated),
-        "with the secret a fetch is judged on its merits: {codes:?}"
+    assert_eq!(macs, [true], "and the reply is MACed for the request");
+    assert_eq!(
+        codes[2].2,
+        Err(tonic::Code::Unimplemented),
+        "with the secret a fetch is judged on its merits (retired): {codes:?}"
     );
     assert!(nodes[0].counters().peer_refused >= refused_before + 4);
 }
@@ -516,14 +535,20 @@ fn the_block_stream_serves_only_callers_that_prove_the_secret() {
     assert!(c.peer_refused >= 2, "refused {}", c.peer_refused);
     assert_eq!(c.peer_blocks_out, 0, "no block went out");
 
-    // With the secret: the block, and its checksum.
+    // With the secret: the block, its checksum, and its MAC.
     let mut s = std::net::TcpStream::connect(&addrs[0]).unwrap();
-    wire::client_handshake(&mut s, secret.as_bytes()).unwrap();
-    wire::write_frame(&mut s, &req).unwrap();
-    let head: proto::BlockHeader = wire::read_frame(&mut s).unwrap().unwrap();
+    let mut session = wire::client_handshake(&mut s, secret.as_bytes()).unwrap();
+    let mut ask = |s: &mut std::net::TcpStream, req: &proto::FetchRequest| {
+        session.send_request(s, req).unwrap();
+        let (head, mut opened) = session.read_reply(s).unwrap();
+        let mut block = vec![0u8; head.length as usize];
+        s.read_exact(&mut block).unwrap();
+        opened.update(&block);
+        session.finish_reply(s, opened).unwrap();
+        (head, block)
+    };
+    let (head, block) = ask(&mut s, &req);
     assert_eq!((head.code, head.length), (0, BLOCK), "{head:?}");
-    let mut block = vec![0u8; BLOCK as usize];
-    s.read_exact(&mut block).unwrap();
     let want = &content(6, len)[BLOCK as usize..2 * BLOCK as usize];
     assert!(block == want, "the right bytes");
     assert_eq!(head.xxh3, xxhash_rust::xxh3::xxh3_64(want));
@@ -536,8 +561,7 @@ fn the_block_stream_serves_only_callers_that_prove_the_secret() {
         keep: true,
         ..req.clone()
     };
-    wire::write_frame(&mut s, &release).unwrap();
-    let head: proto::BlockHeader = wire::read_frame(&mut s).unwrap().unwrap();
+    let (head, _) = ask(&mut s, &release);
     assert_eq!((head.code, head.length), (0, 0), "{head:?}");
     assert_eq!(head.xxh3, xxhash_rust::xxh3::xxh3_64(&[]));
     assert_eq!(
@@ -545,16 +569,15 @@ fn the_block_stream_serves_only_callers_that_prove_the_secret() {
         1,
         "nothing sent for it"
     );
-    wire::write_frame(&mut s, &req).unwrap();
-    let head: proto::BlockHeader = wire::read_frame(&mut s).unwrap().unwrap();
+    let (head, block) = ask(&mut s, &req);
     assert_eq!((head.code, head.length), (0, BLOCK), "{head:?}");
-    s.read_exact(&mut block).unwrap();
     assert!(block == want);
 }
 
 /// A peer (holding the secret) whose bytes do not match the checksum it announces, as
-/// if they were damaged on the way: the receiver refuses every such block, stores
-/// nothing of it, and its reader gets the right bytes from the backing store.
+/// if its copy were damaged (the MAC verifies: it is the peer's own doing): the receiver
+/// refuses every such block, stores nothing of it, and its reader gets the right bytes
+/// from the backing store.
 #[test]
 fn a_block_that_fails_its_checksum_on_arrival_is_refused_and_the_read_falls_back() {
     let bed = Bed::new();
@@ -588,10 +611,10 @@ fn a_block_that_fails_its_checksum_on_arrival_is_refused_and_the_read_falls_back
                     if s.read_exact(&mut magic).is_err() || magic != wire::MAGIC {
                         return;
                     }
-                    if wire::server_handshake(&mut s, secret.as_bytes()).is_err() {
+                    let Ok(mut session) = wire::server_handshake(&mut s, secret.as_bytes()) else {
                         return;
-                    }
-                    while let Ok(Some(req)) = wire::read_frame::<proto::FetchRequest, _>(&mut s) {
+                    };
+                    while let Ok(Some(req)) = session.read_request(&mut s) {
                         let at = (req.index * req.block_size as u64) as usize;
                         let end = (at + req.block_size as usize).min(truth.len());
                         let mut bytes = truth[at..end].to_vec();
@@ -603,8 +626,7 @@ fn a_block_that_fails_its_checksum_on_arrival_is_refused_and_the_read_falls_back
                         };
                         let mid = bytes.len() / 2;
                         bytes[mid] ^= 0x20;
-                        if wire::write_frame(&mut s, &head).is_err() || s.write_all(&bytes).is_err()
-                        {
+                        if session.send_reply(&mut s, &head, &bytes).is_err() {
                             return;
                         }
                         served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -639,6 +661,10 @@ fn a_block_that_fails_its_checksum_on_arrival_is_refused_and_the_read_falls_back
     );
     assert!(served >= 1, "the node did ask the rogue");
     assert!(c.peer_errors >= served, "every damaged block was refused");
+    assert_eq!(
+        c.peer_forged, 0,
+        "by its checksum: the MAC was the peer's own"
+    );
     assert_eq!(c.peer_blocks_in, 0, "none was taken");
     assert_eq!(
         c.backing_reads,

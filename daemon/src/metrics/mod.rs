@@ -134,6 +134,8 @@ defs! {
         "Fetches from peers that failed (the backing store was read instead).";
     PEER_REFUSED: Counter "shardcache_peer_refused_total" COUNT, [],
         "Peer requests refused for a bad or missing secret.";
+    PEER_FORGED: Counter "shardcache_peer_forged_total" COUNT, [],
+        "Messages from peers whose MAC did not verify (forged, changed on the way, or replayed): dropped.";
     PEERS: Gauge "shardcache_peers" COUNT, ["state"],
         "Other members of the cluster, by health: healthy, down (0 and 0 when sharing is off).";
     PEER_UP: Gauge "shardcache_peer_up" NONE, ["peer"],
@@ -401,6 +403,7 @@ impl Metrics {
             (&FILL_QUEUE_SHED, c.queue_shed),
             (&PEER_ERRORS, c.peer_errors),
             (&PEER_REFUSED, c.peer_refused),
+            (&PEER_FORGED, c.peer_forged),
             (&BLOCKS_VERIFIED, c.blocks_verified),
             (&CORRUPT_BLOCKS, c.corrupt_blocks),
             (&JOURNAL_RECOVERIES, c.journal_recoveries),

@@ -4,15 +4,19 @@
 //! hands it to gRPC (with those bytes put back in front, [`Prefixed`]) or, when they are
 //! [`wire::MAGIC`], to a block-stream thread. A block-stream connection runs on a thread
 //! of its own with blocking I/O, as the Unix-socket server does: a block is one `pread`
-//! into a buffer, a checksum check and one `write` of it to the socket, with no runtime
-//! hand-offs in between. The handshake (the caller proves the shared secret) comes first
-//! and is bounded by the peer timeout; at most [`MAX_CONNS`] such connections are open at
-//! once (more are closed at once: their callers read the backing store), so that callers
-//! without the secret cannot hold more than that many threads, each for at most the
-//! timeout.
+//! into a buffer, a checksum check, a MAC over it and one `write` of it to the socket,
+//! with no runtime hand-offs in between. The handshake (the caller proves the shared
+//! secret) comes first and is bounded by the peer timeout; after it, every request must
+//! carry its session's MAC and every answer carries one (see [`wire`]). At most
+//! [`MAX_CONNS`] such connections are open at once (more are closed at once: their
+//! callers read the backing store), so that callers without the secret cannot hold more
+//! than that many threads, each for at most the timeout. With TLS on (`super::tls`),
+//! the accept loop runs each connection's TLS handshake first (async, bounded by the
+//! same timeout) and reads the 8 bytes inside it; a block stream's thread then takes
+//! the TLS state over with the socket.
 
 use std::collections::HashMap;
-use std::io::{self, Write};
+use std::io;
 use std::net::TcpStream;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -25,7 +29,8 @@ use tonic::transport::server::{Connected, TcpConnectInfo};
 
 use super::proto::{BlockHeader, FetchRequest};
 use super::service::{Service, serve_block};
-use super::wire::{self, HandshakeError};
+use super::tls::{Stream, Tls};
+use super::wire::{self, HandshakeError, WireError};
 use crate::stats::inc;
 
 /// Most block-stream connections served at once (a peer opens about one per fill worker).
@@ -34,12 +39,93 @@ pub(super) const MAX_CONNS: usize = 64;
 /// keep idle connections for less: [`super::KEEP_IDLE`]).
 const IDLE: Duration = Duration::from_secs(60);
 
+/// An accepted connection: plain TCP, or TLS over it (the port runs one or the other).
+pub(super) enum PeerIo {
+    Plain(tokio::net::TcpStream),
+    Tls(Box<tokio_rustls::server::TlsStream<tokio::net::TcpStream>>),
+}
+
+impl PeerIo {
+    fn tcp(&self) -> &tokio::net::TcpStream {
+        match self {
+            PeerIo::Plain(s) => s,
+            PeerIo::Tls(s) => s.get_ref().0,
+        }
+    }
+
+    /// The connection for a block-stream thread (blocking I/O).
+    fn into_blocking(self) -> io::Result<Stream> {
+        let blocking = |s: tokio::net::TcpStream| {
+            let s = s.into_std()?;
+            s.set_nonblocking(false)?;
+            Ok::<_, io::Error>(s)
+        };
+        match self {
+            PeerIo::Plain(s) => Ok(Stream::Plain(blocking(s)?)),
+            PeerIo::Tls(s) => {
+                // What TLS read ahead stays in the connection state, read next.
+                let (s, conn) = s.into_inner();
+                Ok(Stream::served(blocking(s)?, conn))
+            }
+        }
+    }
+}
+
+macro_rules! both {
+    ($io:expr, $s:ident => $e:expr) => {
+        match $io {
+            PeerIo::Plain($s) => $e,
+            PeerIo::Tls($s) => $e,
+        }
+    };
+}
+
+impl AsyncRead for PeerIo {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        both!(self.get_mut(), s => Pin::new(s).poll_read(cx, buf))
+    }
+}
+
+impl AsyncWrite for PeerIo {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        both!(self.get_mut(), s => Pin::new(s).poll_write(cx, buf))
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        both!(self.get_mut(), s => Pin::new(s).poll_write_vectored(cx, bufs))
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        both!(self, s => s.is_write_vectored())
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        both!(self.get_mut(), s => Pin::new(s).poll_flush(cx))
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        both!(self.get_mut(), s => Pin::new(s).poll_shutdown(cx))
+    }
+}
+
 /// A gRPC connection whose first bytes were read to tell it from a block stream: they
 /// are read again first.
 pub(super) struct Prefixed {
     head: [u8; 8],
     at: usize,
-    io: tokio::net::TcpStream,
+    io: PeerIo,
 }
 
 impl AsyncRead for Prefixed {
@@ -93,26 +179,30 @@ impl Connected for Prefixed {
     type ConnectInfo = TcpConnectInfo;
 
     fn connect_info(&self) -> TcpConnectInfo {
-        self.io.connect_info()
+        self.io.tcp().connect_info()
     }
 }
 
 /// Accepts connections on the peer port until `stop` turns true: gRPC ones go to
-/// `grpc` (tonic's incoming stream), block streams to `data`. A connection that does
-/// not send 8 bytes within `timeout` is dropped.
+/// `grpc` (tonic's incoming stream), block streams to `data`. With `tls`, every
+/// connection is TLS first (a failed handshake counts as a refused caller). A
+/// connection that does not finish its TLS handshake and send 8 bytes within `timeout`
+/// is dropped.
 pub(super) async fn accept(
     listener: tokio::net::TcpListener,
     grpc: tokio::sync::mpsc::Sender<io::Result<Prefixed>>,
     data: Arc<DataServer>,
+    tls: Option<Arc<Tls>>,
     mut stop: tokio::sync::watch::Receiver<bool>,
     timeout: Duration,
 ) {
+    let acceptor = tls.map(|t| t.acceptor());
     loop {
         let conn = tokio::select! {
             r = listener.accept() => r,
             _ = stop.wait_for(|s| *s) => return,
         };
-        let mut conn = match conn {
+        let conn = match conn {
             Ok((c, _)) => c,
             Err(e) => {
                 // Out of descriptors, most likely: back off instead of spinning.
@@ -122,23 +212,36 @@ pub(super) async fn accept(
             }
         };
         let _ = conn.set_nodelay(true);
-        let (grpc, data) = (grpc.clone(), data.clone());
+        let (grpc, data, acceptor) = (grpc.clone(), data.clone(), acceptor.clone());
         tokio::spawn(async move {
-            let mut head = [0u8; 8];
-            match tokio::time::timeout(timeout, conn.read_exact(&mut head)).await {
-                Ok(Ok(_)) => {}
-                Ok(Err(_)) | Err(_) => return,
-            }
+            let opened = async {
+                let mut io = match acceptor {
+                    None => PeerIo::Plain(conn),
+                    Some(a) => match a.accept(conn).await {
+                        Ok(s) => PeerIo::Tls(Box::new(s)),
+                        Err(e) => {
+                            inc(&data.svc.stats.peer_refused);
+                            tracing::debug!(error = %e, "peer port: TLS handshake refused");
+                            return None;
+                        }
+                    },
+                };
+                let mut head = [0u8; 8];
+                io.read_exact(&mut head).await.ok()?;
+                Some((io, head))
+            };
+            let Ok(Some((io, head))) = tokio::time::timeout(timeout, opened).await else {
+                return;
+            };
             if head == wire::MAGIC {
-                data.admit(conn);
+                match io.into_blocking() {
+                    Ok(s) => data.admit(s),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "block stream: cannot take the connection")
+                    }
+                }
             } else {
-                let _ = grpc
-                    .send(Ok(Prefixed {
-                        head,
-                        at: 0,
-                        io: conn,
-                    }))
-                    .await;
+                let _ = grpc.send(Ok(Prefixed { head, at: 0, io })).await;
             }
         });
     }
@@ -157,7 +260,7 @@ struct Conns {
 pub(super) struct DataServer {
     secret: Vec<u8>,
     /// The gRPC service: what is served, and how (the same for both protocols).
-    svc: Arc<Service>,
+    pub(super) svc: Arc<Service>,
     conns: Mutex<Conns>,
 }
 
@@ -172,17 +275,7 @@ impl DataServer {
 
     /// Serves a block-stream connection (its magic read) on a thread of its own, when
     /// fewer than [`MAX_CONNS`] are open; closes it otherwise.
-    fn admit(self: Arc<Self>, conn: tokio::net::TcpStream) {
-        let conn = match conn.into_std().and_then(|c| {
-            c.set_nonblocking(false)?;
-            Ok(c)
-        }) {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::debug!(error = %e, "block stream: cannot take the connection");
-                return;
-            }
-        };
+    fn admit(self: Arc<Self>, conn: Stream) {
         let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
         if conns.closed {
             return;
@@ -194,7 +287,7 @@ impl DataServer {
             );
             return;
         }
-        let Ok(shutdown) = conn.try_clone() else {
+        let Ok(shutdown) = conn.tcp().try_clone() else {
             return;
         };
         conns.next += 1;
@@ -219,50 +312,62 @@ impl DataServer {
     }
 
     /// One connection: the handshake, then requests until the caller closes it, it idles
-    /// for [`IDLE`], or anything fails.
-    fn serve(&self, mut s: TcpStream) {
-        let setup = s
+    /// for [`IDLE`], or anything fails (a request that fails its MAC included).
+    fn serve(&self, mut s: Stream) {
+        let tcp = s.tcp();
+        let setup = tcp
             .set_nodelay(true)
-            .and_then(|()| s.set_read_timeout(Some(self.svc.timeout)))
-            .and_then(|()| s.set_write_timeout(Some(self.svc.timeout)));
+            .and_then(|()| tcp.set_read_timeout(Some(self.svc.timeout)))
+            .and_then(|()| tcp.set_write_timeout(Some(self.svc.timeout)));
         if let Err(e) = setup {
             tracing::debug!(error = %e, "block stream: socket setup failed");
             return;
         }
-        match wire::server_handshake(&mut s, &self.secret) {
-            Ok(()) => {}
+        let mut session = match wire::server_handshake(&mut s, &self.secret) {
+            Ok(session) => session,
             Err(HandshakeError::Refused) => {
                 inc(&self.svc.stats.peer_refused);
-                tracing::debug!(peer = ?s.peer_addr().ok(), "block stream: caller without the secret refused");
+                tracing::debug!(peer = ?s.tcp().peer_addr().ok(), "block stream: caller without the secret refused");
                 return;
             }
             Err(HandshakeError::Io(e)) => {
                 tracing::debug!(error = %e, "block stream: handshake failed");
                 return;
             }
-        }
+        };
         // One block buffer for the connection's life.
         let mut buf = Vec::new();
         loop {
-            if s.set_read_timeout(Some(IDLE)).is_err() {
+            if s.tcp().set_read_timeout(Some(IDLE)).is_err() {
                 return;
             }
-            let req: FetchRequest = match wire::read_frame(&mut s) {
+            let req = match session.read_request(&mut s) {
                 Ok(Some(r)) => r,
                 Ok(None) => return,
-                Err(e) => {
+                Err(WireError::Forged) => {
+                    inc(&self.svc.stats.peer_forged);
+                    tracing::warn!(peer = ?s.tcp().peer_addr().ok(), "block stream: a request failed its MAC (forged or replayed on the way); connection closed");
+                    return;
+                }
+                Err(WireError::Io(e)) => {
                     tracing::debug!(error = %e, "block stream: reading a request failed");
                     return;
                 }
             };
-            if let Err(e) = self.answer(&mut s, &req, &mut buf) {
+            if let Err(e) = self.answer(&mut s, &mut session, &req, &mut buf) {
                 tracing::debug!(error = %e, "block stream: sending a block failed");
                 return;
             }
         }
     }
 
-    fn answer(&self, s: &mut TcpStream, req: &FetchRequest, data: &mut Vec<u8>) -> io::Result<()> {
+    fn answer(
+        &self,
+        s: &mut Stream,
+        session: &mut wire::Session,
+        req: &FetchRequest,
+        data: &mut Vec<u8>,
+    ) -> io::Result<()> {
         let svc = &self.svc;
         if req.release {
             svc.released(req);
@@ -272,7 +377,7 @@ impl DataServer {
                 length: 0,
                 xxh3: crate::checksum::block_xxh3(&[]),
             };
-            return wire::write_frame(s, &head);
+            return session.send_reply(s, &head, &[]);
         }
         let got = serve_block(
             &svc.store,
@@ -290,8 +395,7 @@ impl DataServer {
                     length: data.len() as u64,
                     xxh3: sum,
                 };
-                wire::write_frame(s, &head)?;
-                s.write_all(data)?;
+                session.send_reply(s, &head, data)?;
                 svc.served(req, key, data.len());
             }
             Err(status) => {
@@ -301,7 +405,7 @@ impl DataServer {
                     length: 0,
                     xxh3: 0,
                 };
-                wire::write_frame(s, &head)?;
+                session.send_reply(s, &head, &[])?;
             }
         }
         Ok(())

@@ -6,19 +6,25 @@
 //! block from its cache, or fetches it from the backing store first (its own fill
 //! engine: one backing read however many nodes ask), and the requester checks the
 //! checksum before it trusts the bytes. Any error or timeout falls through to the
-//! backing store: a read never fails because a peer did. Peers authenticate every call
-//! with the cluster's shared secret; without it a caller gets nothing.
+//! backing store: a read never fails because a peer did.
 //!
-//! The peer port speaks two protocols: gRPC (the `Peer` service: `Ranks`, and `Fetch`
-//! for nodes of earlier versions) and the block stream ([`wire`]), which carries the
-//! bytes of blocks as they are, on connections that proved the secret by an HMAC
-//! challenge and are kept for the next block. Fills use the block stream: gRPC's framing
-//! and copies held a fetch to under half of what the same TCP path carries.
+//! Peers authenticate every byte they accept from each other with the cluster's shared
+//! secret, which itself never travels: without it a caller gets nothing, and nothing it
+//! injects into another node's connections is taken. The peer port speaks two
+//! protocols: the block stream ([`wire`]), which carries the bytes of blocks as they
+//! are, on connections that proved the secret both ways by a challenge, with a MAC per
+//! request and per block under keys fresh for each connection, kept for the next block;
+//! and gRPC (the `Peer` service: `Ranks`), whose requests prove the secret over a fresh
+//! nonce and whose replies carry a MAC bound to it ([`auth`]). Fills use the block
+//! stream: gRPC's framing and copies held a fetch to under half of what the same TCP
+//! path carries.
 
+pub mod auth;
 mod data;
 pub mod membership;
 pub mod ring;
 mod service;
+pub mod tls;
 pub mod wire;
 
 use std::collections::HashMap;
@@ -27,7 +33,6 @@ use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use tonic::metadata::AsciiMetadataValue;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::backing::Stat;
@@ -43,12 +48,8 @@ pub mod proto {
     tonic::include_proto!("shardcache.peer.v1");
 }
 
-/// The metadata key that carries the shared secret.
-pub const SECRET_HEADER: &str = "x-shardcache-secret";
 /// Largest block a peer sends or accepts (the largest configurable block size).
 const MAX_BLOCK: usize = 64 << 20;
-/// Bytes per streamed chunk (gRPC `Fetch`).
-const CHUNK: usize = 1 << 20;
 /// Bytes the block-stream receiver reads before it hashes them (while they are still in
 /// the CPU's cache).
 const STEP: usize = 256 << 10;
@@ -78,6 +79,8 @@ pub struct PeerConfig {
     pub timeout: Duration,
     /// How often the member list is read again.
     pub refresh: Duration,
+    /// TLS on the peer port (both protocols), when set.
+    pub tls: Option<tls::TlsFiles>,
 }
 
 /// Where the peer service finds the fill engine once it exists (the fill engine also
@@ -154,15 +157,15 @@ pub struct Peers {
     rt: Mutex<Option<tokio::runtime::Runtime>>,
     closed: std::sync::atomic::AtomicBool,
     membership: Arc<Membership>,
-    /// The shared secret as gRPC metadata (`Ranks`).
-    secret: AsciiMetadataValue,
-    /// The shared secret as the block stream's HMAC key.
+    /// The shared secret: what the keys of every MAC are derived from.
     key: Vec<u8>,
     channels: Mutex<HashMap<String, Channel>>,
     /// This node's block size (every peer must use the same).
     block_size: u32,
+    /// TLS on the peer port, when configured.
+    tls: Option<Arc<tls::Tls>>,
     /// Idle block-stream connections, authenticated, by peer.
-    idle: Mutex<HashMap<String, Vec<(TcpStream, Instant)>>>,
+    idle: Mutex<HashMap<String, Vec<(Conn, Instant)>>>,
     timeout: Duration,
     stats: Arc<Stats>,
     stop: tokio::sync::watch::Sender<bool>,
@@ -193,10 +196,12 @@ impl Peers {
         stats: Arc<Stats>,
     ) -> anyhow::Result<(Arc<Self>, FillerCell)> {
         use anyhow::Context;
-        let secret: AsciiMetadataValue = cfg
-            .secret
-            .parse()
-            .context("peer secret: must be printable ASCII")?;
+        let tls = match &cfg.tls {
+            Some(files) => Some(Arc::new(
+                tls::Tls::load(files).map_err(|e| anyhow::anyhow!(e))?,
+            )),
+            None => None,
+        };
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .thread_name("sc-peer")
@@ -224,6 +229,7 @@ impl Peers {
             timeout: cfg.timeout,
             plans: plans.clone(),
             handoffs: Mutex::new(HashMap::new()),
+            secret: cfg.secret.as_bytes().to_vec(),
         };
         let svc = Arc::new(svc);
         let data = Arc::new(data::DataServer::new(
@@ -231,10 +237,11 @@ impl Peers {
             svc.clone(),
         ));
         let (stop, stopped) = tokio::sync::watch::channel(false);
-        let expected = cfg.secret.clone();
+        let expected = cfg.secret.as_bytes().to_vec();
         let refused = stats.clone();
         let (grpc_tx, grpc_rx) = tokio::sync::mpsc::channel(data::MAX_CONNS);
         let (d, mut s, timeout) = (data.clone(), stopped.clone(), cfg.timeout);
+        let accept_tls = tls.clone();
         rt.spawn(async move {
             let listener = match tokio::net::TcpListener::from_std(listener) {
                 Ok(l) => l,
@@ -243,18 +250,23 @@ impl Peers {
                     return;
                 }
             };
-            tokio::spawn(data::accept(listener, grpc_tx, d, stopped, timeout));
-            let auth = move |req: tonic::Request<()>| {
-                let ok = req
-                    .metadata()
-                    .get(SECRET_HEADER)
-                    .is_some_and(|v| service::same_secret(v.as_bytes(), expected.as_bytes()));
-                if ok {
+            tokio::spawn(data::accept(
+                listener, grpc_tx, d, accept_tls, stopped, timeout,
+            ));
+            // Every call proves the secret over a fresh nonce; the handler MACs its
+            // reply with that nonce.
+            let auth = move |mut req: tonic::Request<()>| match auth::check_request(
+                &expected,
+                req.metadata(),
+            ) {
+                Some(nonce) => {
+                    req.extensions_mut().insert(auth::Verified(nonce));
                     Ok(req)
-                } else {
+                }
+                None => {
                     inc(&refused.peer_refused);
                     Err(tonic::Status::unauthenticated(
-                        "shardcache peer: bad or missing secret",
+                        "shardcache peer: bad or missing proof of the shared secret",
                     ))
                 }
             };
@@ -291,14 +303,14 @@ impl Peers {
                 }
             }
         });
-        tracing::info!(listen = %cfg.listen, me = %cfg.advertise, "peer service ready");
+        tracing::info!(listen = %cfg.listen, me = %cfg.advertise, tls = tls.is_some(), "peer service ready");
         let peers = Arc::new(Self {
             membership,
-            secret,
             key: cfg.secret.as_bytes().to_vec(),
             channels: Mutex::new(HashMap::new()),
             block_size: store.block_size(),
             idle: Mutex::new(HashMap::new()),
+            tls,
             timeout: cfg.timeout,
             stats,
             stop,
@@ -366,15 +378,17 @@ impl Peers {
             let ask = async {
                 let mut client = proto::peer_client::PeerClient::new(self.channel(&peer)?);
                 let mut r = tonic::Request::new(proto::RanksRequest {});
-                r.metadata_mut().insert(SECRET_HEADER, self.secret.clone());
-                client
+                let nonce =
+                    auth::sign_request(&self.key, r.metadata_mut()).map_err(|e| e.to_string())?;
+                let reply = client
                     .ranks(r)
                     .await
                     .map(tonic::Response::into_inner)
-                    .map_err(|s| s.to_string())
+                    .map_err(|s| s.to_string())?;
+                Ok::<_, String>(self.open_ranks(&peer, &nonce, &reply))
             };
             match tokio::time::timeout(self.timeout, ask).await {
-                Ok(Ok(reply)) => {
+                Ok(Ok(Some(reply))) => {
                     for j in reply.jobs {
                         for r in j.ranks {
                             map.insert((j.job.clone(), r), peer.clone());
@@ -382,6 +396,7 @@ impl Peers {
                         slots.insert((j.job, peer.clone()), j.slots);
                     }
                 }
+                Ok(Ok(None)) => self.keep_ranks_of(&peer, &mut map, &mut slots),
                 Ok(Err(e)) => {
                     tracing::debug!(peer = %peer, error = %e, "peer ranks: no answer");
                     self.keep_ranks_of(&peer, &mut map, &mut slots);
@@ -394,6 +409,29 @@ impl Peers {
         }
         *self.ranks.lock().unwrap_or_else(|e| e.into_inner()) = map;
         *self.slots.lock().unwrap_or_else(|e| e.into_inner()) = slots;
+    }
+
+    /// The content of a `Ranks` reply from `peer` to the request that carried `nonce`,
+    /// once its MAC verified; `None` (counted, logged) when it did not or does not
+    /// decode: the reply was forged or changed on the way, and steers nothing.
+    fn open_ranks(
+        &self,
+        peer: &str,
+        nonce: &[u8; wire::NONCE],
+        reply: &proto::RanksReply,
+    ) -> Option<proto::RanksReply> {
+        if !auth::check_reply(&self.key, "Ranks", nonce, &reply.sealed, &reply.mac) {
+            inc(&self.stats.peer_forged);
+            tracing::warn!(peer = %peer, "peer ranks: the reply failed its MAC (forged or changed on the way); ignored");
+            return None;
+        }
+        match prost::Message::decode(reply.sealed.as_slice()) {
+            Ok(r) => Some(r),
+            Err(e) => {
+                tracing::warn!(peer = %peer, error = %e, "peer ranks: a malformed reply; ignored");
+                None
+            }
+        }
     }
 
     /// Keeps what a healthy peer that did not answer this time said last time (a busy
@@ -635,12 +673,21 @@ impl Peers {
             }
             Err(e) => {
                 // A peer that answers "not here" is healthy; one that fails is not.
-                if matches!(e, FetchError::NotFound(_)) {
-                    tracing::debug!(peer = %peer, error = %e, "peer does not hold the block");
-                } else {
-                    tracing::debug!(peer = %peer, error = %e, "peer fetch failed; trying the next source");
-                    self.membership.report(peer, false);
-                    inc(&self.stats.peer_errors);
+                match e {
+                    FetchError::NotFound(_) => {
+                        tracing::debug!(peer = %peer, error = %e, "peer does not hold the block");
+                    }
+                    FetchError::Forged => {
+                        tracing::warn!(peer = %peer, path = %req.path, index = req.index, error = %e, "peer fetch: refused the reply; reading elsewhere");
+                        inc(&self.stats.peer_forged);
+                        self.membership.report(peer, false);
+                        inc(&self.stats.peer_errors);
+                    }
+                    FetchError::Failed(_) => {
+                        tracing::debug!(peer = %peer, error = %e, "peer fetch failed; trying the next source");
+                        self.membership.report(peer, false);
+                        inc(&self.stats.peer_errors);
+                    }
                 }
                 false
             }
@@ -659,7 +706,24 @@ impl Peers {
             .initial_connection_window_size(2 * WINDOW)
             .max_frame_size(FRAME)
             .tcp_nodelay(true);
-        let c = ep.connect_lazy();
+        let c = match &self.tls {
+            None => ep.connect_lazy(),
+            // TLS by hand (tonic's own needs its TLS features): the same rustls
+            // settings as the block stream's.
+            Some(t) => {
+                let (connector, name) = t.connector();
+                let addr = peer.to_owned();
+                ep.connect_with_connector_lazy(tower::service_fn(move |_: http::Uri| {
+                    let (connector, name, addr) = (connector.clone(), name.clone(), addr.clone());
+                    async move {
+                        let tcp = tokio::net::TcpStream::connect(&addr).await?;
+                        tcp.set_nodelay(true)?;
+                        let s = connector.connect(name, tcp).await?;
+                        Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(s))
+                    }
+                }))
+            }
+        };
         chans.insert(peer.to_owned(), c.clone());
         Ok(c)
     }
@@ -695,7 +759,7 @@ impl Peers {
         }
     }
 
-    fn take_idle(&self, peer: &str) -> Option<TcpStream> {
+    fn take_idle(&self, peer: &str) -> Option<Conn> {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         let conns = idle.get_mut(peer)?;
         while let Some((c, since)) = conns.pop() {
@@ -706,7 +770,7 @@ impl Peers {
         None
     }
 
-    fn keep_idle(&self, peer: &str, conn: TcpStream) {
+    fn keep_idle(&self, peer: &str, conn: Conn) {
         if self.closed.load(std::sync::atomic::Ordering::Acquire) {
             return;
         }
@@ -719,7 +783,7 @@ impl Peers {
     }
 
     /// A new block-stream connection to `peer`, past the handshake.
-    fn dial(&self, peer: &str, deadline: Instant) -> Result<TcpStream, FetchError> {
+    fn dial(&self, peer: &str, deadline: Instant) -> Result<Conn, FetchError> {
         let failed =
             |what: &str, e: &dyn std::fmt::Display| FetchError::Failed(format!("{what}: {e}"));
         let addr = peer
@@ -728,14 +792,19 @@ impl Peers {
             .next()
             .ok_or_else(|| FetchError::Failed("resolving: no address".into()))?;
         let t = left(deadline).map_err(|e| failed("connecting", &e))?;
-        let mut s = TcpStream::connect_timeout(&addr, t).map_err(|e| failed("connecting", &e))?;
+        let s = TcpStream::connect_timeout(&addr, t).map_err(|e| failed("connecting", &e))?;
         let setup = s
             .set_nodelay(true)
             .and_then(|()| s.set_read_timeout(Some(left(deadline)?)))
             .and_then(|()| s.set_write_timeout(Some(left(deadline)?)));
         setup.map_err(|e| failed("connecting", &e))?;
-        wire::client_handshake(&mut s, &self.key).map_err(|e| failed("handshake", &e))?;
-        Ok(s)
+        let mut s = match &self.tls {
+            None => tls::Stream::Plain(s),
+            Some(t) => t.connect(s).map_err(|e| failed("TLS", &e))?,
+        };
+        let session =
+            wire::client_handshake(&mut s, &self.key).map_err(|e| failed("handshake", &e))?;
+        Ok(Conn { io: s, session })
     }
 }
 
@@ -748,6 +817,16 @@ enum FetchError {
     /// The peer failed, refused, timed out, or sent bytes that are not the block.
     #[error("{0}")]
     Failed(String),
+    /// The reply failed its MAC: forged, changed on the way, or replayed.
+    #[error("{}", wire::WireError::Forged)]
+    Forged,
+}
+
+/// A block-stream connection past its handshake: the socket and its session.
+#[derive(Debug)]
+struct Conn {
+    io: tls::Stream,
+    session: wire::Session,
 }
 
 /// How an exchange on a block-stream connection broke (the connection is dropped).
@@ -768,9 +847,10 @@ fn left(deadline: Instant) -> std::io::Result<Duration> {
 }
 
 /// One request and its answer on a block-stream connection. `Ok` leaves the connection
-/// between exchanges (reusable) with the block in `data`, or the peer's refusal.
+/// between exchanges (reusable) with the block in `data`, or the peer's refusal; either
+/// only once the reply's MAC verified.
 fn exchange(
-    s: &mut TcpStream,
+    conn: &mut Conn,
     req: &proto::FetchRequest,
     len: usize,
     deadline: Instant,
@@ -778,25 +858,30 @@ fn exchange(
 ) -> Result<Result<(), FetchError>, Broken> {
     let before = |e: std::io::Error| Broken::BeforeAnswer(FetchError::Failed(e.to_string()));
     let midway = |e: String| Broken::Midway(FetchError::Failed(e));
-    s.set_write_timeout(Some(left(deadline).map_err(before)?))
-        .map_err(before)?;
-    wire::write_frame(s, req).map_err(before)?;
-    s.set_read_timeout(Some(left(deadline).map_err(before)?))
-        .map_err(before)?;
-    let head: proto::BlockHeader = match wire::read_frame(s) {
-        Ok(Some(h)) => h,
-        Ok(None) => return Err(before(std::io::ErrorKind::UnexpectedEof.into())),
-        Err(e) => return Err(before(e)),
+    let wire_err = |e: wire::WireError| match e {
+        wire::WireError::Forged => Broken::Midway(FetchError::Forged),
+        wire::WireError::Io(e) => midway(e.to_string()),
     };
-    match tonic::Code::from(head.code as i32) {
-        tonic::Code::Ok => {}
-        tonic::Code::NotFound => return Ok(Err(FetchError::NotFound(head.message))),
-        code => {
-            return Ok(Err(FetchError::Failed(format!(
-                "{code:?}: {}",
-                head.message
-            ))));
-        }
+    let Conn { io: s, session } = conn;
+    s.tcp()
+        .set_write_timeout(Some(left(deadline).map_err(before)?))
+        .map_err(before)?;
+    session.send_request(s, req).map_err(before)?;
+    s.tcp()
+        .set_read_timeout(Some(left(deadline).map_err(before)?))
+        .map_err(before)?;
+    let (head, mut opened) = match session.read_reply(s) {
+        Ok(h) => h,
+        Err(wire::WireError::Io(e)) => return Err(before(e)),
+        Err(e @ wire::WireError::Forged) => return Err(wire_err(e)),
+    };
+    let code = tonic::Code::from(head.code as i32);
+    if code != tonic::Code::Ok {
+        session.finish_reply(s, opened).map_err(wire_err)?;
+        return Ok(Err(match code {
+            tonic::Code::NotFound => FetchError::NotFound(head.message),
+            code => FetchError::Failed(format!("{code:?}: {}", head.message)),
+        }));
     }
     if head.length != len as u64 {
         return Err(midway(format!(
@@ -805,24 +890,32 @@ fn exchange(
         )));
     }
     // Every byte is overwritten below: with a buffer kept from the last block (the same
-    // length, most often) this is free. Each piece is hashed while it is in cache.
+    // length, most often) this is free. Each [`STEP`] of the block is checksummed and
+    // MACed as soon as it is whole, while it is in the CPU's cache; whole, aligned
+    // steps keep BLAKE3 on its widest SIMD path (reads return arbitrary lengths).
     data.resize(len, 0);
     let mut hash = crate::checksum::BlockHasher::new();
-    let mut at = 0;
+    let (mut at, mut hashed) = (0, 0);
     while at < len {
         let t = left(deadline).map_err(|e| midway(e.to_string()))?;
-        s.set_read_timeout(Some(t))
+        s.tcp()
+            .set_read_timeout(Some(t))
             .map_err(|e| midway(e.to_string()))?;
-        let end = (at + STEP).min(len);
+        let end = ((at / STEP + 1) * STEP).min(len);
         let n = match s.read(&mut data[at..end]) {
             Ok(0) => return Err(midway(format!("{at} of {len} bytes"))),
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
             Err(e) => return Err(midway(e.to_string())),
         };
-        hash.update(&data[at..at + n]);
         at += n;
+        if at == end {
+            hash.update(&data[hashed..at]);
+            opened.update(&data[hashed..at]);
+            hashed = at;
+        }
     }
+    session.finish_reply(s, opened).map_err(wire_err)?;
     if hash.digest() != head.xxh3 {
         return Err(midway("checksum mismatch: bytes dropped".into()));
     }

@@ -1,5 +1,7 @@
 //! The peer service: serves blocks this node holds (or, as a block's owner, fetches
-//! them from the backing store first), checked against their checksums before sending.
+//! them from the backing store first), checked against their checksums before sending
+//! (on the block stream), and tells other nodes which ranks this node runs (gRPC
+//! `Ranks`, its reply MACed for the caller's nonce: see [`auth`]).
 
 use std::collections::HashMap;
 use std::pin::Pin;
@@ -9,7 +11,7 @@ use std::time::{Duration, Instant};
 use tonic::{Request, Response, Status};
 
 use super::proto::{self, Chunk, FetchRequest};
-use super::{CHUNK, PlansCell};
+use super::{PlansCell, auth};
 use crate::backing::Version;
 use crate::fill::{Filler, Target};
 use crate::meta::Meta;
@@ -25,6 +27,8 @@ pub(super) struct Service {
     pub(super) plans: PlansCell,
     /// Which blocks of each file were served to peers that keep them, until all were.
     pub(super) handoffs: Mutex<HashMap<Key, Vec<bool>>>,
+    /// The shared secret (the key of reply MACs is derived from it).
+    pub(super) secret: Vec<u8>,
 }
 
 /// Files being handed to a keeping peer, tracked at most (a peer that gave up half way
@@ -32,57 +36,31 @@ pub(super) struct Service {
 /// keeps a copy longer).
 const HANDOFFS: usize = 4096;
 
-/// Compares secrets in time independent of where they differ.
-pub(super) fn same_secret(given: &[u8], expected: &[u8]) -> bool {
-    use subtle::ConstantTimeEq;
-    given.len() == expected.len() && bool::from(given.ct_eq(expected))
-}
-
 type ChunkStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<Chunk, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl proto::peer_server::Peer for Service {
     type FetchStream = ChunkStream;
 
-    async fn fetch(&self, req: Request<FetchRequest>) -> Result<Response<ChunkStream>, Status> {
-        let r = req.into_inner();
-        let asked = r.clone();
-        let (store, meta) = (self.store.clone(), self.meta.clone());
-        let (filler, timeout) = (self.filler.clone(), self.timeout);
-        let (data, sum, key) = tokio::task::spawn_blocking(move || {
-            let mut data = Vec::new();
-            serve_block(&store, &meta, filler.get(), &r, timeout, &mut data)
-                .map(|(sum, key)| (data, sum, key))
-        })
-        .await
-        .map_err(|e| Status::internal(e.to_string()))??;
-        self.served(&asked, key, data.len());
-        let len = data.len() as u64;
-        let data = bytes::Bytes::from(data);
-        let mut chunks: Vec<Result<Chunk, Status>> = (0..data.len())
-            .step_by(CHUNK)
-            .map(|at| {
-                Ok(Chunk {
-                    length: 0,
-                    xxh3: 0,
-                    data: data.slice(at..(at + CHUNK).min(data.len())),
-                })
-            })
-            .collect();
-        if chunks.is_empty() {
-            chunks.push(Ok(Chunk::default()));
-        }
-        if let Some(Ok(first)) = chunks.first_mut() {
-            first.length = len;
-            first.xxh3 = sum;
-        }
-        Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
+    /// Retired: nodes fetch blocks over the block stream, where every block carries a
+    /// MAC. The nodes this call was kept for (earlier versions, during a rolling
+    /// upgrade) sent the shared secret in the clear and cannot prove it now anyway.
+    async fn fetch(&self, _req: Request<FetchRequest>) -> Result<Response<ChunkStream>, Status> {
+        Err(Status::unimplemented(
+            "shardcache peer: Fetch is retired; blocks travel on the block stream (same port), MACed per block",
+        ))
     }
 
     async fn ranks(
         &self,
-        _req: Request<proto::RanksRequest>,
+        req: Request<proto::RanksRequest>,
     ) -> Result<Response<proto::RanksReply>, Status> {
+        // Put there by the port's check of the request's proof.
+        let Some(&auth::Verified(nonce)) = req.extensions().get::<auth::Verified>() else {
+            return Err(Status::unauthenticated(
+                "shardcache peer: bad or missing proof of the shared secret",
+            ));
+        };
         let jobs = self
             .plans
             .get()
@@ -96,7 +74,17 @@ impl proto::peer_server::Peer for Service {
                 slots: j.slots,
             })
             .collect();
-        Ok(Response::new(proto::RanksReply { jobs }))
+        // The content travels encoded, MACed as it travels (see `auth`).
+        let sealed = prost::Message::encode_to_vec(&proto::RanksReply {
+            jobs,
+            ..Default::default()
+        });
+        let mac = auth::reply_mac(&self.secret, "Ranks", &nonce, &sealed).to_vec();
+        Ok(Response::new(proto::RanksReply {
+            jobs: Vec::new(),
+            sealed,
+            mac,
+        }))
     }
 }
 

@@ -51,6 +51,9 @@ enum Cmd {
         /// in a rotating order).
         #[arg(long, default_value_t = 9)]
         rounds: usize,
+        /// Transfer over mutual TLS on the peer port (the placement part is left out).
+        #[arg(long)]
+        tls: bool,
     },
     /// The first epoch after a restart (every block checked on first use) against the
     /// same read before it and a raw read of the cache's data files.
@@ -443,9 +446,12 @@ fn main() {
             })
             .expect("restart benchmark")
         }
-        Cmd::Peers { dir, mib, rounds } => {
-            shardcache_tests::peerbench::run(&dir, mib, rounds).expect("peers benchmark")
-        }
+        Cmd::Peers {
+            dir,
+            mib,
+            rounds,
+            tls,
+        } => shardcache_tests::peerbench::run(&dir, mib, rounds, tls).expect("peers benchmark"),
     }
 }
 

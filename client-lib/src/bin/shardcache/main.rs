@@ -523,13 +523,14 @@ fn status_text(s: &pb::StatusReply) -> String {
         items.push((
             "peer blocks",
             format!(
-                "in {} ({}), out {} ({}); {} failed fetches, {} refused callers",
+                "in {} ({}), out {} ({}); {} failed fetches, {} refused callers, {} forged messages",
                 c.peer_blocks_in,
                 b(c.peer_bytes_in),
                 c.peer_blocks_out,
                 b(c.peer_bytes_out),
                 c.peer_errors,
-                c.peer_refused
+                c.peer_refused,
+                c.peer_forged
             ),
         ));
     }

@@ -64,6 +64,7 @@ app.kubernetes.io/component: node-cache
 {{- define "shardcache.configPath" -}}/etc/shardcache/shardcached.toml{{- end }}
 {{- /* Not under /etc/shardcache: a mount inside the read-only ConfigMap volume can fail. */}}
 {{- define "shardcache.secretDir" -}}/etc/shardcache-peer{{- end }}
+{{- define "shardcache.tlsDir" -}}/etc/shardcache-peer-tls{{- end }}
 {{- define "shardcache.cachePath" -}}/var/cache/shardcache{{- end }}
 {{- define "shardcache.socketDirPath" -}}/run/shardcache{{- end }}
 
