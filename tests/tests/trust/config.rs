@@ -141,6 +141,31 @@ const CASES: &[Case] = &[
         s.peers();
         s.keys.remove("peer_secret_file");
     }),
+    (
+        "peer TLS with two of its three files",
+        "peer_tls_cert",
+        |s| {
+            s.peers();
+            let (c, k) = (s.file("tls.crt", "x"), s.file("tls.key", "x"));
+            s.set("peer_tls_cert", c);
+            s.set("peer_tls_key", k);
+        },
+    ),
+    ("peer TLS files missing", "peer_tls_cert", |s| {
+        s.peers();
+        let (c, k, a) = (s.path("tls.crt"), s.path("tls.key"), s.path("ca.crt"));
+        s.set("peer_tls_cert", c);
+        s.set("peer_tls_key", k);
+        s.set("peer_tls_ca", a);
+    }),
+    ("peer TLS certificate not PEM", "peer_tls_cert", |s| {
+        s.peers();
+        let c = s.file("tls.crt", "not PEM");
+        let (k, a) = (s.file("tls.key", "x"), s.file("ca.crt", "x"));
+        s.set("peer_tls_cert", c);
+        s.set("peer_tls_key", k);
+        s.set("peer_tls_ca", a);
+    }),
     ("peer_dns without a port", "peer_dns", |s| {
         s.peers();
         s.keys.remove("peers");
