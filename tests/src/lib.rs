@@ -155,6 +155,29 @@ impl Bed {
     pub fn client(&self) -> Client {
         client_at(&self.socket)
     }
+
+    /// `program` with the preload shim, talking to this bed's daemon.
+    pub fn shimmed(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        let mut c = Command::new(program);
+        c.env("LD_PRELOAD", bin("libshardcache_preload.so"))
+            .env("SHARDCACHE_SOCKET", &self.socket)
+            .env_remove("SHARDCACHE_PRELOAD")
+            .stdin(Stdio::null());
+        c
+    }
+
+    /// `shardcache ARGS` against this bed's daemon, as uid 65534 with no groups (the
+    /// caller must be root).
+    pub fn cli_as_nobody<S: AsRef<std::ffi::OsStr>>(&self, args: &[S]) -> std::process::Output {
+        Command::new("setpriv")
+            .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+            .arg(bin("shardcache"))
+            .arg("--socket")
+            .arg(&self.socket)
+            .args(args)
+            .output()
+            .expect("run setpriv")
+    }
 }
 
 /// A client of the daemon at `socket`, with the tests' timeouts.

@@ -11,20 +11,10 @@ use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
 use shardcache_client::proto as pb;
-use shardcache_tests::{Bed, bin, content, read_all, write_file};
+use shardcache_tests::{Bed, content, read_all, write_file};
 
 const KIB: u64 = 1 << 10;
 const MIB: u64 = 1 << 20;
-
-/// `program` with the shim preloaded, talking to `bed`'s daemon.
-fn shimmed(bed: &Bed, program: &str) -> Command {
-    let mut c = Command::new(program);
-    c.env("LD_PRELOAD", bin("libshardcache_preload.so"))
-        .env("SHARDCACHE_SOCKET", &bed.socket)
-        .env_remove("SHARDCACHE_PRELOAD")
-        .stdin(Stdio::null());
-    c
-}
 
 /// Runs `c` to its end; panics unless it succeeded. Its stdout.
 fn ok(c: &mut Command) -> Vec<u8> {
@@ -56,7 +46,7 @@ fn have_python() -> bool {
 
 /// Runs a Python script with the shim; its stdout.
 fn python(bed: &Bed, script: &str, args: &[&Path]) -> Vec<u8> {
-    ok(shimmed(bed, "python3").arg("-c").arg(script).args(args))
+    ok(bed.shimmed("python3").arg("-c").arg(script).args(args))
 }
 
 /// How the daemon's counters moved.
@@ -83,13 +73,14 @@ fn cat_reads_a_cached_file_from_the_local_copy() {
     assert_eq!(read_all(&bed.client(), &p).unwrap().0, content(1, len));
 
     let before = d.counters();
-    let out = ok(shimmed(&bed, "cat").arg(&p));
+    let out = ok(bed.shimmed("cat").arg(&p));
     assert!(out == content(1, len), "cat gave the file's bytes");
     assert_eq!(delta(&before, &d.counters()), from_cache(1));
 
     // A relative path with `.` and doubled slashes, against the working directory.
     let before = d.counters();
-    let out = ok(shimmed(&bed, "cat")
+    let out = ok(bed
+        .shimmed("cat")
         .current_dir(&bed.backing)
         .arg("./ds//./train-0001.tar"));
     assert!(out == content(1, len));
@@ -114,7 +105,8 @@ fn python_and_dd_read_cached_files_from_the_local_copy() {
     }
 
     let before = d.counters();
-    let out = ok(shimmed(&bed, "dd")
+    let out = ok(bed
+        .shimmed("dd")
         .arg(format!("if={}", p.display()))
         .args(["bs=64k", "status=none"]));
     assert!(out == content(2, len), "dd copied the file's bytes");
@@ -130,7 +122,7 @@ fn a_cold_file_is_fetched_by_the_daemon_then_read_locally() {
     let d = bed.start(&["--block-size", "64KiB"]);
 
     let before = d.counters();
-    let out = ok(shimmed(&bed, "cat").arg(&p));
+    let out = ok(bed.shimmed("cat").arg(&p));
     assert!(out == content(3, len), "right bytes from a cold file");
     let after = d.counters();
     assert_eq!(after.opens - before.opens, 1);
@@ -141,7 +133,7 @@ fn a_cold_file_is_fetched_by_the_daemon_then_read_locally() {
     );
 
     let before = d.counters();
-    assert!(ok(shimmed(&bed, "cat").arg(&p)) == content(3, len));
+    assert!(ok(bed.shimmed("cat").arg(&p)) == content(3, len));
     assert_eq!(
         delta(&before, &d.counters()),
         from_cache(1),
@@ -157,8 +149,9 @@ fn without_a_daemon_programs_read_the_backing_files() {
     write_file(&p, 4, len);
 
     // Never started: nothing listens on the socket.
-    assert!(ok(shimmed(&bed, "cat").arg(&p)) == content(4, len));
-    let missing = shimmed(&bed, "cat")
+    assert!(ok(bed.shimmed("cat").arg(&p)) == content(4, len));
+    let missing = bed
+        .shimmed("cat")
         .arg(bed.path("missing"))
         .output()
         .unwrap();
@@ -173,7 +166,8 @@ fn without_a_daemon_programs_read_the_backing_files() {
     let mut d = bed.start(&["--block-size", "1MiB"]);
     read_all(&bed.client(), &p).unwrap();
     d.signal(libc::SIGSTOP);
-    let out = shimmed(&bed, "cat")
+    let out = bed
+        .shimmed("cat")
         .env("SHARDCACHE_TIMEOUT_MS", "200")
         .arg(&p)
         .output();
@@ -184,7 +178,7 @@ fn without_a_daemon_programs_read_the_backing_files() {
 
     // Stopped.
     assert!(d.stop(), "clean shutdown");
-    assert!(ok(shimmed(&bed, "cat").arg(&p)) == content(4, len));
+    assert!(ok(bed.shimmed("cat").arg(&p)) == content(4, len));
 }
 
 #[test]
@@ -207,7 +201,8 @@ out.write(open(sys.argv[1], 'rb').read()); out.flush()
 sys.stdin.readline()
 out.write(open(sys.argv[2], 'rb').read())";
     let before = d.counters();
-    let mut child = shimmed(&bed, "python3")
+    let mut child = bed
+        .shimmed("python3")
         .arg("-c")
         .arg(script)
         .arg(&a)
@@ -247,12 +242,13 @@ fn paths_outside_the_roots_writes_and_a_disabled_shim_pass_through() {
     read_all(&bed.client(), &inside).unwrap();
 
     let before = d.counters();
-    assert!(ok(shimmed(&bed, "cat").arg(&outside)) == content(7, 300 * KIB));
+    assert!(ok(bed.shimmed("cat").arg(&outside)) == content(7, 300 * KIB));
 
     // Create, truncate and append under the root.
     let written = bed.path("new/out.txt");
     std::fs::create_dir_all(written.parent().unwrap()).unwrap();
-    ok(shimmed(&bed, "sh")
+    ok(bed
+        .shimmed("sh")
         .arg("-c")
         .arg("echo x > \"$1\"; echo y >> \"$1\"")
         .arg("sh")
@@ -273,7 +269,8 @@ print(os.readlink(f'/proc/self/fd/{fd}'))";
         let script = "import os, sys
 fd = os.open(sys.argv[1], os.O_RDONLY)
 print(os.readlink(f'/proc/self/fd/{fd}'))";
-        let out = ok(shimmed(&bed, "python3")
+        let out = ok(bed
+            .shimmed("python3")
             .env("SHARDCACHE_PRELOAD", "0")
             .args(["-c", script])
             .arg(&inside));
@@ -450,7 +447,7 @@ fn a_second_uid_reads_through_the_shim_only_what_it_may() {
     read_all(&bed.client(), &public).unwrap();
 
     let cat_as_nobody = |f: &Path| {
-        shimmed(&bed, "setpriv")
+        bed.shimmed("setpriv")
             .args(["--reuid=65534", "--regid=65534", "--clear-groups", "cat"])
             .arg(f)
             .output()

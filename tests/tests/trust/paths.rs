@@ -15,12 +15,12 @@ use std::io::Read;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use shardcache_client::Client;
-use shardcache_tests::{Bed, bin, content, read_all, write_file};
+use shardcache_tests::{Bed, content, read_all, write_file};
 
 const NOBODY: u32 = 65534;
 
@@ -98,27 +98,11 @@ fn short(g: &Got) -> String {
     }
 }
 
-/// `shardcache ARGS` as uid 65534.
-fn cli_as_nobody(bed: &Bed, args: &[&OsStr]) -> Output {
-    Command::new("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
-        .arg(bin("shardcache"))
-        .arg("--socket")
-        .arg(&bed.socket)
-        .args(args)
-        .output()
-        .unwrap()
-}
-
 /// `cat PATH` as uid 65534 with the preload shim.
 fn shim_cat_as_nobody(bed: &Bed, path: &Path) -> Output {
-    Command::new("setpriv")
+    bed.shimmed("setpriv")
         .args(["--reuid=65534", "--regid=65534", "--clear-groups", "cat"])
         .arg(path)
-        .env("LD_PRELOAD", bin("libshardcache_preload.so"))
-        .env("SHARDCACHE_SOCKET", &bed.socket)
-        .env_remove("SHARDCACHE_PRELOAD")
-        .stdin(std::process::Stdio::null())
         .output()
         .unwrap()
 }
@@ -172,10 +156,7 @@ fn ancestors_of_the_root_are_checked_and_rechecked() {
     );
     assert_eq!(through_client.unwrap_err().1, Some(libc::EACCES));
     assert!(d.counters().refused_denied > denied_before);
-    let out = cli_as_nobody(
-        &bed,
-        &["cat".as_ref(), "--stats".as_ref(), secret.as_os_str()],
-    );
+    let out = bed.cli_as_nobody(&["cat".as_ref(), "--stats".as_ref(), secret.as_os_str()]);
     assert!(!out.status.success(), "shardcache cat: {out:?}");
     assert!(out.stdout.is_empty(), "no byte through shardcache cat");
     assert!(String::from_utf8_lossy(&out.stderr).contains("Permission denied"));

@@ -18,18 +18,6 @@ fn is_root() -> bool {
     rustix::process::geteuid().is_root()
 }
 
-/// `shardcache ARGS` against the bed's daemon, as uid 65534 (no groups).
-fn as_nobody(bed: &Bed, args: &[&str]) -> Output {
-    Command::new("setpriv")
-        .args(["--reuid=65534", "--regid=65534", "--clear-groups"])
-        .arg(bin("shardcache"))
-        .arg("--socket")
-        .arg(&bed.socket)
-        .args(args)
-        .output()
-        .expect("run setpriv")
-}
-
 /// `shardcache ARGS` as root.
 fn as_root(bed: &Bed, args: &[&str]) -> Output {
     Command::new(bin("shardcache"))
@@ -53,7 +41,7 @@ fn manifest_file(bed: &Bed, name: &str, manifest: &serde_json::Value) -> String 
 fn prefetch(bed: &Bed, nobody: bool, name: &str, manifest: &serde_json::Value) -> String {
     let path = manifest_file(bed, name, manifest);
     let out = if nobody {
-        as_nobody(bed, &["prefetch", &path])
+        bed.cli_as_nobody(&["prefetch", &path])
     } else {
         as_root(bed, &["prefetch", &path])
     };
@@ -120,7 +108,7 @@ fn an_unprivileged_immutable_manifest_does_not_freeze_another_users_file() {
         out.contains("immutable: held only for the files you own"),
         "the registrant is told: {out}"
     );
-    let cat = || as_nobody(&bed, &["cat", file.to_str().expect("utf-8")]);
+    let cat = || bed.cli_as_nobody(&["cat", file.to_str().expect("utf-8")]);
     let first = cat();
     assert!(first.status.success(), "{first:?}");
     assert_eq!(first.stdout, content(1, MIB), "uid 65534 reads it first");
@@ -203,7 +191,7 @@ fn an_owners_immutable_manifest_holds_only_its_own_files_and_only_for_itself() {
     );
     assert!(out.contains("registered job mine (2 files)"), "{out}");
     let cat = |p: &Path| {
-        let o = as_nobody(&bed, &["cat", p.to_str().expect("utf-8")]);
+        let o = bed.cli_as_nobody(&["cat", p.to_str().expect("utf-8")]);
         assert!(o.status.success(), "{o:?}");
         o.stdout
     };

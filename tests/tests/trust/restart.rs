@@ -42,16 +42,6 @@ fn flip_16_bytes(bed: &Bed, rel: &str, offset: u64) -> bool {
     true
 }
 
-/// `program` with the preload shim, talking to `bed`'s daemon.
-fn shimmed(bed: &Bed, program: &str) -> Command {
-    let mut c = Command::new(program);
-    c.env("LD_PRELOAD", bin("libshardcache_preload.so"))
-        .env("SHARDCACHE_SOCKET", &bed.socket)
-        .env_remove("SHARDCACHE_PRELOAD")
-        .stdin(Stdio::null());
-    c
-}
-
 fn run_ok(c: &mut Command) -> Vec<u8> {
     let out = c.output().unwrap();
     assert!(
@@ -116,7 +106,7 @@ fn an_orderly_restart_checks_every_block_before_serving_it() {
 
     // The shim's read(2).
     orderly_restart_with_bit_rot(&mut d, &bed, rel);
-    let got = run_ok(shimmed(&bed, "cat").arg(&p));
+    let got = run_ok(bed.shimmed("cat").arg(&p));
     assert!(got == want, "cat through the shim got the flipped bytes");
     assert_eq!(d.counters().corrupt_blocks, 1);
 
@@ -127,7 +117,7 @@ fn an_orderly_restart_checks_every_block_before_serving_it() {
 f = open(sys.argv[1], 'rb')
 m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
 sys.stdout.buffer.write(m[:])";
-        let got = run_ok(shimmed(&bed, "python3").arg("-c").arg(script).arg(&p));
+        let got = run_ok(bed.shimmed("python3").arg("-c").arg(script).arg(&p));
         assert!(got == want, "mmap through the shim got the flipped bytes");
         assert_eq!(d.counters().corrupt_blocks, 1);
     }
