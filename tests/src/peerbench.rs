@@ -2,7 +2,7 @@
 //! loopback addresses, sharing one backing directory.
 //!
 //! 1. Transfer: node B fetches every block of a file node A owns and holds, through the
-//!    peer block stream (a MAC per block, checksums on both ends, with `--tls` inside
+//!    peer block stream (a MAC per block, the sender's checksum check, with `--tls` inside
 //!    mutual TLS; 4 fetches in flight as the fill engine does), ÷ raw TCP moving the
 //!    same bytes from the same page-cached file on the same loopback path: one stream,
 //!    and 4 streams at once (as many as the peer fetches in flight), whichever is
@@ -155,7 +155,7 @@ pub fn transfer(dir: &Path, mib: u64, rounds: usize, tls: bool) -> anyhow::Resul
                             return;
                         }
                         let want = (len - i as u64 * block).min(block) as usize;
-                        if peers.fetch(&root, &stat, i, want, true, &mut d) {
+                        if peers.fetch(&root, &stat, i, want, true, &mut d).is_some() {
                             got.fetch_add(d.len() as u64, Ordering::Relaxed);
                         }
                     }
@@ -417,7 +417,7 @@ pub fn run(dir: &Path, mib: u64, rounds: usize, tls: bool) -> anyhow::Result<()>
             "transfer: {mib} MiB in 4 MiB blocks, node to node over loopback, {rounds} rounds in rotating order (medians)"
         );
         println!(
-            "  peer fetch (block stream{}: a MAC per block (keyed BLAKE3) and xxh3, the sender reads, checks, MACs then writes, the receiver checks both; {IN_FLIGHT} in flight as the fill engine does) {:.0} MiB/s",
+            "  peer fetch (block stream{}: a MAC per block (keyed BLAKE3) and xxh3, the sender reads, checks the xxh3, MACs then writes, the receiver checks the MAC; {IN_FLIGHT} in flight as the fill engine does) {:.0} MiB/s",
             if tls { " over mutual TLS 1.3" } else { "" },
             t.peer
         );
