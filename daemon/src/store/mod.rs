@@ -1020,7 +1020,12 @@ impl Store {
         self.finish_evictions(evicted);
     }
 
-    fn write_block(&self, permit: &Permit, data: &[u8], xxh3: u64) -> Result<BlockMeta, StoreError> {
+    fn write_block(
+        &self,
+        permit: &Permit,
+        data: &[u8],
+        xxh3: u64,
+    ) -> Result<BlockMeta, StoreError> {
         let generation = self.ensure_durable(&permit.key)?;
         let f = OpenOptions::new()
             .write(true)
