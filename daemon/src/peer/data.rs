@@ -3,9 +3,8 @@
 //! One listener serves both: [`accept`] reads each new connection's first 8 bytes and
 //! hands it to gRPC (with those bytes put back in front, [`Prefixed`]) or, when they are
 //! [`wire::MAGIC`], to a block-stream thread. A block-stream connection runs on a thread
-//! of its own with blocking I/O, as the Unix-socket server does: a block is read into a
-//! buffer in pieces, each checksummed and MACed while still in the CPU's cache (one pass
-//! over the bytes: `Store::read_block_seen`), then one vectored `write` to the socket,
+//! of its own with blocking I/O, as the Unix-socket server does: a block is one `pread`
+//! into a buffer, a checksum check, a MAC over it and one `write` of it to the socket,
 //! with no runtime hand-offs in between. The handshake (the caller proves the shared
 //! secret) comes first and is bounded by the peer timeout; after it, every request must
 //! carry its session's MAC and every answer carries one (see [`wire`]). At most
@@ -248,34 +247,6 @@ pub(super) async fn accept(
     }
 }
 
-/// MACs a block's bytes as the store reads them (see [`crate::store::BlockSink`]): the
-/// reply's header carries the recorded checksum, which the store checks the same bytes
-/// against before they may be sent.
-struct Sealer<'a> {
-    session: &'a wire::Session,
-    sealing: Option<wire::Sealing>,
-}
-
-impl crate::store::BlockSink for Sealer<'_> {
-    fn begin(&mut self, len: usize, xxh3: u64) {
-        let head = BlockHeader {
-            code: 0,
-            message: String::new(),
-            length: len as u64,
-            xxh3,
-        };
-        // A header that cannot be framed leaves the reply to `send_reply` (which fails
-        // the same way).
-        self.sealing = self.session.seal_reply(head).ok();
-    }
-
-    fn piece(&mut self, bytes: &[u8]) {
-        if let Some(s) = &mut self.sealing {
-            s.update(bytes);
-        }
-    }
-}
-
 /// The open block-stream connections: a descriptor of each (to end it at close) and its
 /// thread.
 #[derive(Default)]
@@ -408,12 +379,6 @@ impl DataServer {
             };
             return session.send_reply(s, &head, &[]);
         }
-        // The block is MACed piece by piece as the store reads and checks it, each
-        // piece still in the CPU's cache.
-        let mut sealer = Sealer {
-            session,
-            sealing: None,
-        };
         let got = serve_block(
             &svc.store,
             &svc.meta,
@@ -421,24 +386,16 @@ impl DataServer {
             req,
             svc.timeout,
             data,
-            &mut sealer,
         );
-        let sealing = sealer.sealing.take();
         match got {
             Ok((sum, key)) => {
-                match sealing {
-                    // Sealed for the checksum recorded, which the bytes matched.
-                    Some(sealing) => session.send_sealed(s, sealing, data)?,
-                    None => {
-                        let head = BlockHeader {
-                            code: 0,
-                            message: String::new(),
-                            length: data.len() as u64,
-                            xxh3: sum,
-                        };
-                        session.send_reply(s, &head, data)?;
-                    }
-                }
+                let head = BlockHeader {
+                    code: 0,
+                    message: String::new(),
+                    length: data.len() as u64,
+                    xxh3: sum,
+                };
+                session.send_reply(s, &head, data)?;
                 svc.served(req, key, data.len());
             }
             Err(status) => {

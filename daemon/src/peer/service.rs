@@ -16,7 +16,7 @@ use crate::backing::Version;
 use crate::fill::{Filler, Target};
 use crate::meta::Meta;
 use crate::stats::{Stats, add, inc};
-use crate::store::{BlockSink, Key, Store};
+use crate::store::{Key, Store};
 
 pub(super) struct Service {
     pub(super) store: Arc<Store>,
@@ -136,8 +136,7 @@ impl Service {
 
 /// The block a peer asks for, from this node's cache, filled first when asked to, into
 /// `buf`; its xxh3-64 (checked against the one recorded) and its file version's key.
-/// `sink` sees the bytes as they are read (see [`Store::read_block_seen`]; it may see a
-/// block begun more than once, and counts only on `Ok`).
+/// gRPC `Fetch` and the block stream serve the same way.
 pub(super) fn serve_block(
     store: &Store,
     meta: &Meta,
@@ -145,7 +144,6 @@ pub(super) fn serve_block(
     r: &FetchRequest,
     timeout: Duration,
     buf: &mut Vec<u8>,
-    sink: &mut impl BlockSink,
 ) -> Result<(u64, Key), Status> {
     if r.block_size != store.block_size() {
         return Err(Status::failed_precondition(format!(
@@ -173,7 +171,7 @@ pub(super) fn serve_block(
         return Err(Status::invalid_argument("no such block"));
     }
     let key = Key::of(&r.root, &r.path, &version);
-    if let Some(sum) = store.read_block_seen(&key, index, buf, sink) {
+    if let Some(sum) = store.read_block_into(&key, index, buf) {
         return Ok((sum, key));
     }
     if !r.fill {
@@ -198,7 +196,7 @@ pub(super) fn serve_block(
     });
     filler.fill_here(&target, index, Instant::now() + timeout);
     store
-        .read_block_seen(&key, index, buf, sink)
+        .read_block_into(&key, index, buf)
         .map(|sum| (sum, key))
         .ok_or_else(|| Status::not_found("could not cache it here"))
 }

@@ -153,29 +153,6 @@ impl std::fmt::Debug for Session {
     }
 }
 
-/// The MAC of a reply being made (server): the block's bytes go through
-/// [`Sealing::update`] as they become ready (while they are in the CPU's cache);
-/// [`Session::send_sealed`] then sends the header, the bytes and the tag.
-#[must_use = "a sealed reply is sent by Session::send_sealed"]
-#[derive(Debug)]
-pub struct Sealing {
-    /// The sequence number the reply is sealed for.
-    seq: u64,
-    head: BlockHeader,
-    frame: Vec<u8>,
-    mac: Mac,
-    /// Bytes seen so far.
-    seen: u64,
-}
-
-impl Sealing {
-    /// Adds the next piece of the block's bytes.
-    pub fn update(&mut self, piece: &[u8]) {
-        self.mac.update(piece);
-        self.seen += piece.len() as u64;
-    }
-}
-
 /// The check of a reply in progress: the block's bytes go through [`Opening::update`]
 /// as they arrive; [`Session::finish_reply`] then reads the tag and checks it.
 #[must_use = "a reply is trusted only once Session::finish_reply checked it"]
@@ -259,54 +236,21 @@ impl Session {
         head: &BlockHeader,
         body: &[u8],
     ) -> io::Result<()> {
-        let mut sealing = self.seal_reply(head.clone())?;
-        sealing.update(body);
-        self.send_sealed(w, sealing, body)
-    }
-
-    /// Begins the answer to the last request read (server): its MAC over `head`; the
-    /// block's bytes go through the returned [`Sealing`] as they are read, then
-    /// [`Session::send_sealed`] sends them.
-    pub fn seal_reply(&self, head: BlockHeader) -> io::Result<Sealing> {
-        let frame = encode_frame(&head)?;
-        let mac = self.reply_mac(&self.send, self.sent, &frame);
-        Ok(Sealing {
-            seq: self.sent,
-            head,
-            frame,
-            mac,
-            seen: 0,
-        })
-    }
-
-    /// Sends a sealed answer: its header, `body` (exactly the bytes the sealing saw, in
-    /// that order: `head.length` of them when `head.code` is 0, else none) and the tag,
-    /// in one vectored write.
-    pub fn send_sealed<W: Write>(
-        &mut self,
-        w: &mut W,
-        sealed: Sealing,
-        body: &[u8],
-    ) -> io::Result<()> {
-        let want = if sealed.head.code == 0 {
-            sealed.head.length
-        } else {
-            0
-        };
-        if body.len() as u64 != want || sealed.seen != want || sealed.seq != self.sent {
+        let want = if head.code == 0 { head.length } else { 0 };
+        if body.len() as u64 != want {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
-                "block stream: a reply's bytes must match its header and its sealing",
+                "block stream: a reply's bytes must match its header",
             ));
         }
-        let tag = sealed.mac.tag();
+        let frame = encode_frame(head)?;
+        let tag = self
+            .reply_mac(&self.send, self.sent, &frame)
+            .update(body)
+            .tag();
         write_all_parts(
             w,
-            &mut [
-                IoSlice::new(&sealed.frame),
-                IoSlice::new(body),
-                IoSlice::new(&tag),
-            ],
+            &mut [IoSlice::new(&frame), IoSlice::new(body), IoSlice::new(&tag)],
         )?;
         self.sent += 1;
         Ok(())
@@ -614,32 +558,6 @@ mod tests {
         assert_eq!(open(&mut c, &rep).unwrap().0, no);
         // The end between requests.
         assert!(s.read_request(&mut &[][..]).unwrap().is_none());
-    }
-
-    #[test]
-    fn a_reply_sealed_piece_by_piece_is_the_same_and_must_match_its_bytes() {
-        let (mut c, mut s) = sessions(b"one shared secret");
-        let (_, whole) = exchange(&mut c, &mut s, 0);
-        let mut c2 = c.clone_for_test();
-        let mut s2 = s.clone_for_test();
-        s2.sent -= 1;
-        let (head, body) = block(0);
-        let mut sealing = s2.seal_reply(head.clone()).unwrap();
-        for piece in body.chunks(300) {
-            sealing.update(piece);
-        }
-        let mut rep = Vec::new();
-        s2.send_sealed(&mut rep, sealing, &body).unwrap();
-        assert_eq!(rep, whole, "the same bytes as send_reply");
-        assert_eq!(open(&mut c2, &rep).unwrap(), (head.clone(), body.clone()));
-        // Bytes other than the sealing saw, in number, or a sealing for another reply.
-        let mut short = s.seal_reply(head.clone()).unwrap();
-        short.update(&body[1..]);
-        assert!(s.send_sealed(&mut Vec::new(), short, &body).is_err());
-        let mut stale = s.seal_reply(head.clone()).unwrap();
-        stale.update(&body);
-        s.send_reply(&mut Vec::new(), &head, &body).unwrap();
-        assert!(s.send_sealed(&mut Vec::new(), stale, &body).is_err());
     }
 
     #[test]

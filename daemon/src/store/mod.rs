@@ -59,20 +59,6 @@ use crate::stats::{Stats, add, inc};
 use evict::{EvictionPolicy, Lru};
 use journal::Journal;
 
-/// What sees a block's bytes as [`Store::read_block_seen`] reads them.
-pub trait BlockSink {
-    /// Before the first piece: the block's length and the checksum recorded for it.
-    fn begin(&mut self, len: usize, xxh3: u64);
-    /// The next piece of the block, just read.
-    fn piece(&mut self, bytes: &[u8]);
-}
-
-/// Sees nothing.
-impl BlockSink for () {
-    fn begin(&mut self, _len: usize, _xxh3: u64) {}
-    fn piece(&mut self, _bytes: &[u8]) {}
-}
-
 /// Identity of a cached file version: xxh3-128 of (root, canonical path, version).
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Key(pub [u8; 16]);
@@ -755,21 +741,6 @@ impl Store {
     /// The checksum is computed piece by piece as the block is read, each piece still in
     /// the CPU's cache. `buf`'s contents are unspecified on `None`.
     pub fn read_block_into(&self, key: &Key, i: usize, buf: &mut Vec<u8>) -> Option<u64> {
-        self.read_block_seen(key, i, buf, &mut ())
-    }
-
-    /// [`Store::read_block_into`], showing each piece of the block to `sink` right after
-    /// it was read and hashed, while it is still in the CPU's cache (a peer's sender
-    /// MACs it there: one pass over the bytes instead of two). `sink` first learns the
-    /// block's length and recorded checksum; what it saw counts only if `Some` is
-    /// returned (the bytes then matched that checksum).
-    pub fn read_block_seen(
-        &self,
-        key: &Key,
-        i: usize,
-        buf: &mut Vec<u8>,
-        sink: &mut impl BlockSink,
-    ) -> Option<u64> {
         const PIECE: usize = 256 << 10;
         let (generation, bs, meta) = {
             let idx = self.lock();
@@ -782,11 +753,9 @@ impl Store {
         buf.resize(meta.len as usize, 0);
         let base = i as u64 * bs as u64;
         let mut hash = BlockHasher::new();
-        sink.begin(meta.len as usize, meta.xxh3);
         for (n, piece) in buf.chunks_mut(PIECE).enumerate() {
             f.read_exact_at(piece, base + (n * PIECE) as u64).ok()?;
             hash.update(piece);
-            sink.piece(piece);
         }
         let sum = hash.digest();
         if sum != meta.xxh3 {
