@@ -8,6 +8,14 @@
 //!    and 4 streams at once (as many as the peer fetches in flight), whichever is
 //!    faster. The three are
 //!    measured in turn, in a rotating order, for several rounds; medians are compared.
+//!    With `--link RATE` the two nodes are not on loopback but in two network
+//!    namespaces of the testbed script (`cluster-net.sh`: a veth each, a bridge between,
+//!    `tbf` at RATE on both ends of each link, or unshaped with `none`): node A's daemon
+//!    and the raw baseline's sending side run on threads inside node A's namespace,
+//!    node B's daemon, its fetches and the raw receivers inside node B's (a thread's
+//!    sockets belong to the namespace it is in when it makes them; the daemons' own
+//!    threads inherit it). The same code path as between two hosts, across a real
+//!    network stack and a rate-limited link, in this one process.
 //! 2. Placement: M nodes run a distributed shuffle (one rank each) with aggregate cache
 //!    a = M·C/N; per epoch after the first, the backing traffic ÷ the dataset (floor
 //!    max(0, 1 − a)) and the fraction of opens that found the file on the local NVMe.
@@ -28,12 +36,119 @@ use crate::{content, write_file};
 
 const SECRET: &str = "benchmark cluster shared secret";
 
+/// The two transfer nodes' places on the testbed: node A's namespace and address, then
+/// node B's.
+#[derive(Debug, Clone)]
+pub struct Link {
+    /// `(network namespace, IPv4 address)` of node A, then node B.
+    pub nodes: [(String, String); 2],
+}
+
+/// Moves the calling thread into network namespace `ns` (`ip netns` name); `None`: stays.
+/// Sockets it makes from then on, and threads it starts, are in that namespace.
+fn enter(ns: Option<&str>) -> anyhow::Result<()> {
+    use std::os::fd::AsRawFd;
+    let Some(ns) = ns else { return Ok(()) };
+    let f = std::fs::File::open(format!("/run/netns/{ns}"))
+        .with_context(|| format!("network namespace {ns} (is the testbed up? root?)"))?;
+    // SAFETY: setns only reads the descriptor, which is open for the call.
+    if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        return Err(std::io::Error::last_os_error())
+            .with_context(|| format!("setns into {ns} (root only)"));
+    }
+    Ok(())
+}
+
+/// `f` on a new thread inside network namespace `ns`.
+fn inside<T: Send>(
+    ns: Option<&str>,
+    f: impl FnOnce() -> anyhow::Result<T> + Send,
+) -> anyhow::Result<T> {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            enter(ns)?;
+            f()
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("panicked"))?
+    })
+}
+
+/// The testbed of two nodes (`cluster-net.sh up 2 RATE`), taken down when dropped, on
+/// failure too.
+#[derive(Debug)]
+pub struct Testbed {
+    script: PathBuf,
+    /// Where the nodes are.
+    pub link: Link,
+}
+
+impl Testbed {
+    /// Brings up two nodes at `rate` (`none`: unshaped veth). Refuses when a testbed
+    /// is already up (someone else's: it is left alone).
+    pub fn up(script: &Path, rate: &str) -> anyhow::Result<Self> {
+        let list = std::process::Command::new("ip")
+            .args(["netns", "list"])
+            .output()
+            .context("ip netns list")?;
+        let list = String::from_utf8_lossy(&list.stdout);
+        anyhow::ensure!(
+            !list
+                .lines()
+                .any(|l| l.starts_with("sc-br") || l.starts_with("sc-n")),
+            "a testbed is already up (`ip netns list` shows sc-*): take it down first"
+        );
+        let me = Self {
+            script: script.to_owned(),
+            link: Link {
+                nodes: [
+                    ("sc-n1".into(), String::new()),
+                    ("sc-n2".into(), String::new()),
+                ],
+            },
+        };
+        // From here on, dropping `me` takes down whatever `up` made.
+        me.call(&["up", "2", rate])?;
+        let mut me = me;
+        for (k, node) in me.link.nodes.iter_mut().enumerate() {
+            let out = std::process::Command::new(&me.script)
+                .args(["addr", &(k + 1).to_string()])
+                .output()?;
+            node.1 = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        }
+        Ok(me)
+    }
+
+    fn call(&self, args: &[&str]) -> anyhow::Result<()> {
+        let st = std::process::Command::new(&self.script)
+            .args(args)
+            .status()
+            .with_context(|| format!("{}", self.script.display()))?;
+        anyhow::ensure!(
+            st.success(),
+            "{} {}: {st}",
+            self.script.display(),
+            args.join(" ")
+        );
+        Ok(())
+    }
+}
+
+impl Drop for Testbed {
+    fn drop(&mut self) {
+        if let Err(e) = self.call(&["down"]) {
+            eprintln!("taking the testbed down: {e:#}");
+        }
+    }
+}
+
 fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 /// Starts `m` daemons sharing `backing`, each with `capacity` bytes of cache; with
-/// `tls`, mutual TLS on the peer port (certificates from one test CA).
+/// `tls`, mutual TLS on the peer port (certificates from one test CA). On loopback, or
+/// (`link`, two nodes) each in its namespace of the testbed.
 fn cluster(
     dir: &Path,
     backing: &Path,
@@ -41,13 +156,20 @@ fn cluster(
     block: u64,
     capacity: u64,
     tls: bool,
+    link: Option<&Link>,
 ) -> anyhow::Result<(Vec<Daemon>, Vec<String>, Vec<PathBuf>)> {
     let secret = dir.join("secret");
     std::fs::write(&secret, SECRET)?;
     let ca = tls.then(|| crate::certs::Ca::new("bench"));
+    anyhow::ensure!(link.is_none() || m == 2, "the testbed link has two nodes");
+    let ns = |i: usize| link.map(|l| l.nodes[i].0.as_str());
     let addrs: Vec<String> = (0..m)
-        .map(|_| free_port().map(|p| format!("127.0.0.1:{p}")))
-        .collect::<Result<_, _>>()?;
+        .map(|i| match link {
+            // Fresh namespaces: nothing else listens there.
+            Some(l) => Ok(format!("{}:7411", l.nodes[i].1)),
+            None => free_port().map(|p| format!("127.0.0.1:{p}")),
+        })
+        .collect::<anyhow::Result<_>>()?;
     let mut nodes = Vec::new();
     let mut sockets = Vec::new();
     for i in 0..m {
@@ -80,7 +202,8 @@ fn cluster(
                 .unwrap_or(Config::default().fill_workers),
             ..Config::default()
         };
-        nodes.push(Daemon::start(&cfg).with_context(|| format!("node {i}"))?);
+        let node = inside(ns(i), || Daemon::start(&cfg)).with_context(|| format!("node {i}"))?;
+        nodes.push(node);
         sockets.push(socket);
     }
     Ok((nodes, addrs, sockets))
@@ -134,15 +257,23 @@ fn with_cpu<T>(len: u64, f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Resul
     Ok((r, (cpu_secs() - c) / (len as f64 / (1u64 << 30) as f64)))
 }
 
-/// Peer transfer (over TLS with `tls`) and raw TCP, both on loopback, `rounds` rounds of
-/// `mib` MiB each.
-pub fn transfer(dir: &Path, mib: u64, rounds: usize, tls: bool) -> anyhow::Result<Transfer> {
+/// Peer transfer (over TLS with `tls`) and raw TCP, both on loopback or both across
+/// `link`, `rounds` rounds of `mib` MiB each.
+pub fn transfer(
+    dir: &Path,
+    mib: u64,
+    rounds: usize,
+    tls: bool,
+    link: Option<&Link>,
+) -> anyhow::Result<Transfer> {
+    let ns = |i: usize| link.map(|l| l.nodes[i].0.as_str());
     let block = 4u64 << 20;
     let tmp = tempfile::tempdir_in(dir)?;
     let backing = tmp.path().join("backing");
     std::fs::create_dir_all(&backing)?;
     let backing = backing.canonicalize()?;
-    let (nodes, addrs, sockets) = cluster(tmp.path(), &backing, 2, block, (8 * mib) << 20, tls)?;
+    let (nodes, addrs, sockets) =
+        cluster(tmp.path(), &backing, 2, block, (8 * mib) << 20, tls, link)?;
     let root = backing.display().to_string();
     // A file node 0 owns.
     let rel = (0..1000)
@@ -171,6 +302,10 @@ pub fn transfer(dir: &Path, mib: u64, rounds: usize, tls: bool) -> anyhow::Resul
         std::thread::scope(|s| {
             for _ in 0..IN_FLIGHT {
                 s.spawn(|| {
+                    // Node B's fetches connect from its namespace.
+                    if enter(ns(1)).is_err() {
+                        return;
+                    }
                     // Each fill worker keeps one block buffer.
                     let mut d = Vec::new();
                     loop {
@@ -201,11 +336,11 @@ pub fn transfer(dir: &Path, mib: u64, rounds: usize, tls: bool) -> anyhow::Resul
                     p_cpu.push(c);
                 }
                 1 => {
-                    let (v, c) = with_cpu(len, || raw_tcp(&data_path, len, block, 1))?;
+                    let (v, c) = with_cpu(len, || raw_tcp(&data_path, len, block, 1, link))?;
                     one.push(v);
                     one_cpu.push(c);
                 }
-                _ => many.push(raw_tcp(&data_path, len, block, IN_FLIGHT)?),
+                _ => many.push(raw_tcp(&data_path, len, block, IN_FLIGHT, link)?),
             }
         }
         ratios.push(p[round] / one[round].max(many[round]));
@@ -226,11 +361,22 @@ pub fn transfer(dir: &Path, mib: u64, rounds: usize, tls: bool) -> anyhow::Resul
     })
 }
 
-/// `len` bytes of `file` (page-cached) over `streams` TCP connections on loopback at
-/// once, stream `k` carrying blocks `k`, `k + streams`, ... of `block` bytes, each sent
-/// 1 MiB at a time (`pread`, `write`): MiB/s as the receivers see it.
-fn raw_tcp(file: &Path, len: u64, block: u64, streams: usize) -> anyhow::Result<f64> {
-    let l = TcpListener::bind("127.0.0.1:0")?;
+/// `len` bytes of `file` (page-cached) over `streams` TCP connections on loopback (or
+/// from node A to node B of `link`) at once, stream `k` carrying blocks `k`,
+/// `k + streams`, ... of `block` bytes, each sent 1 MiB at a time (`pread`, `write`):
+/// MiB/s as the receivers see it.
+fn raw_tcp(
+    file: &Path,
+    len: u64,
+    block: u64,
+    streams: usize,
+    link: Option<&Link>,
+) -> anyhow::Result<f64> {
+    let ns = |i: usize| link.map(|l| l.nodes[i].0.clone());
+    let (a, b) = (ns(0), ns(1));
+    let host = link.map_or("127.0.0.1".to_owned(), |l| l.nodes[0].1.clone());
+    // The sending side's socket (and threads) in node A's namespace.
+    let l = inside(a.as_deref(), || Ok(TcpListener::bind((host.as_str(), 0))?))?;
     let addr = l.local_addr()?;
     let f = std::fs::File::open(file)?;
     let nblocks = len.div_ceil(block);
@@ -242,6 +388,8 @@ fn raw_tcp(file: &Path, len: u64, block: u64, streams: usize) -> anyhow::Result<
             .sum::<u64>()
     };
     let server = std::thread::spawn(move || -> std::io::Result<()> {
+        // Accepted sockets are the listener's; the threads follow node A anyway.
+        enter(a.as_deref()).map_err(std::io::Error::other)?;
         let mut conns = Vec::new();
         for _ in 0..streams {
             conns.push(l.accept()?.0);
@@ -274,10 +422,11 @@ fn raw_tcp(file: &Path, len: u64, block: u64, streams: usize) -> anyhow::Result<
             })
         })
     });
-    let mut conns = Vec::new();
-    for _ in 0..streams {
-        conns.push(TcpStream::connect(addr)?);
-    }
+    let conns = inside(b.as_deref(), || {
+        (0..streams)
+            .map(|_| Ok(TcpStream::connect(addr)?))
+            .collect::<anyhow::Result<Vec<_>>>()
+    })?;
     let t = Instant::now();
     let got: anyhow::Result<()> = std::thread::scope(|s| {
         let hs: Vec<_> = conns
@@ -344,7 +493,7 @@ pub fn placement(
         write_file(&backing.join(format!("ds/s{i:05}")), i, size);
     }
     let capacity = ((a * files as f64 / m as f64).round() as u64).max(1) * size;
-    let (nodes, addrs, sockets) = cluster(tmp.path(), &backing, m, block, capacity, false)?;
+    let (nodes, addrs, sockets) = cluster(tmp.path(), &backing, m, block, capacity, false, None)?;
     if std::env::var_os("SHARDCACHE_BENCH_VERBOSE").is_some() {
         for (i, a) in addrs.iter().enumerate() {
             eprintln!(
@@ -443,13 +592,48 @@ pub fn placement(
     })
 }
 
-/// Prints the benchmark; with `tls`, the transfer runs over mutual TLS and placement
-/// is left out (TLS changes no placement).
-pub fn run(dir: &Path, mib: u64, rounds: usize, tls: bool) -> anyhow::Result<()> {
+/// Where the transfer runs: loopback, or a testbed link at a rate.
+#[derive(Debug, Clone)]
+pub enum Net {
+    /// Both nodes on loopback addresses of this network namespace.
+    Loopback,
+    /// Each node in a namespace of the testbed script `script` (`cluster-net.sh`), the
+    /// link between them shaped to `rate` (a `tc` rate such as `1gbit`; `none`:
+    /// unshaped veth).
+    Link {
+        /// The testbed script.
+        script: PathBuf,
+        /// The link rate.
+        rate: String,
+    },
+}
+
+/// Prints the benchmark; with `tls`, the transfer runs over mutual TLS, and with `tls`
+/// or a testbed link placement is left out (neither changes placement).
+pub fn run(dir: &Path, mib: u64, rounds: usize, tls: bool, net: &Net) -> anyhow::Result<()> {
     if rounds > 0 {
-        let t = transfer(dir, mib, rounds, tls)?;
+        let (t, path) = match net {
+            Net::Loopback => (
+                transfer(dir, mib, rounds, tls, None)?,
+                "over loopback".to_owned(),
+            ),
+            Net::Link { script, rate } => {
+                let bed = Testbed::up(script, rate)?;
+                let t = transfer(dir, mib, rounds, tls, Some(&bed.link));
+                drop(bed);
+                let shaped = if rate == "none" {
+                    "unshaped veth".to_owned()
+                } else {
+                    format!("tbf {rate} on both ends")
+                };
+                (
+                    t?,
+                    format!("across two network namespaces, veth + bridge, {shaped}"),
+                )
+            }
+        };
         println!(
-            "transfer: {mib} MiB in 4 MiB blocks, node to node over loopback, {rounds} rounds in rotating order (medians)"
+            "transfer: {mib} MiB in 4 MiB blocks, node to node {path}, {rounds} rounds in rotating order (medians)"
         );
         println!(
             "  peer fetch (block stream{}: a MAC per block (keyed BLAKE3) and xxh3, the sender reads, checks the xxh3, MACs then writes, the receiver checks the MAC; {IN_FLIGHT} in flight as the fill engine does) {:.0} MiB/s",
@@ -473,7 +657,7 @@ pub fn run(dir: &Path, mib: u64, rounds: usize, tls: bool) -> anyhow::Result<()>
             t.peer_cpu, t.raw_cpu
         );
     }
-    if tls {
+    if tls || matches!(net, Net::Link { .. }) {
         return Ok(());
     }
     let (m, files, kib, epochs) = (4usize, 240u64, 128u64, 4u64);
