@@ -331,7 +331,7 @@ pub fn transfer(
         for k in 0..3 {
             match (round + k) % 3 {
                 0 => {
-                    let (v, c) = with_cpu(len, &peer)?;
+                    let (v, c) = with_cpu(len, peer)?;
                     p.push(v);
                     p_cpu.push(c);
                 }
