@@ -708,8 +708,8 @@ fn fill(inner: &Inner, t: &Target, index: usize, prefetch: bool) -> Result<(), F
         // This thread's block buffer, kept from one peer fetch to the next.
         let mut buf = PEER_BUF.take();
         let got = peers.fetch(root, &t.stat, index, permit.len(), true, &mut buf);
-        if got {
-            let r = inner.store.commit_fill(permit, &buf);
+        if let Some(xxh3) = got {
+            let r = inner.store.commit_fill_summed(permit, &buf, xxh3);
             PEER_BUF.set(buf);
             r?;
             inc(&inner.stats.blocks_filled);

@@ -2,12 +2,20 @@
 //! loopback addresses, sharing one backing directory.
 //!
 //! 1. Transfer: node B fetches every block of a file node A owns and holds, through the
-//!    peer block stream (a MAC per block, checksums on both ends, with `--tls` inside
+//!    peer block stream (a MAC per block, the sender's checksum check, with `--tls` inside
 //!    mutual TLS; 4 fetches in flight as the fill engine does), ÷ raw TCP moving the
 //!    same bytes from the same page-cached file on the same loopback path: one stream,
 //!    and 4 streams at once (as many as the peer fetches in flight), whichever is
 //!    faster. The three are
 //!    measured in turn, in a rotating order, for several rounds; medians are compared.
+//!    With `--link RATE` the two nodes are not on loopback but in two network
+//!    namespaces of the testbed script (`cluster-net.sh`: a veth each, a bridge between,
+//!    `tbf` at RATE on both ends of each link, or unshaped with `none`): node A's daemon
+//!    and the raw baseline's sending side run on threads inside node A's namespace,
+//!    node B's daemon, its fetches and the raw receivers inside node B's (a thread's
+//!    sockets belong to the namespace it is in when it makes them; the daemons' own
+//!    threads inherit it). The same code path as between two hosts, across a real
+//!    network stack and a rate-limited link, in this one process.
 //! 2. Placement: M nodes run a distributed shuffle (one rank each) with aggregate cache
 //!    a = M·C/N; per epoch after the first, the backing traffic ÷ the dataset (floor
 //!    max(0, 1 − a)) and the fraction of opens that found the file on the local NVMe.
@@ -28,12 +36,119 @@ use crate::{content, write_file};
 
 const SECRET: &str = "benchmark cluster shared secret";
 
+/// The two transfer nodes' places on the testbed: node A's namespace and address, then
+/// node B's.
+#[derive(Debug, Clone)]
+pub struct Link {
+    /// `(network namespace, IPv4 address)` of node A, then node B.
+    pub nodes: [(String, String); 2],
+}
+
+/// Moves the calling thread into network namespace `ns` (`ip netns` name); `None`: stays.
+/// Sockets it makes from then on, and threads it starts, are in that namespace.
+fn enter(ns: Option<&str>) -> anyhow::Result<()> {
+    use std::os::fd::AsRawFd;
+    let Some(ns) = ns else { return Ok(()) };
+    let f = std::fs::File::open(format!("/run/netns/{ns}"))
+        .with_context(|| format!("network namespace {ns} (is the testbed up? root?)"))?;
+    // SAFETY: setns only reads the descriptor, which is open for the call.
+    if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+        return Err(std::io::Error::last_os_error())
+            .with_context(|| format!("setns into {ns} (root only)"));
+    }
+    Ok(())
+}
+
+/// `f` on a new thread inside network namespace `ns`.
+fn inside<T: Send>(
+    ns: Option<&str>,
+    f: impl FnOnce() -> anyhow::Result<T> + Send,
+) -> anyhow::Result<T> {
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            enter(ns)?;
+            f()
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("panicked"))?
+    })
+}
+
+/// The testbed of two nodes (`cluster-net.sh up 2 RATE`), taken down when dropped, on
+/// failure too.
+#[derive(Debug)]
+pub struct Testbed {
+    script: PathBuf,
+    /// Where the nodes are.
+    pub link: Link,
+}
+
+impl Testbed {
+    /// Brings up two nodes at `rate` (`none`: unshaped veth). Refuses when a testbed
+    /// is already up (someone else's: it is left alone).
+    pub fn up(script: &Path, rate: &str) -> anyhow::Result<Self> {
+        let list = std::process::Command::new("ip")
+            .args(["netns", "list"])
+            .output()
+            .context("ip netns list")?;
+        let list = String::from_utf8_lossy(&list.stdout);
+        anyhow::ensure!(
+            !list
+                .lines()
+                .any(|l| l.starts_with("sc-br") || l.starts_with("sc-n")),
+            "a testbed is already up (`ip netns list` shows sc-*): take it down first"
+        );
+        let me = Self {
+            script: script.to_owned(),
+            link: Link {
+                nodes: [
+                    ("sc-n1".into(), String::new()),
+                    ("sc-n2".into(), String::new()),
+                ],
+            },
+        };
+        // From here on, dropping `me` takes down whatever `up` made.
+        me.call(&["up", "2", rate])?;
+        let mut me = me;
+        for (k, node) in me.link.nodes.iter_mut().enumerate() {
+            let out = std::process::Command::new(&me.script)
+                .args(["addr", &(k + 1).to_string()])
+                .output()?;
+            node.1 = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+        }
+        Ok(me)
+    }
+
+    fn call(&self, args: &[&str]) -> anyhow::Result<()> {
+        let st = std::process::Command::new(&self.script)
+            .args(args)
+            .status()
+            .with_context(|| format!("{}", self.script.display()))?;
+        anyhow::ensure!(
+            st.success(),
+            "{} {}: {st}",
+            self.script.display(),
+            args.join(" ")
+        );
+        Ok(())
+    }
+}
+
+impl Drop for Testbed {
+    fn drop(&mut self) {
+        if let Err(e) = self.call(&["down"]) {
+            eprintln!("taking the testbed down: {e:#}");
+        }
+    }
+}
+
 fn free_port() -> anyhow::Result<u16> {
     Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
 }
 
 /// Starts `m` daemons sharing `backing`, each with `capacity` bytes of cache; with
-/// `tls`, mutual TLS on the peer port (certificates from one test CA).
+/// `tls`, mutual TLS on the peer port (certificates from one test CA). On loopback, or
+/// (`link`, two nodes) each in its namespace of the testbed.
 fn cluster(
     dir: &Path,
     backing: &Path,
@@ -41,13 +156,20 @@ fn cluster(
     block: u64,
     capacity: u64,
     tls: bool,
+    link: Option<&Link>,
 ) -> anyhow::Result<(Vec<Daemon>, Vec<String>, Vec<PathBuf>)> {
     let secret = dir.join("secret");
     std::fs::write(&secret, SECRET)?;
     let ca = tls.then(|| crate::certs::Ca::new("bench"));
+    anyhow::ensure!(link.is_none() || m == 2, "the testbed link has two nodes");
+    let ns = |i: usize| link.map(|l| l.nodes[i].0.as_str());
     let addrs: Vec<String> = (0..m)
-        .map(|_| free_port().map(|p| format!("127.0.0.1:{p}")))
-        .collect::<Result<_, _>>()?;
+        .map(|i| match link {
+            // Fresh namespaces: nothing else listens there.
+            Some(l) => Ok(format!("{}:7411", l.nodes[i].1)),
+            None => free_port().map(|p| format!("127.0.0.1:{p}")),
+        })
+        .collect::<anyhow::Result<_>>()?;
     let mut nodes = Vec::new();
     let mut sockets = Vec::new();
     for i in 0..m {
@@ -80,7 +202,8 @@ fn cluster(
                 .unwrap_or(Config::default().fill_workers),
             ..Config::default()
         };
-        nodes.push(Daemon::start(&cfg).with_context(|| format!("node {i}"))?);
+        let node = inside(ns(i), || Daemon::start(&cfg)).with_context(|| format!("node {i}"))?;
+        nodes.push(node);
         sockets.push(socket);
     }
     Ok((nodes, addrs, sockets))
@@ -108,17 +231,49 @@ pub struct Transfer {
     /// Per round: the peer fetch ÷ one raw TCP stream of the same round (the issue's
     /// baseline: "a raw TCP stream on the same loopback path"), median.
     pub ratio_one: f64,
+    /// CPU seconds (user + system, this whole process: both nodes) per GiB moved by the
+    /// peer fetch, median: less swayed than the speeds by load from outside.
+    pub peer_cpu: f64,
+    /// The same for one raw TCP stream.
+    pub raw_cpu: f64,
 }
 
-/// Peer transfer (over TLS with `tls`) and raw TCP, both on loopback, `rounds` rounds of
-/// `mib` MiB each.
-pub fn transfer(dir: &Path, mib: u64, rounds: usize, tls: bool) -> anyhow::Result<Transfer> {
+/// CPU seconds (user + system) this process has used so far.
+fn cpu_secs() -> f64 {
+    // SAFETY: getrusage writes only into the struct it is given.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; RUSAGE_SELF is always valid.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
+        return f64::NAN;
+    }
+    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 / 1e6;
+    t(u.ru_utime) + t(u.ru_stime)
+}
+
+/// `f`'s result and the CPU seconds per GiB of `len` bytes it used.
+fn with_cpu<T>(len: u64, f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<(T, f64)> {
+    let c = cpu_secs();
+    let r = f()?;
+    Ok((r, (cpu_secs() - c) / (len as f64 / (1u64 << 30) as f64)))
+}
+
+/// Peer transfer (over TLS with `tls`) and raw TCP, both on loopback or both across
+/// `link`, `rounds` rounds of `mib` MiB each.
+pub fn transfer(
+    dir: &Path,
+    mib: u64,
+    rounds: usize,
+    tls: bool,
+    link: Option<&Link>,
+) -> anyhow::Result<Transfer> {
+    let ns = |i: usize| link.map(|l| l.nodes[i].0.as_str());
     let block = 4u64 << 20;
     let tmp = tempfile::tempdir_in(dir)?;
     let backing = tmp.path().join("backing");
     std::fs::create_dir_all(&backing)?;
     let backing = backing.canonicalize()?;
-    let (nodes, addrs, sockets) = cluster(tmp.path(), &backing, 2, block, (8 * mib) << 20, tls)?;
+    let (nodes, addrs, sockets) =
+        cluster(tmp.path(), &backing, 2, block, (8 * mib) << 20, tls, link)?;
     let root = backing.display().to_string();
     // A file node 0 owns.
     let rel = (0..1000)
@@ -147,6 +302,10 @@ pub fn transfer(dir: &Path, mib: u64, rounds: usize, tls: bool) -> anyhow::Resul
         std::thread::scope(|s| {
             for _ in 0..IN_FLIGHT {
                 s.spawn(|| {
+                    // Node B's fetches connect from its namespace.
+                    if enter(ns(1)).is_err() {
+                        return;
+                    }
                     // Each fill worker keeps one block buffer.
                     let mut d = Vec::new();
                     loop {
@@ -155,7 +314,7 @@ pub fn transfer(dir: &Path, mib: u64, rounds: usize, tls: bool) -> anyhow::Resul
                             return;
                         }
                         let want = (len - i as u64 * block).min(block) as usize;
-                        if peers.fetch(&root, &stat, i, want, true, &mut d) {
+                        if peers.fetch(&root, &stat, i, want, true, &mut d).is_some() {
                             got.fetch_add(d.len() as u64, Ordering::Relaxed);
                         }
                     }
@@ -167,12 +326,21 @@ pub fn transfer(dir: &Path, mib: u64, rounds: usize, tls: bool) -> anyhow::Resul
     };
     let (mut p, mut one, mut many) = (Vec::new(), Vec::new(), Vec::new());
     let (mut ratios, mut ratios_one) = (Vec::new(), Vec::new());
+    let (mut p_cpu, mut one_cpu) = (Vec::new(), Vec::new());
     for round in 0..rounds {
         for k in 0..3 {
             match (round + k) % 3 {
-                0 => p.push(peer()?),
-                1 => one.push(raw_tcp(&data_path, len, block, 1)?),
-                _ => many.push(raw_tcp(&data_path, len, block, IN_FLIGHT)?),
+                0 => {
+                    let (v, c) = with_cpu(len, peer)?;
+                    p.push(v);
+                    p_cpu.push(c);
+                }
+                1 => {
+                    let (v, c) = with_cpu(len, || raw_tcp(&data_path, len, block, 1, link))?;
+                    one.push(v);
+                    one_cpu.push(c);
+                }
+                _ => many.push(raw_tcp(&data_path, len, block, IN_FLIGHT, link)?),
             }
         }
         ratios.push(p[round] / one[round].max(many[round]));
@@ -188,14 +356,27 @@ pub fn transfer(dir: &Path, mib: u64, rounds: usize, tls: bool) -> anyhow::Resul
         ratio: crate::median(&ratios),
         ratio_range: (lo, hi),
         ratio_one: crate::median(&ratios_one),
+        peer_cpu: crate::median(&p_cpu),
+        raw_cpu: crate::median(&one_cpu),
     })
 }
 
-/// `len` bytes of `file` (page-cached) over `streams` TCP connections on loopback at
-/// once, stream `k` carrying blocks `k`, `k + streams`, ... of `block` bytes, each sent
-/// 1 MiB at a time (`pread`, `write`): MiB/s as the receivers see it.
-fn raw_tcp(file: &Path, len: u64, block: u64, streams: usize) -> anyhow::Result<f64> {
-    let l = TcpListener::bind("127.0.0.1:0")?;
+/// `len` bytes of `file` (page-cached) over `streams` TCP connections on loopback (or
+/// from node A to node B of `link`) at once, stream `k` carrying blocks `k`,
+/// `k + streams`, ... of `block` bytes, each sent 1 MiB at a time (`pread`, `write`):
+/// MiB/s as the receivers see it.
+fn raw_tcp(
+    file: &Path,
+    len: u64,
+    block: u64,
+    streams: usize,
+    link: Option<&Link>,
+) -> anyhow::Result<f64> {
+    let ns = |i: usize| link.map(|l| l.nodes[i].0.clone());
+    let (a, b) = (ns(0), ns(1));
+    let host = link.map_or("127.0.0.1".to_owned(), |l| l.nodes[0].1.clone());
+    // The sending side's socket (and threads) in node A's namespace.
+    let l = inside(a.as_deref(), || Ok(TcpListener::bind((host.as_str(), 0))?))?;
     let addr = l.local_addr()?;
     let f = std::fs::File::open(file)?;
     let nblocks = len.div_ceil(block);
@@ -207,6 +388,8 @@ fn raw_tcp(file: &Path, len: u64, block: u64, streams: usize) -> anyhow::Result<
             .sum::<u64>()
     };
     let server = std::thread::spawn(move || -> std::io::Result<()> {
+        // Accepted sockets are the listener's; the threads follow node A anyway.
+        enter(a.as_deref()).map_err(std::io::Error::other)?;
         let mut conns = Vec::new();
         for _ in 0..streams {
             conns.push(l.accept()?.0);
@@ -239,10 +422,11 @@ fn raw_tcp(file: &Path, len: u64, block: u64, streams: usize) -> anyhow::Result<
             })
         })
     });
-    let mut conns = Vec::new();
-    for _ in 0..streams {
-        conns.push(TcpStream::connect(addr)?);
-    }
+    let conns = inside(b.as_deref(), || {
+        (0..streams)
+            .map(|_| Ok(TcpStream::connect(addr)?))
+            .collect::<anyhow::Result<Vec<_>>>()
+    })?;
     let t = Instant::now();
     let got: anyhow::Result<()> = std::thread::scope(|s| {
         let hs: Vec<_> = conns
@@ -309,7 +493,7 @@ pub fn placement(
         write_file(&backing.join(format!("ds/s{i:05}")), i, size);
     }
     let capacity = ((a * files as f64 / m as f64).round() as u64).max(1) * size;
-    let (nodes, addrs, sockets) = cluster(tmp.path(), &backing, m, block, capacity, false)?;
+    let (nodes, addrs, sockets) = cluster(tmp.path(), &backing, m, block, capacity, false, None)?;
     if std::env::var_os("SHARDCACHE_BENCH_VERBOSE").is_some() {
         for (i, a) in addrs.iter().enumerate() {
             eprintln!(
@@ -408,16 +592,51 @@ pub fn placement(
     })
 }
 
-/// Prints the benchmark; with `tls`, the transfer runs over mutual TLS and placement
-/// is left out (TLS changes no placement).
-pub fn run(dir: &Path, mib: u64, rounds: usize, tls: bool) -> anyhow::Result<()> {
+/// Where the transfer runs: loopback, or a testbed link at a rate.
+#[derive(Debug, Clone)]
+pub enum Net {
+    /// Both nodes on loopback addresses of this network namespace.
+    Loopback,
+    /// Each node in a namespace of the testbed script `script` (`cluster-net.sh`), the
+    /// link between them shaped to `rate` (a `tc` rate such as `1gbit`; `none`:
+    /// unshaped veth).
+    Link {
+        /// The testbed script.
+        script: PathBuf,
+        /// The link rate.
+        rate: String,
+    },
+}
+
+/// Prints the benchmark; with `tls`, the transfer runs over mutual TLS, and with `tls`
+/// or a testbed link placement is left out (neither changes placement).
+pub fn run(dir: &Path, mib: u64, rounds: usize, tls: bool, net: &Net) -> anyhow::Result<()> {
     if rounds > 0 {
-        let t = transfer(dir, mib, rounds, tls)?;
+        let (t, path) = match net {
+            Net::Loopback => (
+                transfer(dir, mib, rounds, tls, None)?,
+                "over loopback".to_owned(),
+            ),
+            Net::Link { script, rate } => {
+                let bed = Testbed::up(script, rate)?;
+                let t = transfer(dir, mib, rounds, tls, Some(&bed.link));
+                drop(bed);
+                let shaped = if rate == "none" {
+                    "unshaped veth".to_owned()
+                } else {
+                    format!("tbf {rate} on both ends")
+                };
+                (
+                    t?,
+                    format!("across two network namespaces, veth + bridge, {shaped}"),
+                )
+            }
+        };
         println!(
-            "transfer: {mib} MiB in 4 MiB blocks, node to node over loopback, {rounds} rounds in rotating order (medians)"
+            "transfer: {mib} MiB in 4 MiB blocks, node to node {path}, {rounds} rounds in rotating order (medians)"
         );
         println!(
-            "  peer fetch (block stream{}: a MAC per block (keyed BLAKE3) and xxh3, the sender reads, checks, MACs then writes, the receiver checks both; {IN_FLIGHT} in flight as the fill engine does) {:.0} MiB/s",
+            "  peer fetch (block stream{}: a MAC per block (keyed BLAKE3) and xxh3, the sender reads, checks the xxh3, MACs then writes, the receiver checks the MAC; {IN_FLIGHT} in flight as the fill engine does) {:.0} MiB/s",
             if tls { " over mutual TLS 1.3" } else { "" },
             t.peer
         );
@@ -433,8 +652,12 @@ pub fn run(dir: &Path, mib: u64, rounds: usize, tls: bool) -> anyhow::Result<()>
             "  ratio peer ÷ the faster raw configuration of the same round (stricter): median {:.2} (rounds {:.2}–{:.2})",
             t.ratio, t.ratio_range.0, t.ratio_range.1
         );
+        println!(
+            "  CPU per GiB moved (both ends, user + system, medians): peer fetch {:.2} s, one raw stream {:.2} s",
+            t.peer_cpu, t.raw_cpu
+        );
     }
-    if tls {
+    if tls || matches!(net, Net::Link { .. }) {
         return Ok(());
     }
     let (m, files, kib, epochs) = (4usize, 240u64, 128u64, 4u64);

@@ -608,7 +608,9 @@ impl Peers {
     /// read it next (they likely hold it), then from the file's owner, which fills it
     /// from the backing store if no node has it (once for the cluster). False when no
     /// peer supplied it (the caller reads the backing store; `buf`'s contents are then
-    /// unspecified). `keep`: the caller stores the block in its cache (the sender's copy
+    /// unspecified). Its xxh3-64 when one did: the checksum the sender checked the bytes
+    /// against and announced, vouched for by the reply's MAC (the receiver does not
+    /// hash the bytes again: see `wire`). `keep`: the caller stores the block in its cache (the sender's copy
     /// may then go; under a placement only when the placement gave the file to this
     /// node). The block lands in `buf` (a buffer kept from one block to the next
     /// spares an allocation and its page faults per block).
@@ -620,9 +622,9 @@ impl Peers {
         len: usize,
         keep: bool,
         buf: &mut Vec<u8>,
-    ) -> bool {
+    ) -> Option<u64> {
         if self.closed.load(std::sync::atomic::Ordering::Acquire) {
-            return false;
+            return None;
         }
         let req = |fill: bool| proto::FetchRequest {
             fill,
@@ -640,36 +642,39 @@ impl Peers {
             let got = sources
                 .iter()
                 .filter(|s| **s != me && healthy.contains(s))
-                .any(|s| self.fetch_one(s, &req(false), len, buf));
-            if !got {
+                .find_map(|s| self.fetch_one(s, &req(false), len, buf));
+            if got.is_none() {
                 tracing::debug!(me = %me, path = %stat.path, ?sources, keep, "placed: no source had it");
             }
             return got;
         }
         let owner = self.owner(root, &stat.path, &healthy).filter(|o| *o != me);
         for holder in self.holders(root, &stat.path, &healthy) {
-            if Some(&holder) != owner.as_ref() && self.fetch_one(&holder, &req(false), len, buf) {
-                return true;
+            if Some(&holder) != owner.as_ref()
+                && let Some(sum) = self.fetch_one(&holder, &req(false), len, buf)
+            {
+                return Some(sum);
             }
         }
-        owner.is_some_and(|o| self.fetch_one(&o, &req(true), len, buf))
+        owner.and_then(|o| self.fetch_one(&o, &req(true), len, buf))
     }
 
-    /// One block from one peer, checked; counted, and the peer's health reported.
+    /// One block from one peer, checked (its xxh3-64); counted, and the peer's health
+    /// reported.
     fn fetch_one(
         &self,
         peer: &str,
         req: &proto::FetchRequest,
         len: usize,
         buf: &mut Vec<u8>,
-    ) -> bool {
+    ) -> Option<u64> {
         let got = self.fetch_from(peer, req, len, Instant::now() + self.timeout, buf);
         match got {
-            Ok(()) => {
+            Ok(sum) => {
                 self.membership.report(peer, true);
                 inc(&self.stats.peer_blocks_in);
                 add(&self.stats.peer_bytes_in, len as u64);
-                true
+                Some(sum)
             }
             Err(e) => {
                 // A peer that answers "not here" is healthy; one that fails is not.
@@ -689,7 +694,7 @@ impl Peers {
                         inc(&self.stats.peer_errors);
                     }
                 }
-                false
+                None
             }
         }
     }
@@ -728,9 +733,10 @@ impl Peers {
         Ok(c)
     }
 
-    /// Block `req` from `peer` over the block stream, `len` bytes, checked against the
-    /// checksum the peer sent, by `deadline`. A kept connection that turns out closed
-    /// (the peer restarted, or closed it idle) is replaced by a new one once.
+    /// Block `req` from `peer` over the block stream, `len` bytes, its reply's MAC
+    /// checked, by `deadline`; the block's xxh3-64 as the peer announced it. A kept
+    /// connection that turns out closed (the peer restarted, or closed it idle) is
+    /// replaced by a new one once.
     fn fetch_from(
         &self,
         peer: &str,
@@ -738,7 +744,7 @@ impl Peers {
         len: usize,
         deadline: Instant,
         buf: &mut Vec<u8>,
-    ) -> Result<(), FetchError> {
+    ) -> Result<u64, FetchError> {
         if len > MAX_BLOCK {
             return Err(FetchError::Failed(format!("block of {len} bytes")));
         }
@@ -847,15 +853,22 @@ fn left(deadline: Instant) -> std::io::Result<Duration> {
 }
 
 /// One request and its answer on a block-stream connection. `Ok` leaves the connection
-/// between exchanges (reusable) with the block in `data`, or the peer's refusal; either
-/// only once the reply's MAC verified.
+/// between exchanges (reusable) with the block in `data` and its xxh3-64 as announced,
+/// or the peer's refusal; either only once the reply's MAC verified.
+///
+/// The bytes are not hashed with xxh3 here: the MAC covers the header (with the
+/// checksum) and every byte, so once it verifies the bytes are exactly those the
+/// sender sent, and the sender sends only bytes it has just checked against that very
+/// checksum, from the same buffer (`Store::read_block_into`, `data::DataServer`).
+/// Hashing them again would only catch a sender that holds the secret and lies, which
+/// could as well announce the checksum of its lie.
 fn exchange(
     conn: &mut Conn,
     req: &proto::FetchRequest,
     len: usize,
     deadline: Instant,
     data: &mut Vec<u8>,
-) -> Result<Result<(), FetchError>, Broken> {
+) -> Result<Result<u64, FetchError>, Broken> {
     let before = |e: std::io::Error| Broken::BeforeAnswer(FetchError::Failed(e.to_string()));
     let midway = |e: String| Broken::Midway(FetchError::Failed(e));
     let wire_err = |e: wire::WireError| match e {
@@ -890,11 +903,10 @@ fn exchange(
         )));
     }
     // Every byte is overwritten below: with a buffer kept from the last block (the same
-    // length, most often) this is free. Each [`STEP`] of the block is checksummed and
-    // MACed as soon as it is whole, while it is in the CPU's cache; whole, aligned
-    // steps keep BLAKE3 on its widest SIMD path (reads return arbitrary lengths).
+    // length, most often) this is free. Each [`STEP`] of the block is MACed as soon as
+    // it is whole, while it is in the CPU's cache; whole, aligned steps keep BLAKE3 on
+    // its widest SIMD path (reads return arbitrary lengths).
     data.resize(len, 0);
-    let mut hash = crate::checksum::BlockHasher::new();
     let (mut at, mut hashed) = (0, 0);
     while at < len {
         let t = left(deadline).map_err(|e| midway(e.to_string()))?;
@@ -910,14 +922,10 @@ fn exchange(
         };
         at += n;
         if at == end {
-            hash.update(&data[hashed..at]);
             opened.update(&data[hashed..at]);
             hashed = at;
         }
     }
     session.finish_reply(s, opened).map_err(wire_err)?;
-    if hash.digest() != head.xxh3 {
-        return Err(midway("checksum mismatch: bytes dropped".into()));
-    }
-    Ok(Ok(()))
+    Ok(Ok(head.xxh3))
 }

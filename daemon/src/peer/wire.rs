@@ -24,10 +24,12 @@
 //!    on the request or trusts a byte of the block: bytes injected into the connection,
 //!    changed on the way, or replayed from an earlier exchange, of this connection or
 //!    another one, do not verify ([`WireError::Forged`]), and the connection ends.
-//!    The header also carries the block's xxh3-64 (the store's checksum: the sender
-//!    checked its copy against it, and the receiver checks the bytes too), which says
-//!    the stored bytes are intact; the tag says who sent them and that they are the
-//!    answer to this request.
+//!    The header also carries the block's xxh3-64, the store's checksum: the sender
+//!    checked the very bytes it sends against it (a damaged copy is not sent), and the
+//!    receiver records it with the block without hashing the bytes again. The tag says
+//!    who sent header and bytes, that nothing changed on the way, and that they are
+//!    the answer to this request; so once it verifies, the bytes are those the sender
+//!    checked.
 //!
 //! A frame is a 4-byte little-endian length and that many bytes of protobuf, at most
 //! [`MAX_FRAME`]. Everything here is blocking I/O: both ends run it on their own threads.

@@ -1020,7 +1020,7 @@ fn transient(
             break;
         }
         let len = (size - i as u64 * bs).min(bs) as usize;
-        if !peers.fetch(root, stat, i, len, false, &mut data) {
+        if peers.fetch(root, stat, i, len, false, &mut data).is_none() {
             if i == first {
                 return None;
             }

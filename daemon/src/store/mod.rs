@@ -970,10 +970,23 @@ impl Store {
     }
 
     /// Writes a filled block durably and makes it visible. `data` must be exactly the
-    /// block's bytes.
+    /// block's bytes; its checksum is computed here.
     pub fn commit_fill(&self, permit: Permit, data: &[u8]) -> Result<(), StoreError> {
+        self.commit_fill_summed(permit, data, block_xxh3(data))
+    }
+
+    /// [`Store::commit_fill`] of bytes whose xxh3-64 the caller already knows: a block
+    /// from a peer, whose checksum the sender checked its bytes against and announced
+    /// under the reply's MAC (see `peer::wire`). `xxh3` must be [`block_xxh3`] of
+    /// `data`: a wrong one makes the block fail its next check (and be dropped then).
+    pub fn commit_fill_summed(
+        &self,
+        permit: Permit,
+        data: &[u8],
+        xxh3: u64,
+    ) -> Result<(), StoreError> {
         debug_assert_eq!(data.len(), permit.len as usize);
-        let r = self.write_block(&permit, data);
+        let r = self.write_block(&permit, data, xxh3);
         self.release(&permit, r.as_ref().ok().copied());
         self.maybe_compact();
         r.map(|_| ())
@@ -1007,7 +1020,12 @@ impl Store {
         self.finish_evictions(evicted);
     }
 
-    fn write_block(&self, permit: &Permit, data: &[u8]) -> Result<BlockMeta, StoreError> {
+    fn write_block(
+        &self,
+        permit: &Permit,
+        data: &[u8],
+        xxh3: u64,
+    ) -> Result<BlockMeta, StoreError> {
         let generation = self.ensure_durable(&permit.key)?;
         let f = OpenOptions::new()
             .write(true)
@@ -1016,7 +1034,7 @@ impl Store {
         f.sync_data()?;
         let meta = BlockMeta {
             len: permit.len,
-            xxh3: block_xxh3(data),
+            xxh3,
             verified: true,
         };
         self.journal.append(&Record::block_added(

@@ -54,6 +54,15 @@ enum Cmd {
         /// Transfer over mutual TLS on the peer port (the placement part is left out).
         #[arg(long)]
         tls: bool,
+        /// Transfer between two network namespaces of the testbed (root only; placement
+        /// is left out), the link shaped to this `tc` rate (`1gbit`, `10gbit`; `none`:
+        /// unshaped veth), instead of loopback.
+        #[arg(long, requires = "testbed")]
+        link: Option<String>,
+        /// The testbed script (`cluster-net.sh`: up / addr / down of namespaces sc-n1,
+        /// sc-n2 behind a bridge); it is taken down at the end, on failure too.
+        #[arg(long, env = "SHARDCACHE_TESTBED")]
+        testbed: Option<PathBuf>,
     },
     /// The first epoch after a restart (every block checked on first use) against the
     /// same read before it and a raw read of the cache's data files.
@@ -451,7 +460,17 @@ fn main() {
             mib,
             rounds,
             tls,
-        } => shardcache_tests::peerbench::run(&dir, mib, rounds, tls).expect("peers benchmark"),
+            link,
+            testbed,
+        } => {
+            let net = match (link, testbed) {
+                (Some(rate), Some(script)) => {
+                    shardcache_tests::peerbench::Net::Link { script, rate }
+                }
+                _ => shardcache_tests::peerbench::Net::Loopback,
+            };
+            shardcache_tests::peerbench::run(&dir, mib, rounds, tls, &net).expect("peers benchmark")
+        }
     }
 }
 
