@@ -574,12 +574,110 @@ fn the_block_stream_serves_only_callers_that_prove_the_secret() {
     assert!(block == want);
 }
 
+/// A peer (holding the secret) whose bytes do not match the checksum it announces, as
+/// if its copy were damaged (the MAC verifies: it is the peer's own doing): the receiver
+/// refuses every such block, stores nothing of it, and its reader gets the right bytes
+/// from the backing store.
+#[test]
+fn a_block_that_fails_its_checksum_on_arrival_is_refused_and_the_read_falls_back() {
+    let bed = Bed::new();
+    let secret = "rogue peer test shared secret";
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let rogue = listener.local_addr().unwrap().to_string();
+    let me = format!("127.0.0.1:{}", free_port());
+    let file = bed.tmp.path().join("secret");
+    std::fs::write(&file, secret).unwrap();
+    let root = bed.backing.display().to_string();
+    let rel = (0..100)
+        .map(|i| format!("ds/r{i}"))
+        .find(|p| {
+            shardcache_daemon::peer::file_owner([me.as_str(), rogue.as_str()], &root, p)
+                == Some(rogue.as_str())
+        })
+        .unwrap();
+    let len = 4 * BLOCK + 9;
+    write_file(&bed.path(&rel), 8, len);
+    // The rogue: a real handshake, then the right header (length and the checksum of the
+    // true bytes) followed by the true bytes with one bit flipped.
+    let served = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    {
+        let (served, truth, secret) = (served.clone(), content(8, len), secret.to_owned());
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                let Ok(mut s) = conn else { return };
+                let (served, truth, secret) = (served.clone(), truth.clone(), secret.clone());
+                std::thread::spawn(move || {
+                    let mut magic = [0u8; 8];
+                    if s.read_exact(&mut magic).is_err() || magic != wire::MAGIC {
+                        return;
+                    }
+                    let Ok(mut session) = wire::server_handshake(&mut s, secret.as_bytes()) else {
+                        return;
+                    };
+                    while let Ok(Some(req)) = session.read_request(&mut s) {
+                        let at = (req.index * req.block_size as u64) as usize;
+                        let end = (at + req.block_size as usize).min(truth.len());
+                        let mut bytes = truth[at..end].to_vec();
+                        let head = proto::BlockHeader {
+                            code: 0,
+                            message: String::new(),
+                            length: bytes.len() as u64,
+                            xxh3: xxhash_rust::xxh3::xxh3_64(&bytes),
+                        };
+                        let mid = bytes.len() / 2;
+                        bytes[mid] ^= 0x20;
+                        if session.send_reply(&mut s, &head, &bytes).is_err() {
+                            return;
+                        }
+                        served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
+                });
+            }
+        });
+    }
+    let node = bed.start_node(
+        0,
+        &[
+            "--block-size",
+            "64KiB",
+            "--peer-listen",
+            &me,
+            "--peer",
+            &rogue,
+            "--peer-secret-file",
+            file.to_str().unwrap(),
+        ],
+    );
+    let (got, _) = read_all(&bed.node_client(0), &bed.path(&rel)).unwrap();
+    assert!(got == content(8, len), "the reader got the true bytes");
+    // Read again: whatever the node kept is right too.
+    let (again, _) = read_all(&bed.node_client(0), &bed.path(&rel)).unwrap();
+    assert!(again == content(8, len));
+    let c = node.counters();
+    let served = served.load(std::sync::atomic::Ordering::Relaxed);
+    eprintln!(
+        "rogue sent {served} damaged blocks; node: peer errors {}, blocks from peers {}, backing reads {}, corrupt {}",
+        c.peer_errors, c.peer_blocks_in, c.backing_reads, c.corrupt_blocks
+    );
+    assert!(served >= 1, "the node did ask the rogue");
+    assert!(c.peer_errors >= served, "every damaged block was refused");
+    assert_eq!(
+        c.peer_forged, 0,
+        "by its checksum: the MAC was the peer's own"
+    );
+    assert_eq!(c.peer_blocks_in, 0, "none was taken");
+    assert_eq!(
+        c.backing_reads,
+        len.div_ceil(BLOCK),
+        "each block read from the backing store instead"
+    );
+}
+
 /// A node whose cached copy is damaged never sends the damaged bytes to a peer: the
 /// sender checks each block against the checksum recorded when it was written, from the
-/// buffer it then sends (the receiver trusts the checksum the reply's MAC vouches for
-/// and does not hash the bytes again, so this check is the one that keeps damaged
-/// bytes in; bytes changed on the way fail the MAC: see `peers_auth` in the trust
-/// suite). The owner drops the damaged blocks, fills them again from the backing store,
+/// buffer it then sends (bytes changed on the way fail the MAC: see `peers_auth` in the
+/// trust suite; bytes that do not match their checksum, the receiver's own check: the
+/// test above). The owner drops the damaged blocks, fills them again from the backing store,
 /// and the reader on the other node gets the true bytes, as does a second read there.
 #[test]
 fn a_damaged_copy_is_never_sent_to_a_peer_and_the_reader_gets_the_right_bytes() {

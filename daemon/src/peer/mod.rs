@@ -606,11 +606,10 @@ impl Peers {
     /// holding it: the placement gave the backing read to this node, once for the
     /// cluster). Otherwise: first from the nodes the plan says read the file last or
     /// read it next (they likely hold it), then from the file's owner, which fills it
-    /// from the backing store if no node has it (once for the cluster). False when no
+    /// from the backing store if no node has it (once for the cluster). `None` when no
     /// peer supplied it (the caller reads the backing store; `buf`'s contents are then
-    /// unspecified). Its xxh3-64 when one did: the checksum the sender checked the bytes
-    /// against and announced, vouched for by the reply's MAC (the receiver does not
-    /// hash the bytes again: see `wire`). `keep`: the caller stores the block in its cache (the sender's copy
+    /// unspecified); its xxh3-64 when one did, checked against the bytes (see
+    /// `exchange`). `keep`: the caller stores the block in its cache (the sender's copy
     /// may then go; under a placement only when the placement gave the file to this
     /// node). The block lands in `buf` (a buffer kept from one block to the next
     /// spares an allocation and its page faults per block).
@@ -853,15 +852,15 @@ fn left(deadline: Instant) -> std::io::Result<Duration> {
 }
 
 /// One request and its answer on a block-stream connection. `Ok` leaves the connection
-/// between exchanges (reusable) with the block in `data` and its xxh3-64 as announced,
-/// or the peer's refusal; either only once the reply's MAC verified.
+/// between exchanges (reusable) with the block in `data` and its xxh3-64, or the peer's
+/// refusal; either only once the reply's MAC verified.
 ///
-/// The bytes are not hashed with xxh3 here: the MAC covers the header (with the
-/// checksum) and every byte, so once it verifies the bytes are exactly those the
-/// sender sent, and the sender sends only bytes it has just checked against that very
-/// checksum, from the same buffer (`Store::read_block_into`, `data::DataServer`).
-/// Hashing them again would only catch a sender that holds the secret and lies, which
-/// could as well announce the checksum of its lie.
+/// The MAC says who sent the bytes and that nothing changed on the way; the xxh3 says
+/// the bytes are those the checksum was recorded for. Both are checked here, in one
+/// pass over each step while it is in the CPU's cache: a node that holds the secret but
+/// sends bytes other than its checksum says (a damaged copy or buffer, a bug) must not
+/// put them in this cache. The checksum is then handed to the store with the bytes, so
+/// that the write does not hash them once more (`Store::commit_fill_summed`).
 fn exchange(
     conn: &mut Conn,
     req: &proto::FetchRequest,
@@ -903,10 +902,11 @@ fn exchange(
         )));
     }
     // Every byte is overwritten below: with a buffer kept from the last block (the same
-    // length, most often) this is free. Each [`STEP`] of the block is MACed as soon as
-    // it is whole, while it is in the CPU's cache; whole, aligned steps keep BLAKE3 on
-    // its widest SIMD path (reads return arbitrary lengths).
+    // length, most often) this is free. Each [`STEP`] of the block is checksummed and
+    // MACed as soon as it is whole, while it is in the CPU's cache; whole, aligned steps
+    // keep BLAKE3 on its widest SIMD path (reads return arbitrary lengths).
     data.resize(len, 0);
+    let mut hash = crate::checksum::BlockHasher::new();
     let (mut at, mut hashed) = (0, 0);
     while at < len {
         let t = left(deadline).map_err(|e| midway(e.to_string()))?;
@@ -922,10 +922,14 @@ fn exchange(
         };
         at += n;
         if at == end {
+            hash.update(&data[hashed..at]);
             opened.update(&data[hashed..at]);
             hashed = at;
         }
     }
     session.finish_reply(s, opened).map_err(wire_err)?;
+    if hash.digest() != head.xxh3 {
+        return Err(midway("checksum mismatch: bytes dropped".into()));
+    }
     Ok(Ok(head.xxh3))
 }

@@ -26,10 +26,11 @@
 //!    another one, do not verify ([`WireError::Forged`]), and the connection ends.
 //!    The header also carries the block's xxh3-64, the store's checksum: the sender
 //!    checked the very bytes it sends against it (a damaged copy is not sent), and the
-//!    receiver records it with the block without hashing the bytes again. The tag says
-//!    who sent header and bytes, that nothing changed on the way, and that they are
-//!    the answer to this request; so once it verifies, the bytes are those the sender
-//!    checked.
+//!    receiver checks them too, in the same pass as the MAC, and records it with the
+//!    block. The tag says who sent header and bytes, that nothing changed on the way,
+//!    and that they are the answer to this request; the checksum, that they are the
+//!    bytes it was recorded for (a holder of the secret with a damaged copy or buffer
+//!    cannot put them in another node's cache).
 //!
 //! A frame is a 4-byte little-endian length and that many bytes of protobuf, at most
 //! [`MAX_FRAME`]. Everything here is blocking I/O: both ends run it on their own threads.
