@@ -636,7 +636,7 @@ pub fn run(dir: &Path, mib: u64, rounds: usize, tls: bool, net: &Net) -> anyhow:
             "transfer: {mib} MiB in 4 MiB blocks, node to node {path}, {rounds} rounds in rotating order (medians)"
         );
         println!(
-            "  peer fetch (block stream{}: a MAC per block (keyed BLAKE3) and xxh3, the sender reads, checks the xxh3, MACs then writes, the receiver checks the MAC; {IN_FLIGHT} in flight as the fill engine does) {:.0} MiB/s",
+            "  peer fetch (block stream{}: a MAC per block (keyed BLAKE3) and xxh3, the sender reads, checks the xxh3, MACs then writes, the receiver checks MAC and xxh3 in one pass; {IN_FLIGHT} in flight as the fill engine does) {:.0} MiB/s",
             if tls { " over mutual TLS 1.3" } else { "" },
             t.peer
         );
