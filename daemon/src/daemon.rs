@@ -10,6 +10,7 @@ use anyhow::Context;
 use crate::backing::Backing;
 use crate::backing::posix::PosixBacking;
 use crate::backing::throttle::{Bucket, ThrottledBacking};
+use crate::cache::{ReadPath, ReadPathConfig};
 use crate::config::{Config, MetricsListen};
 use crate::fill::Filler;
 use crate::jobs::{Jobs, PlannedPolicy};
@@ -215,6 +216,19 @@ impl Daemon {
         let listener = server::bind(&cfg.socket, cfg.socket_mode)
             .with_context(|| format!("socket: binding {}", cfg.socket.display()))?;
         let meta_for_prefetch = meta.clone();
+        let cache = Arc::new(ReadPath::new(
+            meta.clone(),
+            store.clone(),
+            filler.clone(),
+            jobs.clone(),
+            peers.clone(),
+            stats.clone(),
+            ReadPathConfig {
+                readahead: cfg.readahead_blocks,
+                max_wait: cfg.max_wait,
+                cache_dir: cfg.cache_dir.clone(),
+            },
+        ));
         let ctx = Arc::new(Ctx {
             meta,
             store: store.clone(),
@@ -222,8 +236,7 @@ impl Daemon {
             jobs: jobs.clone(),
             peers: peers.clone(),
             stats,
-            readahead: cfg.readahead_blocks,
-            max_wait: cfg.max_wait,
+            cache,
             started: Instant::now(),
             cache_dir: cfg.cache_dir.clone(),
             spin: cfg.spin,

@@ -12,13 +12,16 @@
 //! - [`checksum`]: the block checksum (XXH3-64) the store records and peers check;
 //! - [`store`]: blocks on NVMe, the index journal, capacity and eviction;
 //! - [`fill`]: single-flight block fills with a bounded priority queue;
-//! - [`server`]: the local Unix-socket API (descriptors, not bytes);
+//! - [`cache`]: the read path as a service (open, wait), typed, wire-free;
+//! - [`server`]: the local Unix-socket API (descriptors, not bytes), an adapter over
+//!   [`cache`];
 //! - [`metrics`]: every exported metric, and the HTTP endpoint for Prometheus and the
 //!   probes;
 //! - [`config`], [`stats`], [`daemon`]: settings, counters, wiring.
 
 pub mod access;
 pub mod backing;
+pub mod cache;
 pub mod checksum;
 pub mod config;
 pub mod daemon;

@@ -21,7 +21,7 @@ use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -32,22 +32,16 @@ use shardcache_proto::wire::{self, FrameReader, WireError};
 
 pub use self::admit::Limits;
 use self::admit::{Activity, Table, Verdict, Why};
-use crate::access::{self, Creds, Decision};
-use crate::backing::{BackingError, Stat};
-use crate::fill::{Filler, Priority, Scheduled, Target};
-use crate::meta::{Meta, ResolveError};
+use crate::access::Creds;
+use crate::backing::Version;
+use crate::cache::{self, MAX_PATH, MAX_WAIT_BLOCKS, Opened, ReadPath, Refusal, WaitFor, Waited};
+use crate::fill::Filler;
+use crate::meta::Meta;
 use crate::stats::{Stats, inc};
-use crate::store::{Store, StoreError, View};
+use crate::store::Store;
 
-/// Most blocks one Wait request may name.
-const MAX_WAIT_BLOCKS: u64 = 1024;
-/// How long a file stays pinned after a reader was told it is being filled (see
-/// [`Store::pin`]); each wait of that reader (each slice of it) renews it.
-const PIN: Duration = Duration::from_secs(2);
 /// Longest a reply may wait for its client to read it.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
-/// Longest path accepted (see [`wire::MAX_PATH`]).
-const MAX_PATH: usize = wire::MAX_PATH;
 
 /// What request handlers share.
 #[derive(Debug)]
@@ -64,10 +58,8 @@ pub struct Ctx {
     pub peers: Option<Arc<crate::peer::Peers>>,
     /// Counters.
     pub stats: Arc<Stats>,
-    /// Blocks to read ahead.
-    pub readahead: u32,
-    /// Longest wait granted to a client.
-    pub max_wait: Duration,
+    /// The read path: opens and waits.
+    pub cache: Arc<ReadPath>,
     /// When the daemon started.
     pub started: Instant,
     /// The configured cache directory (for status).
@@ -697,341 +689,133 @@ fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::K
     }
 }
 
-fn refused(reason: Reason, message: impl Into<String>) -> pb::Refused {
+/// The one mapping from the read path's reasons to the wire's.
+fn pb_reason(r: cache::Reason) -> Reason {
+    match r {
+        cache::Reason::NotUnderRoot => Reason::NotUnderRoot,
+        cache::Reason::EscapesRoot => Reason::EscapesRoot,
+        cache::Reason::PermissionDenied => Reason::PermissionDenied,
+        cache::Reason::NotFound => Reason::NotFound,
+        cache::Reason::NotAFile => Reason::NotAFile,
+        cache::Reason::Stale => Reason::Stale,
+        cache::Reason::Busy => Reason::Busy,
+        cache::Reason::NoSpace => Reason::NoSpace,
+        cache::Reason::BackingError => Reason::BackingError,
+        cache::Reason::Invalid => Reason::Invalid,
+        cache::Reason::UncertainAccess => Reason::UncertainAccess,
+        cache::Reason::StoreError => Reason::StoreError,
+    }
+}
+
+fn pb_refused(r: Refusal) -> pb::Refused {
+    let Refusal { reason, message } = r;
     pb::Refused {
-        reason: reason as i32,
-        message: message.into(),
+        reason: pb_reason(reason) as i32,
+        message,
     }
 }
 
-/// The single mapping from lookup errors to refusals (and their counters).
-fn refuse_resolve(stats: &Stats, e: ResolveError) -> pb::Refused {
-    let msg = e.to_string();
-    let reason = match e {
-        ResolveError::NotUnderRoot(_) => Reason::NotUnderRoot,
-        ResolveError::Backing(b) => match b {
-            BackingError::NotFound(_) => Reason::NotFound,
-            BackingError::Escapes(_) => Reason::EscapesRoot,
-            BackingError::NotAFile(_) => Reason::NotAFile,
-            BackingError::Invalid { .. } => Reason::Invalid,
-            BackingError::Changed(_) => Reason::Stale,
-            BackingError::Io { .. } | BackingError::RootReplaced(_) => Reason::BackingError,
-            // The client reads the store itself at once (its own read may then hang in
-            // the kernel, as it would without the cache).
-            BackingError::Stalled(_) => Reason::Busy,
-        },
-    };
-    match reason {
-        Reason::NotUnderRoot | Reason::EscapesRoot | Reason::Invalid => inc(&stats.refused_path),
-        Reason::NotFound | Reason::NotAFile => inc(&stats.refused_not_found),
-        _ => inc(&stats.refused_other),
-    }
-    refused(reason, msg)
-}
-
-fn refuse_store(stats: &Stats, e: StoreError) -> pb::Refused {
-    inc(&stats.refused_other);
-    let reason = match &e {
-        StoreError::NoSpace => Reason::NoSpace,
-        StoreError::Gone | StoreError::Io(_) => Reason::StoreError,
-    };
-    refused(reason, e.to_string())
-}
-
-/// Resolves, stats and access-checks `path` for `creds`.
-fn authorize(
-    ctx: &Ctx,
-    creds: &Creds,
-    path: &str,
-) -> Result<(usize, String, Arc<Stat>), pb::Refused> {
-    if path.len() > MAX_PATH {
-        inc(&ctx.stats.refused_path);
-        return Err(refused(
-            Reason::Invalid,
-            format!("path longer than {MAX_PATH} bytes"),
-        ));
-    }
-    let (root, rel) = ctx
-        .meta
-        .roots()
-        .resolve(path)
-        .map_err(|e| refuse_resolve(&ctx.stats, e))?;
-    let stat = ctx
-        .meta
-        .stat_for(root, rel, creds.uid)
-        .map_err(|e| refuse_resolve(&ctx.stats, e.into()))?;
-    match access::check(&stat, creds) {
-        Decision::Allow => Ok((root, rel.to_owned(), stat)),
-        Decision::Deny => {
-            inc(&ctx.stats.refused_denied);
-            tracing::debug!(uid = creds.uid, path, "access denied through the cache");
-            Err(refused(
-                Reason::PermissionDenied,
-                format!("{path}: permission denied"),
-            ))
-        }
-        Decision::Uncertain => {
-            inc(&ctx.stats.refused_other);
-            Err(refused(
-                Reason::UncertainAccess,
-                format!("{path}: has an ACL; read it from the backing store"),
-            ))
-        }
-    }
-}
-
-fn target(root: usize, rel: String, stat: Arc<Stat>, view: &View) -> Arc<Target> {
-    Arc::new(Target {
-        peer_ok: true,
-        root,
-        rel,
-        stat,
-        key: view.key,
-    })
-}
-
-fn pb_version(v: &crate::backing::Version) -> pb::Version {
+fn pb_version(v: &Version) -> pb::Version {
+    let Version {
+        size,
+        mtime_ns,
+        ctime_ns,
+        ino,
+        dev,
+    } = *v;
     pb::Version {
-        size: v.size,
-        mtime_ns: v.mtime_ns,
-        ctime_ns: v.ctime_ns,
-        ino: v.ino,
-        dev: v.dev,
+        size,
+        mtime_ns,
+        ctime_ns,
+        ino,
+        dev,
     }
 }
 
-fn is_set(bm: &[u8], i: usize) -> bool {
-    bm.get(i / 8).is_some_and(|b| b & (1 << (i % 8)) != 0)
-}
-
-/// Queues read-ahead for the first `n` missing blocks at or after `from`.
-fn readahead(ctx: &Ctx, t: &Arc<Target>, view: &View, from: usize, n: u32) {
-    let mut queued = 0;
-    for i in from..view.nblocks {
-        if queued >= n {
-            break;
-        }
-        if !is_set(&view.present, i) {
-            if matches!(
-                ctx.filler.request(t, i, Priority::Readahead),
-                Scheduled::Shed
-            ) {
-                break;
-            }
-            queued += 1;
-        }
+fn version(v: &pb::Version) -> Version {
+    let pb::Version {
+        size,
+        mtime_ns,
+        ctime_ns,
+        ino,
+        dev,
+    } = *v;
+    Version {
+        size,
+        mtime_ns,
+        ctime_ns,
+        ino,
+        dev,
     }
 }
 
+/// An open, adapted: the read path's outcome as the wire's reply and descriptor.
 fn open(ctx: &Ctx, creds: &Creds, path: &str) -> (pb::open_reply::Result, Option<File>) {
-    inc(&ctx.stats.opens);
-    let (root, rel, stat) = match authorize(ctx, creds, path) {
-        Ok(x) => x,
-        Err(r) => return (pb::open_reply::Result::Refused(r), None),
-    };
-    tracing::trace!(path = %rel, "open");
-    let root_name = &ctx.meta.roots().get(root).name;
-    let view = ctx.store.view(root_name, &stat);
-    // Only now (the descriptor is in hand, or the file pinned below) may the job's
-    // position move past this file; before, the file would be the one needed farthest
-    // in the future, and a prefetch could evict it under this very open.
-    let hit = view.as_ref().is_ok_and(|v| v.npresent == v.nblocks);
-    if let Ok(v) = &view
-        && !hit
-    {
-        ctx.store.pin(&v.key, Instant::now() + PIN);
-    }
-    let job_tag = ctx.jobs.on_open(root, &rel, hit);
-    let mut view = match view {
-        Ok(v) => v,
-        Err(e) => {
-            return (
-                pb::open_reply::Result::Refused(refuse_store(&ctx.stats, e)),
-                None,
-            );
-        }
-    };
-    if hit {
-        inc(&ctx.stats.opens_full);
-    } else {
-        if view.npresent > 0 {
-            inc(&ctx.stats.opens_partial);
-        } else {
-            inc(&ctx.stats.opens_empty);
-        }
-        let t = target(root, rel, stat.clone(), &view);
-        readahead(ctx, &t, &view, 0, ctx.readahead);
-    }
-    let opened = pb::Opened {
-        version: Some(pb_version(&stat.version)),
-        block_size: view.block_size,
-        present: std::mem::take(&mut view.present),
-        data_gen: view.data_gen,
-        job_tag,
-    };
-    (pb::open_reply::Result::Opened(opened), view.data.take())
-}
-
-/// Serves one Wait: fills the blocks asked for with demand priority and answers when
-/// they are present or `timeout_ms` has passed, whichever is first. Clients wait in
-/// slices shorter than their `timeout` (docs/SEMANTICS.md, section 2): every slice
-/// renews the pin that keeps what lands for the reader, says whether a fill is still
-/// running (`filling`), and only the first slice counts as a wait, only a last one
-/// (without `more`) as a wait timeout.
-fn wait(ctx: &Ctx, creds: &Creds, w: &pb::WaitRequest) -> (pb::wait_reply::Result, Option<File>) {
-    if !w.resumed {
-        inc(&ctx.stats.waits);
-    }
-    let refuse = |r| (pb::wait_reply::Result::Refused(r), None);
-    if u64::from(w.count) > MAX_WAIT_BLOCKS {
-        return refuse(refused(
-            Reason::Invalid,
-            format!(
-                "wait: {} blocks asked for; at most {MAX_WAIT_BLOCKS} per request",
-                w.count
-            ),
-        ));
-    }
-    let (root, rel, stat) = match authorize(ctx, creds, &w.path) {
-        Ok(x) => x,
-        Err(r) => return refuse(r),
-    };
-    if w.version.as_ref() != Some(&pb_version(&stat.version)) {
-        inc(&ctx.stats.refused_other);
-        return refuse(refused(
-            Reason::Stale,
-            format!("{}: changed on the backing store", w.path),
-        ));
-    }
-    let root_name = ctx.meta.roots().get(root).name.clone();
-    let view = match ctx.store.view(&root_name, &stat) {
-        Ok(v) => v,
-        Err(e) => return refuse(refuse_store(&ctx.stats, e)),
-    };
-    let t = target(root, rel, stat.clone(), &view);
-    let timeout = match w.timeout_ms {
-        0 => ctx.max_wait,
-        ms => Duration::from_millis(ms as u64).min(ctx.max_wait),
-    };
-    // Keep what lands for this reader until it has the descriptor.
-    ctx.store.pin(&view.key, Instant::now() + timeout + PIN);
-    let first = w.first_block.min(view.nblocks as u64) as usize;
-    let end =
-        (w.first_block.saturating_add(w.count.max(1) as u64)).min(view.nblocks as u64) as usize;
-    let mut flights = Vec::new();
-    for i in first..end {
-        if is_set(&view.present, i) {
-            continue;
-        }
-        if let Scheduled::InFlight(f) = ctx.filler.request(&t, i, Priority::Demand) {
-            flights.push(f);
-        }
-    }
-    readahead(ctx, &t, &view, end, ctx.readahead);
-    let deadline = Instant::now() + timeout;
-    let (mut timed_out, mut declined) = (false, false);
-    for f in &flights {
-        match f.wait_until(deadline) {
-            None => {
-                timed_out = true;
-                break;
-            }
-            Some(ok) => declined |= !ok,
-        }
-    }
-    if timed_out && !w.more {
-        inc(&ctx.stats.wait_timeouts);
-    }
-    // Always a fresh view: blocks may have landed between the first view and the
-    // requests (then there was nothing to wait on, but the old bitmap is stale).
-    let mut view = match ctx.store.view(&root_name, &stat) {
-        Ok(v) => v,
-        Err(e) => return refuse(refuse_store(&ctx.stats, e)),
-    };
-    if declined
-        && (first..end).any(|i| !is_set(&view.present, i))
-        && let Some(peers) = &ctx.peers
-        && let Some((file, present)) =
-            transient(ctx, peers, &root_name, &stat, first, end, deadline)
-    {
-        let waited = pb::Waited {
+    match ctx.cache.open(creds, path) {
+        Ok(Opened {
+            version,
+            block_size,
             present,
-            data_gen: TRANSIENT_GEN | NEXT_TRANSIENT.fetch_add(1, Ordering::Relaxed),
-            declined: false,
-            filling: false,
-        };
-        return (pb::wait_reply::Result::Waited(waited), Some(file));
+            data_gen,
+            job_tag,
+            data,
+        }) => (
+            pb::open_reply::Result::Opened(pb::Opened {
+                version: Some(pb_version(&version)),
+                block_size,
+                present,
+                data_gen,
+                job_tag,
+            }),
+            data,
+        ),
+        Err(r) => (pb::open_reply::Result::Refused(pb_refused(r)), None),
     }
-    if view.npresent == view.nblocks {
-        // The reader gets (or has) a descriptor holding every block: eviction from now
-        // on unlinks a file it keeps reading.
-        ctx.store.unpin(&view.key);
-    }
-    let fd = if view.data_gen != w.have_data_gen {
-        view.data.take()
-    } else {
-        None
-    };
-    let waited = pb::Waited {
-        present: std::mem::take(&mut view.present),
-        data_gen: view.data_gen,
-        declined,
-        filling: timed_out,
-    };
-    (pb::wait_reply::Result::Waited(waited), fd)
 }
 
-/// Generations of transient copies (see [`transient`]): never those of a data file.
-const TRANSIENT_GEN: u64 = 1 << 63;
-static NEXT_TRANSIENT: AtomicU64 = AtomicU64::new(1);
-
-/// Blocks `first..end` of a file this node declined to cache (no room worth making),
-/// fetched from the node that owns it into an unlinked temporary file: the reader gets
-/// them from the cluster instead of the shared file system, and nothing is kept. `None`
-/// when this node owns the file, or a peer cannot supply the first block (the reader
-/// then reads the backing store). Past `deadline` (the end of the reader's wait slice)
-/// no further block is fetched: the reader gets those fetched so far and asks again.
-fn transient(
-    ctx: &Ctx,
-    peers: &crate::peer::Peers,
-    root: &str,
-    stat: &Stat,
-    first: usize,
-    end: usize,
-    deadline: Instant,
-) -> Option<(File, Vec<u8>)> {
-    use std::os::fd::AsRawFd;
-    use std::os::unix::fs::{FileExt, OpenOptionsExt};
-    let bs = ctx.store.block_size() as u64;
-    let size = stat.version.size;
-    let nblocks = size.div_ceil(bs) as usize;
-    let tmp = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .custom_flags(libc::O_TMPFILE)
-        .mode(0o600)
-        .open(&ctx.cache_dir)
-        .ok()?;
-    tmp.set_len(size).ok()?;
-    let mut present = vec![0u8; nblocks.div_ceil(8)];
-    let mut data = Vec::new();
-    for i in first..end {
-        if i > first && Instant::now() >= deadline {
-            break;
-        }
-        let len = (size - i as u64 * bs).min(bs) as usize;
-        if peers.fetch(root, stat, i, len, false, &mut data).is_none() {
-            if i == first {
-                return None;
-            }
-            break;
-        }
-        tmp.write_all_at(&data, i as u64 * bs).ok()?;
-        present[i / 8] |= 1 << (i % 8);
+/// A wait, adapted (see [`ReadPath::wait`]).
+fn wait(ctx: &Ctx, creds: &Creds, w: &pb::WaitRequest) -> (pb::wait_reply::Result, Option<File>) {
+    let pb::WaitRequest {
+        path,
+        version: v,
+        first_block,
+        count,
+        have_data_gen,
+        timeout_ms,
+        resumed,
+        more,
+    } = w;
+    let w = WaitFor {
+        path: path.clone(),
+        version: v.as_ref().map(version),
+        first_block: *first_block,
+        count: *count,
+        have_data_gen: *have_data_gen,
+        timeout: match *timeout_ms {
+            0 => None,
+            ms => Some(Duration::from_millis(u64::from(ms))),
+        },
+        more: *more,
+        resumed: *resumed,
+    };
+    match ctx.cache.wait(creds, &w) {
+        Ok(Waited {
+            present,
+            data_gen,
+            declined,
+            filling,
+            data,
+        }) => (
+            pb::wait_reply::Result::Waited(pb::Waited {
+                present,
+                data_gen,
+                declined,
+                filling,
+            }),
+            data,
+        ),
+        Err(r) => (pb::wait_reply::Result::Refused(pb_refused(r)), None),
     }
-    // The reader gets a read-only descriptor of it.
-    let ro = File::open(format!("/proc/self/fd/{}", tmp.as_raw_fd())).ok()?;
-    Some((ro, present))
 }
 
 /// The daemon's status: what `shardcache status` shows and the metrics endpoint renders.

@@ -1,0 +1,749 @@
+//! The read path as a service: [`ReadPath::open`] and [`ReadPath::wait`], with typed
+//! inputs and outcomes, knowing nothing of the wire.
+//!
+//! This is the cache's front door. An open resolves the path under a root, stats it
+//! through the metadata cache, decides access ([`crate::access`]), looks the version up
+//! in the store, pins what a reader was told is being filled, tells the jobs about the
+//! access, and queues read-ahead; a wait asks the fill engine for the blocks a reader
+//! needs with demand priority and answers when they landed, the fill was declined, or
+//! the reader's slice is over (docs/SEMANTICS.md, section 2). Every refusal carries a
+//! [`Reason`] and is counted here, once.
+//!
+//! The Unix-socket server ([`crate::server`]) only adapts: protobuf in, [`Opened`] /
+//! [`Waited`] / [`Refusal`] out, one exhaustive mapping each way. Unit tests drive this
+//! service in-process over [`crate::backing::mem::MemBacking`].
+//!
+//! Owns: the read path's decisions and counters. Must not touch: sockets, protobuf,
+//! framing, connection admission (the server's), the store's internals, or plans (it
+//! reports accesses to [`crate::jobs::Jobs`] and nothing more).
+
+use std::fs::File;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::access::{self, Creds, Decision};
+use crate::backing::{BackingError, Stat, Version};
+use crate::fill::{Filler, Priority, Scheduled, Target};
+use crate::jobs::Jobs;
+use crate::meta::{Meta, ResolveError};
+use crate::peer::Peers;
+use crate::stats::{Stats, inc};
+use crate::store::{Store, StoreError, View};
+
+/// Most blocks one wait may name.
+pub const MAX_WAIT_BLOCKS: u64 = 1024;
+/// Longest path accepted (see [`shardcache_proto::wire::MAX_PATH`]).
+pub const MAX_PATH: usize = shardcache_proto::wire::MAX_PATH;
+/// How long a file stays pinned after a reader was told it is being filled (see
+/// [`Store::pin`]); each wait of that reader (each slice of it) renews it.
+const PIN: Duration = Duration::from_secs(2);
+/// Generations of transient copies (see [`ReadPath::transient`]): never those of a data
+/// file.
+pub const TRANSIENT_GEN: u64 = 1 << 63;
+
+/// Why the cache cannot serve a read: the client then reads the backing store itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reason {
+    /// The path is under no configured root.
+    NotUnderRoot,
+    /// The path leaves its root (a `..` or a symbolic link out of it).
+    EscapesRoot,
+    /// The reader may not read the file.
+    PermissionDenied,
+    /// No such file.
+    NotFound,
+    /// Not a regular file.
+    NotAFile,
+    /// The file changed on the backing store since the reader opened it.
+    Stale,
+    /// The backing root does not answer (stalled): read it directly, now.
+    Busy,
+    /// The cache has no room for the file.
+    NoSpace,
+    /// The backing store failed.
+    BackingError,
+    /// The request itself is invalid (too long a path, too many blocks).
+    Invalid,
+    /// The file has an ACL the cache does not evaluate.
+    UncertainAccess,
+    /// The cache's own storage failed.
+    StoreError,
+}
+
+/// A refusal: why, and a message for the reader's logs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Refusal {
+    /// Why.
+    pub reason: Reason,
+    /// What to tell a person.
+    pub message: String,
+}
+
+impl Refusal {
+    fn new(reason: Reason, message: impl Into<String>) -> Self {
+        Self {
+            reason,
+            message: message.into(),
+        }
+    }
+}
+
+/// An open the cache answers: the file's version, which blocks are cached and a
+/// descriptor of the data file holding them.
+#[derive(Debug)]
+pub struct Opened {
+    /// The version the reader sees.
+    pub version: Version,
+    /// The store's block size.
+    pub block_size: u32,
+    /// Bitmap of the blocks present (bit `i % 8` of byte `i / 8`).
+    pub present: Vec<u8>,
+    /// The data file's generation (a reader reopens when it changes).
+    pub data_gen: u64,
+    /// The tag of the job whose plan holds the file (0: none).
+    pub job_tag: u64,
+    /// A read-only descriptor of the data file, when there is one.
+    pub data: Option<File>,
+}
+
+/// A wait for blocks of a file a reader opened.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WaitFor {
+    /// The path, as the reader opened it.
+    pub path: String,
+    /// The version the reader was told at open; another one is [`Reason::Stale`].
+    pub version: Option<Version>,
+    /// First block wanted.
+    pub first_block: u64,
+    /// Blocks wanted (at least one is; at most [`MAX_WAIT_BLOCKS`]).
+    pub count: u32,
+    /// The data file generation the reader has a descriptor of.
+    pub have_data_gen: u64,
+    /// Longest to wait (`None`: the daemon's longest); capped at the daemon's longest.
+    pub timeout: Option<Duration>,
+    /// More slices of this wait follow if this one ends before the blocks land.
+    pub more: bool,
+    /// This continues a wait begun by an earlier slice (counted once).
+    pub resumed: bool,
+}
+
+/// What a wait ends with.
+#[derive(Debug)]
+pub struct Waited {
+    /// Bitmap of the blocks present now.
+    pub present: Vec<u8>,
+    /// The generation of the data file (or of a transient copy: [`TRANSIENT_GEN`] set).
+    pub data_gen: u64,
+    /// A fill was declined (no room worth making): read the missing blocks from the
+    /// backing store.
+    pub declined: bool,
+    /// The slice ended with fills still running: ask again (or give up).
+    pub filling: bool,
+    /// A new descriptor, when the generation differs from the reader's.
+    pub data: Option<File>,
+}
+
+/// Settings of the read path.
+#[derive(Debug, Clone)]
+pub struct ReadPathConfig {
+    /// Blocks to read ahead of a reader.
+    pub readahead: u32,
+    /// Longest wait granted to a reader.
+    pub max_wait: Duration,
+    /// The cache directory (transient copies are unlinked files in it).
+    pub cache_dir: PathBuf,
+}
+
+/// The read path: what the local API serves opens and waits with.
+#[derive(Debug)]
+pub struct ReadPath {
+    meta: Arc<Meta>,
+    store: Arc<Store>,
+    filler: Arc<Filler>,
+    jobs: Arc<Jobs>,
+    peers: Option<Arc<Peers>>,
+    stats: Arc<Stats>,
+    cfg: ReadPathConfig,
+    next_transient: AtomicU64,
+}
+
+fn is_set(bm: &[u8], i: usize) -> bool {
+    bm.get(i / 8).is_some_and(|b| b & (1 << (i % 8)) != 0)
+}
+
+fn target(root: usize, rel: String, stat: Arc<Stat>, view: &View) -> Arc<Target> {
+    Arc::new(Target {
+        peer_ok: true,
+        root,
+        rel,
+        stat,
+        key: view.key,
+    })
+}
+
+impl ReadPath {
+    /// A read path over these parts.
+    pub fn new(
+        meta: Arc<Meta>,
+        store: Arc<Store>,
+        filler: Arc<Filler>,
+        jobs: Arc<Jobs>,
+        peers: Option<Arc<Peers>>,
+        stats: Arc<Stats>,
+        cfg: ReadPathConfig,
+    ) -> Self {
+        Self {
+            meta,
+            store,
+            filler,
+            jobs,
+            peers,
+            stats,
+            cfg,
+            next_transient: AtomicU64::new(1),
+        }
+    }
+
+    /// The single mapping from lookup errors to refusals (and their counters).
+    fn refuse_resolve(&self, e: ResolveError) -> Refusal {
+        let msg = e.to_string();
+        let reason = match e {
+            ResolveError::NotUnderRoot(_) => Reason::NotUnderRoot,
+            ResolveError::Backing(b) => match b {
+                BackingError::NotFound(_) => Reason::NotFound,
+                BackingError::Escapes(_) => Reason::EscapesRoot,
+                BackingError::NotAFile(_) => Reason::NotAFile,
+                BackingError::Invalid { .. } => Reason::Invalid,
+                BackingError::Changed(_) => Reason::Stale,
+                BackingError::Io { .. } | BackingError::RootReplaced(_) => Reason::BackingError,
+                // The client reads the store itself at once (its own read may then hang
+                // in the kernel, as it would without the cache).
+                BackingError::Stalled(_) => Reason::Busy,
+            },
+        };
+        match reason {
+            Reason::NotUnderRoot | Reason::EscapesRoot | Reason::Invalid => {
+                inc(&self.stats.refused_path)
+            }
+            Reason::NotFound | Reason::NotAFile => inc(&self.stats.refused_not_found),
+            Reason::PermissionDenied
+            | Reason::Stale
+            | Reason::Busy
+            | Reason::NoSpace
+            | Reason::BackingError
+            | Reason::UncertainAccess
+            | Reason::StoreError => inc(&self.stats.refused_other),
+        }
+        Refusal::new(reason, msg)
+    }
+
+    fn refuse_store(&self, e: StoreError) -> Refusal {
+        inc(&self.stats.refused_other);
+        let reason = match &e {
+            StoreError::NoSpace => Reason::NoSpace,
+            StoreError::Gone | StoreError::Io(_) => Reason::StoreError,
+        };
+        Refusal::new(reason, e.to_string())
+    }
+
+    /// Resolves, stats and access-checks `path` for `creds`.
+    fn authorize(&self, creds: &Creds, path: &str) -> Result<(usize, String, Arc<Stat>), Refusal> {
+        if path.len() > MAX_PATH {
+            inc(&self.stats.refused_path);
+            return Err(Refusal::new(
+                Reason::Invalid,
+                format!("path longer than {MAX_PATH} bytes"),
+            ));
+        }
+        let (root, rel) = self
+            .meta
+            .roots()
+            .resolve(path)
+            .map_err(|e| self.refuse_resolve(e))?;
+        let stat = self
+            .meta
+            .stat_for(root, rel, creds.uid)
+            .map_err(|e| self.refuse_resolve(e.into()))?;
+        match access::check(&stat, creds) {
+            Decision::Allow => Ok((root, rel.to_owned(), stat)),
+            Decision::Deny => {
+                inc(&self.stats.refused_denied);
+                tracing::debug!(uid = creds.uid, path, "access denied through the cache");
+                Err(Refusal::new(
+                    Reason::PermissionDenied,
+                    format!("{path}: permission denied"),
+                ))
+            }
+            Decision::Uncertain => {
+                inc(&self.stats.refused_other);
+                Err(Refusal::new(
+                    Reason::UncertainAccess,
+                    format!("{path}: has an ACL; read it from the backing store"),
+                ))
+            }
+        }
+    }
+
+    /// Queues read-ahead for the first `n` missing blocks at or after `from`.
+    fn readahead(&self, t: &Arc<Target>, view: &View, from: usize, n: u32) {
+        let mut queued = 0;
+        for i in from..view.nblocks {
+            if queued >= n {
+                break;
+            }
+            if !is_set(&view.present, i) {
+                if matches!(
+                    self.filler.request(t, i, Priority::Readahead),
+                    Scheduled::Shed
+                ) {
+                    break;
+                }
+                queued += 1;
+            }
+        }
+    }
+
+    /// Opens `path` for a reader with `creds`: what is cached of it, and a descriptor of
+    /// the data file; missing blocks are queued for read-ahead.
+    pub fn open(&self, creds: &Creds, path: &str) -> Result<Opened, Refusal> {
+        inc(&self.stats.opens);
+        let (root, rel, stat) = self.authorize(creds, path)?;
+        tracing::trace!(path = %rel, "open");
+        let root_name = &self.meta.roots().get(root).name;
+        let view = self.store.view(root_name, &stat);
+        // Only now (the descriptor is in hand, or the file pinned below) may the job's
+        // position move past this file; before, the file would be the one needed farthest
+        // in the future, and a prefetch could evict it under this very open.
+        let hit = view.as_ref().is_ok_and(|v| v.npresent == v.nblocks);
+        if let Ok(v) = &view
+            && !hit
+        {
+            self.store.pin(&v.key, Instant::now() + PIN);
+        }
+        let job_tag = self.jobs.on_open(root, &rel, hit);
+        let mut view = view.map_err(|e| self.refuse_store(e))?;
+        if hit {
+            inc(&self.stats.opens_full);
+        } else {
+            if view.npresent > 0 {
+                inc(&self.stats.opens_partial);
+            } else {
+                inc(&self.stats.opens_empty);
+            }
+            let t = target(root, rel, stat.clone(), &view);
+            self.readahead(&t, &view, 0, self.cfg.readahead);
+        }
+        Ok(Opened {
+            version: stat.version,
+            block_size: view.block_size,
+            present: std::mem::take(&mut view.present),
+            data_gen: view.data_gen,
+            job_tag,
+            data: view.data.take(),
+        })
+    }
+
+    /// Serves one wait: fills the blocks asked for with demand priority and answers when
+    /// they are present or the wait's timeout has passed, whichever is first. Readers wait
+    /// in slices shorter than their `timeout` (docs/SEMANTICS.md, section 2): every slice
+    /// renews the pin that keeps what lands for the reader, says whether a fill is still
+    /// running (`filling`), and only the first slice counts as a wait, only a last one
+    /// (without `more`) as a wait timeout.
+    pub fn wait(&self, creds: &Creds, w: &WaitFor) -> Result<Waited, Refusal> {
+        if !w.resumed {
+            inc(&self.stats.waits);
+        }
+        if u64::from(w.count) > MAX_WAIT_BLOCKS {
+            return Err(Refusal::new(
+                Reason::Invalid,
+                format!(
+                    "wait: {} blocks asked for; at most {MAX_WAIT_BLOCKS} per request",
+                    w.count
+                ),
+            ));
+        }
+        let (root, rel, stat) = self.authorize(creds, &w.path)?;
+        if w.version.as_ref() != Some(&stat.version) {
+            inc(&self.stats.refused_other);
+            return Err(Refusal::new(
+                Reason::Stale,
+                format!("{}: changed on the backing store", w.path),
+            ));
+        }
+        let root_name = self.meta.roots().get(root).name.clone();
+        let view = self
+            .store
+            .view(&root_name, &stat)
+            .map_err(|e| self.refuse_store(e))?;
+        let t = target(root, rel, stat.clone(), &view);
+        let timeout = w
+            .timeout
+            .map_or(self.cfg.max_wait, |t| t.min(self.cfg.max_wait));
+        // Keep what lands for this reader until it has the descriptor.
+        self.store.pin(&view.key, Instant::now() + timeout + PIN);
+        let first = w.first_block.min(view.nblocks as u64) as usize;
+        let end =
+            (w.first_block.saturating_add(w.count.max(1) as u64)).min(view.nblocks as u64) as usize;
+        let mut flights = Vec::new();
+        for i in first..end {
+            if is_set(&view.present, i) {
+                continue;
+            }
+            if let Scheduled::InFlight(f) = self.filler.request(&t, i, Priority::Demand) {
+                flights.push(f);
+            }
+        }
+        self.readahead(&t, &view, end, self.cfg.readahead);
+        let deadline = Instant::now() + timeout;
+        let (mut timed_out, mut declined) = (false, false);
+        for f in &flights {
+            match f.wait_until(deadline) {
+                None => {
+                    timed_out = true;
+                    break;
+                }
+                Some(ok) => declined |= !ok,
+            }
+        }
+        if timed_out && !w.more {
+            inc(&self.stats.wait_timeouts);
+        }
+        // Always a fresh view: blocks may have landed between the first view and the
+        // requests (then there was nothing to wait on, but the old bitmap is stale).
+        let mut view = self
+            .store
+            .view(&root_name, &stat)
+            .map_err(|e| self.refuse_store(e))?;
+        if declined
+            && (first..end).any(|i| !is_set(&view.present, i))
+            && let Some(peers) = &self.peers
+            && let Some((file, present)) =
+                self.transient(peers, &root_name, &stat, first, end, deadline)
+        {
+            return Ok(Waited {
+                present,
+                data_gen: TRANSIENT_GEN | self.next_transient.fetch_add(1, Ordering::Relaxed),
+                declined: false,
+                filling: false,
+                data: Some(file),
+            });
+        }
+        if view.npresent == view.nblocks {
+            // The reader gets (or has) a descriptor holding every block: eviction from now
+            // on unlinks a file it keeps reading.
+            self.store.unpin(&view.key);
+        }
+        let data = if view.data_gen != w.have_data_gen {
+            view.data.take()
+        } else {
+            None
+        };
+        Ok(Waited {
+            present: std::mem::take(&mut view.present),
+            data_gen: view.data_gen,
+            declined,
+            filling: timed_out,
+            data,
+        })
+    }
+
+    /// Blocks `first..end` of a file this node declined to cache (no room worth making),
+    /// fetched from the node that owns it into an unlinked temporary file: the reader gets
+    /// them from the cluster instead of the shared file system, and nothing is kept.
+    /// `None` when this node owns the file, or a peer cannot supply the first block (the
+    /// reader then reads the backing store). Past `deadline` (the end of the reader's
+    /// wait slice) no further block is fetched: the reader gets those fetched so far and
+    /// asks again.
+    fn transient(
+        &self,
+        peers: &Peers,
+        root: &str,
+        stat: &Stat,
+        first: usize,
+        end: usize,
+        deadline: Instant,
+    ) -> Option<(File, Vec<u8>)> {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::{FileExt, OpenOptionsExt};
+        let bs = self.store.block_size() as u64;
+        let size = stat.version.size;
+        let nblocks = size.div_ceil(bs) as usize;
+        let tmp = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_TMPFILE)
+            .mode(0o600)
+            .open(&self.cfg.cache_dir)
+            .ok()?;
+        tmp.set_len(size).ok()?;
+        let mut present = vec![0u8; nblocks.div_ceil(8)];
+        let mut data = Vec::new();
+        for i in first..end {
+            if i > first && Instant::now() >= deadline {
+                break;
+            }
+            let len = (size - i as u64 * bs).min(bs) as usize;
+            if peers.fetch(root, stat, i, len, false, &mut data).is_none() {
+                if i == first {
+                    return None;
+                }
+                break;
+            }
+            tmp.write_all_at(&data, i as u64 * bs).ok()?;
+            present[i / 8] |= 1 << (i % 8);
+        }
+        // The reader gets a read-only descriptor of it.
+        let ro = File::open(format!("/proc/self/fd/{}", tmp.as_raw_fd())).ok()?;
+        Some((ro, present))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::FileExt;
+
+    use super::*;
+    use crate::backing::fault::{Faults, FaultyBacking};
+    use crate::backing::mem::MemBacking;
+    use crate::backing::{Backing, Owner};
+    use crate::config::SizeSpec;
+    use crate::meta::{Root, Roots};
+    use crate::metrics::Metrics;
+    use crate::store::StoreConfig;
+
+    const BS: u32 = 4096;
+
+    /// The read path in-process, over an in-memory backing root `/r` (with a fault
+    /// switch) and a store in a temporary directory.
+    struct Rig {
+        _dir: tempfile::TempDir,
+        mem: Arc<MemBacking>,
+        faults: Arc<Faults>,
+        stats: Arc<Stats>,
+        store: Arc<Store>,
+        cache: ReadPath,
+    }
+
+    fn rig_with(capacity: u64, readahead: u32) -> Rig {
+        let dir = tempfile::tempdir().unwrap();
+        let mem = Arc::new(MemBacking::new());
+        let (faulty, faults) = FaultyBacking::new(mem.clone());
+        let backing: Arc<dyn Backing> = Arc::new(faulty);
+        let roots = Arc::new(Roots::new(vec![Root {
+            path: "/r".into(),
+            name: "/r".into(),
+            backing,
+        }]));
+        let stats = Arc::new(Stats::default());
+        let meta = Arc::new(Meta::new(
+            roots,
+            Duration::from_secs(3600),
+            1000,
+            stats.clone(),
+        ));
+        let cfg = StoreConfig {
+            dir: dir.path().to_owned(),
+            capacity: SizeSpec::Bytes(capacity),
+            min_free: SizeSpec::Bytes(0),
+            block_size: BS,
+        };
+        let store = Arc::new(Store::open(&cfg, stats.clone()).unwrap());
+        let filler =
+            Arc::new(Filler::new(store.clone(), meta.clone(), stats.clone(), 2, 64).unwrap());
+        let jobs = Arc::new(Jobs::new(meta.clone(), Metrics::new().prefetch()));
+        let cache = ReadPath::new(
+            meta,
+            store.clone(),
+            filler,
+            jobs,
+            None,
+            stats.clone(),
+            ReadPathConfig {
+                readahead,
+                max_wait: Duration::from_secs(20),
+                cache_dir: dir.path().to_owned(),
+            },
+        );
+        Rig {
+            _dir: dir,
+            mem,
+            faults,
+            stats,
+            store,
+            cache,
+        }
+    }
+
+    fn rig() -> Rig {
+        rig_with(1 << 30, 0)
+    }
+
+    fn bytes(len: usize, seed: u8) -> Vec<u8> {
+        (0..len).map(|i| (i % 251) as u8 ^ seed).collect()
+    }
+
+    fn owner(uid: u32, mode: u32) -> Owner {
+        Owner {
+            uid,
+            gid: uid,
+            mode,
+            acl: false,
+        }
+    }
+
+    fn creds(uid: u32) -> Creds {
+        Creds {
+            pid: 1,
+            uid,
+            gid: uid,
+            groups: Vec::new(),
+        }
+    }
+
+    fn wait_all(o: &Opened, path: &str) -> WaitFor {
+        WaitFor {
+            path: path.to_owned(),
+            version: Some(o.version),
+            first_block: 0,
+            count: o.version.size.div_ceil(u64::from(BS)) as u32,
+            have_data_gen: o.data_gen,
+            timeout: Some(Duration::from_secs(20)),
+            more: false,
+            resumed: false,
+        }
+    }
+
+    fn all_set(bm: &[u8], n: usize) -> bool {
+        (0..n).all(|i| is_set(bm, i))
+    }
+
+    fn read_all(f: &File, len: usize) -> Vec<u8> {
+        let mut buf = vec![0u8; len];
+        f.read_exact_at(&mut buf, 0).unwrap();
+        buf
+    }
+
+    #[test]
+    fn a_cold_open_then_a_wait_fills_the_file_and_a_second_open_is_a_hit() {
+        let r = rig();
+        let data = bytes(3 * BS as usize + 17, 1);
+        r.mem.put("a", data.clone(), owner(0, 0o644));
+        let o = r.cache.open(&creds(1000), "/r/a").unwrap();
+        assert_eq!(o.version.size, data.len() as u64);
+        assert_eq!(o.block_size, BS);
+        assert!(!all_set(&o.present, 4), "nothing cached yet");
+        let w = r.cache.wait(&creds(1000), &wait_all(&o, "/r/a")).unwrap();
+        assert!(all_set(&w.present, 4), "every block landed");
+        assert!(!w.declined && !w.filling);
+        // The reader had no data file yet, or has the generation: either way it can
+        // read every byte through a descriptor it holds.
+        let f = w.data.or(o.data).expect("a descriptor of the data file");
+        assert_eq!(read_all(&f, data.len()), data);
+
+        let again = r.cache.open(&creds(1000), "/r/a").unwrap();
+        assert!(all_set(&again.present, 4));
+        let s = r.stats.snapshot();
+        assert_eq!((s.opens, s.opens_full, s.opens_empty), (2, 1, 1));
+        assert_eq!(s.waits, 1);
+    }
+
+    #[test]
+    fn read_ahead_fills_blocks_nobody_waited_for() {
+        let r = rig_with(1 << 30, 8);
+        r.mem.put("b", bytes(4 * BS as usize, 2), owner(0, 0o644));
+        let o = r.cache.open(&creds(0), "/r/b").unwrap();
+        // Wait for block 0 only; read-ahead queued the rest at open.
+        let mut w = wait_all(&o, "/r/b");
+        w.count = 1;
+        let waited = r.cache.wait(&creds(0), &w).unwrap();
+        assert!(is_set(&waited.present, 0));
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            let v = r.cache.open(&creds(0), "/r/b").unwrap();
+            if all_set(&v.present, 4) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "read-ahead never landed");
+            std::thread::yield_now();
+        }
+    }
+
+    #[test]
+    fn every_refusal_has_its_reason_and_its_counter() {
+        let r = rig();
+        r.mem.put("secret", bytes(100, 3), owner(0, 0o600));
+        r.mem.put("open", bytes(100, 4), owner(0, 0o644));
+        let e = r.cache.open(&creds(1000), "/elsewhere/x").unwrap_err();
+        assert_eq!(e.reason, Reason::NotUnderRoot);
+        let e = r.cache.open(&creds(1000), "/r/missing").unwrap_err();
+        assert_eq!(e.reason, Reason::NotFound);
+        let e = r.cache.open(&creds(1000), "/r/secret").unwrap_err();
+        assert_eq!(e.reason, Reason::PermissionDenied);
+        assert!(e.message.contains("permission denied"), "{}", e.message);
+        let long = format!("/r/{}", "x".repeat(MAX_PATH));
+        let e = r.cache.open(&creds(1000), &long).unwrap_err();
+        assert_eq!(e.reason, Reason::Invalid);
+        // The owner reads its 0600 file.
+        r.cache.open(&creds(0), "/r/secret").unwrap();
+        let s = r.stats.snapshot();
+        assert_eq!(s.refused_path, 2, "not under a root, too long");
+        assert_eq!(s.refused_not_found, 1);
+        assert_eq!(s.refused_denied, 1);
+        assert_eq!(s.opens, 5);
+
+        let o = r.cache.open(&creds(1000), "/r/open").unwrap();
+        let mut w = wait_all(&o, "/r/open");
+        w.count = MAX_WAIT_BLOCKS as u32 + 1;
+        assert_eq!(
+            r.cache.wait(&creds(1000), &w).unwrap_err().reason,
+            Reason::Invalid
+        );
+        // A wait is judged again: another uid cannot wait on the secret.
+        let os = r.cache.open(&creds(0), "/r/secret").unwrap();
+        assert_eq!(
+            r.cache
+                .wait(&creds(1000), &wait_all(&os, "/r/secret"))
+                .unwrap_err()
+                .reason,
+            Reason::PermissionDenied
+        );
+    }
+
+    #[test]
+    fn a_wait_for_a_version_the_backing_store_no_longer_has_is_stale() {
+        let r = rig();
+        r.mem.put("c", bytes(BS as usize, 5), owner(0, 0o644));
+        let o = r.cache.open(&creds(0), "/r/c").unwrap();
+        let mut w = wait_all(&o, "/r/c");
+        let mut other = o.version;
+        other.mtime_ns += 1;
+        w.version = Some(other);
+        let e = r.cache.wait(&creds(0), &w).unwrap_err();
+        assert_eq!(e.reason, Reason::Stale);
+        w.version = None;
+        assert_eq!(
+            r.cache.wait(&creds(0), &w).unwrap_err().reason,
+            Reason::Stale
+        );
+    }
+
+    #[test]
+    fn a_fill_the_backing_store_fails_ends_the_wait_declined_not_timed_out() {
+        let r = rig();
+        r.mem.put("d", bytes(2 * BS as usize, 6), owner(0, 0o644));
+        let o = r.cache.open(&creds(0), "/r/d").unwrap();
+        r.faults.fail_reads.store(true, Ordering::SeqCst);
+        let w = r.cache.wait(&creds(0), &wait_all(&o, "/r/d")).unwrap();
+        assert!(w.declined, "the reader reads the backing store itself");
+        assert!(!w.filling);
+        assert!(!is_set(&w.present, 0));
+        assert_eq!(r.stats.snapshot().wait_timeouts, 0);
+        // Once the backing store answers again, the next wait fills.
+        r.faults.fail_reads.store(false, Ordering::SeqCst);
+        let w = r.cache.wait(&creds(0), &wait_all(&o, "/r/d")).unwrap();
+        assert!(all_set(&w.present, 2));
+        assert!(r.store.is_cached("/r", "d"));
+    }
+}
