@@ -30,6 +30,7 @@ use crate::meta::{Hold, Meta, Roots, Voucher};
 use crate::metrics::PrefetchInstruments;
 use crate::planner::prefetch::{self, CacheView, Pace};
 use crate::planner::{FileRef, Need, Planner, Source};
+use crate::ratelimit::TokenBucket;
 use crate::store::evict::{EvictionPolicy, Lru};
 use crate::store::{Key, Store};
 
@@ -841,8 +842,8 @@ impl Jobs {
         // Prefetched (or being prefetched) and not yet read: the planner's read count at
         // which each will have been read.
         let mut ahead: HashMap<FileRef, u64> = HashMap::new();
-        let mut budget = cfg.bandwidth.map(Budget::new);
-        let mut ops = cfg.ops.map(Budget::new);
+        let budget = cfg.bandwidth.map(prefetch_budget);
+        let ops = cfg.ops.map(prefetch_budget);
         while !stop.load(Ordering::Acquire) {
             {
                 let mut woken = lock(&self.wake.0);
@@ -945,9 +946,6 @@ impl Jobs {
                     margin: 0.0,
                 },
             };
-            for b in [&mut budget, &mut ops].into_iter().flatten() {
-                b.refill();
-            }
             let mut fetches = Vec::new();
             let mut claims: Vec<FileRef> = Vec::new();
             {
@@ -968,8 +966,8 @@ impl Jobs {
                 }
                 while ahead.len() + fetches.len() < cfg.ahead
                     && flights.len() + fetches.len() < cfg.concurrency
-                    && budget.as_ref().is_none_or(Budget::allows)
-                    && ops.as_ref().is_none_or(Budget::allows)
+                    && budget.as_ref().is_none_or(TokenBucket::allows)
+                    && ops.as_ref().is_none_or(TokenBucket::allows)
                 {
                     let Some(fx) = prefetch::next_prefetch(&mut p, &view, pace) else {
                         break;
@@ -981,11 +979,11 @@ impl Jobs {
                     }
                     view.room = view.room.saturating_sub(size);
                     view.busy.insert(fx.file.clone());
-                    if let Some(b) = &mut budget {
-                        b.spend(size);
+                    if let Some(b) = &budget {
+                        b.charge(size);
                     }
-                    if let Some(o) = &mut ops {
-                        o.spend(1);
+                    if let Some(o) = &ops {
+                        o.charge(1);
                     }
                     let steps = p.steps_until(&fx.file).unwrap_or(0);
                     ahead.insert(fx.file.clone(), reads + steps + 1);
@@ -1108,40 +1106,12 @@ impl crate::peer::PlanHooks for Hooks {
     }
 }
 
-/// A token bucket (over bytes, or over files): prefetch may start a file while the
+/// A prefetch budget (over bytes, or over files): prefetch may start a file while the
 /// bucket is not in debt, and the file's cost is then charged (so one large file may
-/// overdraw it).
-#[derive(Debug)]
-struct Budget {
-    rate: f64,
-    tokens: f64,
-    at: Instant,
-}
-
-impl Budget {
-    fn new(bytes_per_sec: u64) -> Self {
-        Self {
-            rate: bytes_per_sec as f64,
-            tokens: 0.0,
-            at: Instant::now(),
-        }
-    }
-
-    fn refill(&mut self) {
-        let now = Instant::now();
-        // At most a tenth of a second's worth saved up (and one unit): bursts stay short.
-        self.tokens = (self.tokens + self.rate * (now - self.at).as_secs_f64())
-            .min((self.rate / 10.0).max(1.0));
-        self.at = now;
-    }
-
-    fn allows(&self) -> bool {
-        self.tokens >= 0.0
-    }
-
-    fn spend(&mut self, bytes: u64) {
-        self.tokens -= bytes as f64;
-    }
+/// overdraw it). At most a tenth of a second's worth (and one unit) is saved up: bursts
+/// stay short.
+fn prefetch_budget(per_sec: u64) -> TokenBucket {
+    TokenBucket::new(per_sec, (per_sec as f64 / 10.0).max(1.0), 0.0)
 }
 
 /// The store as the prefetcher sees it this round: what the planner knows to be

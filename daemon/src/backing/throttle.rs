@@ -4,50 +4,27 @@
 
 use std::fmt;
 use std::io;
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+
+use crate::ratelimit::TokenBucket;
 
 use super::{Backing, BackingError, BackingFile, DirEntry, Owner, Stat, Version};
 
-/// A token bucket shared by every file opened through one [`ThrottledBacking`].
+/// The bucket every file opened through one [`ThrottledBacking`] shares: `rate` bytes a
+/// second with a burst of a tenth of a second (at least 1 MiB), starting full.
 #[derive(Debug)]
-pub struct Bucket {
-    rate: f64,
-    burst: f64,
-    state: Mutex<(f64, Instant)>,
-}
+pub struct Bucket(TokenBucket);
 
 impl Bucket {
     /// `rate` bytes per second with a burst of one tenth of a second (at least 1 MiB).
     pub fn new(rate: u64) -> Self {
-        let rate = rate.max(1) as f64;
-        let burst = (rate / 10.0).max(1048576.0);
-        Self {
-            rate,
-            burst,
-            state: Mutex::new((burst, Instant::now())),
-        }
+        let burst = (rate.max(1) as f64 / 10.0).max(1048576.0);
+        Self(TokenBucket::new(rate, burst, burst))
     }
 
     /// Takes `n` tokens, sleeping while the bucket is in debt.
     pub fn take(&self, n: usize) {
-        let wait = {
-            let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            let now = Instant::now();
-            let (tokens, last) = *s;
-            let tokens =
-                (tokens + now.duration_since(last).as_secs_f64() * self.rate).min(self.burst);
-            let left = tokens - n as f64;
-            *s = (left, now);
-            if left < 0.0 {
-                Duration::from_secs_f64(-left / self.rate)
-            } else {
-                Duration::ZERO
-            }
-        };
-        if !wait.is_zero() {
-            std::thread::sleep(wait);
-        }
+        self.0.take(n as u64);
     }
 }
 
@@ -61,7 +38,7 @@ impl fmt::Debug for ThrottledBacking {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ThrottledBacking")
             .field("inner", &self.inner)
-            .field("rate", &self.bucket.rate)
+            .field("rate", &self.bucket.0.rate())
             .finish()
     }
 }
