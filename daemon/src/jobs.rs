@@ -112,6 +112,65 @@ struct JobInfo {
     rate: Option<f64>,
 }
 
+/// Why a job could not be registered, changed or moved. Nothing changed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum JobError {
+    /// Another user's job: only its registrant and operators may change it.
+    #[error(
+        "job {job:?} was registered by uid {owner}; only that user, root or the daemon's user may change it (run as them, or pick another job id)"
+    )]
+    NotYours {
+        /// The job.
+        job: String,
+        /// Its registrant.
+        owner: u32,
+    },
+    /// The manifest does not parse or breaks a rule (the message names the field).
+    #[error("{0}")]
+    Manifest(String),
+    /// The manifest's root is under no backing root of this daemon.
+    #[error("root: {0} is not under a backing root of this daemon")]
+    RootNotServed(String),
+    /// The glob could not be expanded (the message says why).
+    #[error("{0}")]
+    Glob(String),
+    /// The glob matched no file the registrant may list.
+    #[error("files.glob: {glob:?} matches no regular file under {root}{}", skipped_text(*.skipped_dirs, *.uid))]
+    NothingMatched {
+        /// The pattern.
+        glob: String,
+        /// The manifest's root.
+        root: String,
+        /// Directories skipped because the registrant may not list them.
+        skipped_dirs: usize,
+        /// The registrant.
+        uid: u32,
+    },
+    /// An epoch of a sequence plan names a file the manifest does not list.
+    #[error("plan.epochs[{epoch}][{item}]: {path:?} is not one of the manifest's files")]
+    UnknownFile {
+        /// Epoch index in the manifest.
+        epoch: usize,
+        /// Item index in that epoch.
+        item: usize,
+        /// The path named.
+        path: String,
+    },
+    /// The planner refused the plan.
+    #[error("plan: {0}")]
+    Plan(crate::planner::PlanError),
+    /// A position outside the job's plan.
+    #[error("{0}")]
+    Position(String),
+}
+
+fn skipped_text(dirs: usize, uid: u32) -> String {
+    match dirs {
+        0 => String::new(),
+        n => format!(" (uid {uid} may not list {n} of its directories, which were skipped)"),
+    }
+}
+
 /// What a registration did (the reply to it).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Registered {
@@ -270,15 +329,12 @@ impl Jobs {
         json: &str,
         creds: &Creds,
         operator: bool,
-    ) -> Result<Registered, String> {
-        let m = Manifest::from_json(json).map_err(|e| e.to_string())?;
+    ) -> Result<Registered, JobError> {
+        let m = Manifest::from_json(json).map_err(|e| JobError::Manifest(e.to_string()))?;
         self.may_change(&m.job, creds.uid, operator)?;
-        let (root, prefix) = self.locate(&m.root).ok_or_else(|| {
-            format!(
-                "root: {} is not under a backing root of this daemon",
-                m.root
-            )
-        })?;
+        let (root, prefix) = self
+            .locate(&m.root)
+            .ok_or_else(|| JobError::RootNotServed(m.root.clone()))?;
         let rel = |p: &str| {
             if prefix.is_empty() {
                 p.to_owned()
@@ -303,20 +359,16 @@ impl Jobs {
                     glob,
                     shardcache_plan::manifest::MAX_FILES,
                     &mut may_list,
-                )?;
+                )
+                .map_err(JobError::Glob)?;
                 dirs_denied = found.skipped_dirs;
                 if found.files.is_empty() {
-                    let skipped = match found.skipped_dirs {
-                        0 => String::new(),
-                        n => format!(
-                            " (uid {} may not list {n} of its directories, which were skipped)",
-                            creds.uid
-                        ),
-                    };
-                    return Err(format!(
-                        "files.glob: {glob:?} matches no regular file under {}{skipped}",
-                        m.root
-                    ));
+                    return Err(JobError::NothingMatched {
+                        glob: glob.clone(),
+                        root: m.root.clone(),
+                        skipped_dirs: found.skipped_dirs,
+                        uid: creds.uid,
+                    });
                 }
                 found.files
             }
@@ -331,8 +383,10 @@ impl Jobs {
             .map(|(i, p)| (p.as_str(), i as u32))
             .collect();
         let lookup = |p: &str, e: usize, i: usize| {
-            index.get(p).copied().ok_or_else(|| {
-                format!("plan.epochs[{e}][{i}]: {p:?} is not one of the manifest's files")
+            index.get(p).copied().ok_or_else(|| JobError::UnknownFile {
+                epoch: e,
+                item: i,
+                path: p.to_owned(),
             })
         };
         let source = match &m.plan {
@@ -392,7 +446,7 @@ impl Jobs {
         let immutable = m.immutable.then(|| Arc::new(files.clone()));
         lock(&self.planner)
             .register(&m.job, files, source)
-            .map_err(|e| format!("plan: {e}"))?;
+            .map_err(JobError::Plan)?;
         let immutable = immutable.map(|f| {
             let hold = Hold::new(if operator {
                 Voucher::Operator
@@ -462,12 +516,12 @@ impl Jobs {
     /// Whether user `uid` (`operator`: root or the daemon's user) may replace, unregister
     /// or move job `job`: its registrant and operators may; a job not registered may be
     /// registered by anyone. The error says who may.
-    pub fn may_change(&self, job: &str, uid: u32, operator: bool) -> Result<(), String> {
+    pub fn may_change(&self, job: &str, uid: u32, operator: bool) -> Result<(), JobError> {
         match lock(&self.info).get(job) {
-            Some(j) if j.creds.uid != uid && !operator => Err(format!(
-                "job {job:?} was registered by uid {}; only that user, root or the daemon's user may change it (run as them, or pick another job id)",
-                j.creds.uid
-            )),
+            Some(j) if j.creds.uid != uid && !operator => Err(JobError::NotYours {
+                job: job.to_owned(),
+                owner: j.creds.uid,
+            }),
             _ => Ok(()),
         }
     }
@@ -593,8 +647,10 @@ impl Jobs {
 
     /// Sets a job's position explicitly: `Ok(false)` when no such job is registered; an
     /// error when the position is not in its plan (nothing changes).
-    pub fn progress(&self, job: &str, epoch: u64, step: u64) -> Result<bool, String> {
-        let found = lock(&self.planner).set_position(job, epoch, step)?;
+    pub fn progress(&self, job: &str, epoch: u64, step: u64) -> Result<bool, JobError> {
+        let found = lock(&self.planner)
+            .set_position(job, epoch, step)
+            .map_err(JobError::Position)?;
         self.poke();
         Ok(found)
     }

@@ -36,6 +36,7 @@ use crate::access::Creds;
 use crate::backing::Version;
 use crate::cache::{self, MAX_PATH, MAX_WAIT_BLOCKS, Opened, ReadPath, Refusal, WaitFor, Waited};
 use crate::fill::Filler;
+use crate::jobs::JobError;
 use crate::meta::Meta;
 use crate::stats::{Stats, inc};
 use crate::store::Store;
@@ -614,20 +615,18 @@ fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::K
         Some(request::Kind::Status(_)) => (response::Kind::Status(status(ctx)), Vec::new()),
         Some(request::Kind::Register(r)) => {
             let operator = admin::is_operator(creds);
-            match ctx.jobs.register(&r.manifest_json, creds, operator) {
-                Ok(r) => (
-                    response::Kind::Register(pb::RegisterReply {
-                        job: r.job,
-                        files: r.files as u64,
-                        dirs_denied: r.dirs_denied as u64,
-                        immutable_held: r.immutable_held as u64,
-                        immutable_over_limit: r.immutable_over_limit as u64,
-                        immutable_owner_only: r.immutable_owner_only,
-                    }),
-                    Vec::new(),
-                ),
-                Err(message) => (error_reply(message, pb::ErrorCode::Invalid), Vec::new()),
-            }
+            let kind = match ctx.jobs.register(&r.manifest_json, creds, operator) {
+                Ok(r) => response::Kind::Register(pb::RegisterReply {
+                    job: r.job,
+                    files: r.files as u64,
+                    dirs_denied: r.dirs_denied as u64,
+                    immutable_held: r.immutable_held as u64,
+                    immutable_over_limit: r.immutable_over_limit as u64,
+                    immutable_owner_only: r.immutable_owner_only,
+                }),
+                Err(e) => job_error("", e),
+            };
+            (kind, Vec::new())
         }
         Some(request::Kind::Unregister(u)) => {
             let kind = match ctx
@@ -637,18 +636,18 @@ fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::K
                 Ok(()) => response::Kind::Unregister(pb::UnregisterReply {
                     found: ctx.jobs.unregister(&u.job),
                 }),
-                Err(e) => error_reply(format!("unregister: {e}"), pb::ErrorCode::PermissionDenied),
+                Err(e) => job_error("unregister: ", e),
             };
             (kind, Vec::new())
         }
         Some(request::Kind::Progress(p)) => {
-            let allowed = ctx
+            let kind = match ctx
                 .jobs
-                .may_change(&p.job, creds.uid, admin::is_operator(creds));
-            let kind = match allowed.map(|()| ctx.jobs.progress(&p.job, p.epoch, p.step)) {
-                Ok(Ok(found)) => response::Kind::Progress(pb::ProgressReply { found }),
-                Ok(Err(e)) => error_reply(format!("progress: {e}"), pb::ErrorCode::Invalid),
-                Err(e) => error_reply(format!("progress: {e}"), pb::ErrorCode::PermissionDenied),
+                .may_change(&p.job, creds.uid, admin::is_operator(creds))
+                .and_then(|()| ctx.jobs.progress(&p.job, p.epoch, p.step))
+            {
+                Ok(found) => response::Kind::Progress(pb::ProgressReply { found }),
+                Err(e) => job_error("progress: ", e),
             };
             (kind, Vec::new())
         }
@@ -687,6 +686,21 @@ fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::K
             )
         }
     }
+}
+
+/// The one mapping from job errors to error replies.
+fn job_error(what: &str, e: JobError) -> response::Kind {
+    let code = match &e {
+        JobError::NotYours { .. } => pb::ErrorCode::PermissionDenied,
+        JobError::Manifest(_)
+        | JobError::RootNotServed(_)
+        | JobError::Glob(_)
+        | JobError::NothingMatched { .. }
+        | JobError::UnknownFile { .. }
+        | JobError::Plan(_)
+        | JobError::Position(_) => pb::ErrorCode::Invalid,
+    };
+    error_reply(format!("{what}{e}"), code)
 }
 
 /// The one mapping from the read path's reasons to the wire's.
