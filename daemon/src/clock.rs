@@ -6,7 +6,8 @@
 //! threads.
 
 use std::fmt::Debug;
-use std::sync::Mutex;
+
+use parking_lot::Mutex;
 use std::time::{Duration, Instant};
 
 /// A monotonic clock that can also wait.
@@ -55,13 +56,13 @@ impl ManualClock {
 
     /// Moves the clock `d` forward.
     pub fn advance(&self, d: Duration) {
-        *self.now.lock().unwrap_or_else(|e| e.into_inner()) += d;
+        *self.now.lock() += d;
     }
 }
 
 impl Clock for ManualClock {
     fn now(&self) -> Instant {
-        *self.now.lock().unwrap_or_else(|e| e.into_inner())
+        *self.now.lock()
     }
 
     fn sleep(&self, d: Duration) {

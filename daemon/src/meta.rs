@@ -13,8 +13,10 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+
+use parking_lot::RwLock;
 use std::time::{Duration, Instant};
 
 use crate::backing::watch::{Watch, WatchedBacking};
@@ -286,7 +288,7 @@ impl Meta {
         files: impl Iterator<Item = (usize, &'a str)>,
         hold: &Arc<Hold>,
     ) -> usize {
-        let mut held = self.held.write().unwrap_or_else(|e| e.into_inner());
+        let mut held = self.held.write();
         let mut n = 0;
         for (root, rel) in files {
             let key = cache_key(root, rel);
@@ -326,7 +328,7 @@ impl Meta {
         n: usize,
         hold: &Arc<Hold>,
     ) {
-        let mut held = self.held.write().unwrap_or_else(|e| e.into_inner());
+        let mut held = self.held.write();
         for (root, rel) in files.take(n) {
             let key = cache_key(root, rel);
             if let Some(h) = held.get_mut(&key)
@@ -351,7 +353,7 @@ impl Meta {
         if !self.any_held.load(Ordering::Acquire) {
             return HeldView::No;
         }
-        let held = self.held.read().unwrap_or_else(|e| e.into_inner());
+        let held = self.held.read();
         match held.get(&key).filter(|h| h.rel == rel).map(|h| &h.stat) {
             None => HeldView::No,
             Some(None) => HeldView::Unknown,
@@ -400,7 +402,7 @@ impl Meta {
         inc(&self.stats.backing_stats);
         let stat = Arc::new(self.roots.get(root).backing.stat(rel)?);
         if matches!(held, HeldView::Unknown) {
-            let mut all = self.held.write().unwrap_or_else(|e| e.into_inner());
+            let mut all = self.held.write();
             if let Some(h) = all.get_mut(&key)
                 && h.rel == rel
                 && h.stat.is_none()
@@ -427,7 +429,7 @@ impl Meta {
         if self.any_held.load(Ordering::Acquire) {
             // The manifest said immutable, the store says otherwise: believe the store
             // (stat once more, then trust again).
-            let mut held = self.held.write().unwrap_or_else(|e| e.into_inner());
+            let mut held = self.held.write();
             if let Some(h) = held.get_mut(&key)
                 && h.rel == rel
             {

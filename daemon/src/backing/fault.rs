@@ -5,8 +5,10 @@
 
 use std::fmt;
 use std::io;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex};
+
+use parking_lot::{Condvar, Mutex};
 
 use super::{Backing, BackingError, BackingFile, DirEntry, Owner, Stat, Version};
 
@@ -30,21 +32,21 @@ impl Faults {
     /// From now on every call (stat, open, list, read, version) blocks, as on a hung
     /// file system, until [`Faults::release`].
     pub fn hang(&self) {
-        *self.hang.lock().unwrap_or_else(|e| e.into_inner()) = true;
+        *self.hang.lock() = true;
     }
 
     /// Lets blocked calls and later ones go on.
     pub fn release(&self) {
-        *self.hang.lock().unwrap_or_else(|e| e.into_inner()) = false;
+        *self.hang.lock() = false;
         self.cv.notify_all();
     }
 
     fn block_while_hung(&self) {
-        let mut g = self.hang.lock().unwrap_or_else(|e| e.into_inner());
+        let mut g = self.hang.lock();
         if *g {
             self.hung.fetch_add(1, Ordering::Relaxed);
             while *g {
-                g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner());
+                self.cv.wait(&mut g);
             }
             self.hung.fetch_sub(1, Ordering::Relaxed);
         }

@@ -4,8 +4,10 @@
 
 use std::collections::BTreeMap;
 use std::io;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::sync::{Arc, RwLock};
+
+use parking_lot::RwLock;
 
 use super::{
     Backing, BackingError, BackingFile, DirEntry, EntryKind, Owner, Stat, Version, normalize,
@@ -65,7 +67,7 @@ impl MemBacking {
     /// missing parent directories with mode 0755.
     pub fn put(&self, path: &str, data: Vec<u8>, owner: Owner) {
         let comps = normalize(path).expect("valid path");
-        let mut nodes = self.nodes.write().unwrap_or_else(|e| e.into_inner());
+        let mut nodes = self.nodes.write();
         for i in 1..comps.len() {
             nodes
                 .entry(comps[..i].join("/"))
@@ -92,7 +94,7 @@ impl MemBacking {
     /// Overwrites a file's bytes keeping its inode (an in-place rewrite).
     pub fn rewrite_in_place(&self, path: &str, data: Vec<u8>) {
         let t = self.tick();
-        let mut nodes = self.nodes.write().unwrap_or_else(|e| e.into_inner());
+        let mut nodes = self.nodes.write();
         if let Some(Node::File {
             data: d, version, ..
         }) = nodes.get_mut(path)
@@ -106,22 +108,19 @@ impl MemBacking {
 
     /// Sets the owner and mode of a directory, creating it if needed.
     pub fn set_dir(&self, path: &str, owner: Owner) {
-        let mut nodes = self.nodes.write().unwrap_or_else(|e| e.into_inner());
+        let mut nodes = self.nodes.write();
         nodes.insert(path.to_owned(), Node::Dir(owner));
     }
 
     /// Sets the owners of the directories above the root, `/` first (the root's parent
     /// last).
     pub fn set_above(&self, owners: Vec<Owner>) {
-        *self.above.write().unwrap_or_else(|e| e.into_inner()) = owners;
+        *self.above.write() = owners;
     }
 
     /// Removes a file.
     pub fn remove(&self, path: &str) {
-        self.nodes
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(path);
+        self.nodes.write().remove(path);
     }
 }
 
@@ -130,7 +129,7 @@ impl Backing for MemBacking {
         // The shape (relative, no NUL, not above the root); then the walk, component by
         // component as the POSIX store does it.
         normalize(path)?;
-        let nodes = self.nodes.read().unwrap_or_else(|e| e.into_inner());
+        let nodes = self.nodes.read();
         let root = match nodes.get("") {
             Some(Node::Dir(o)) => *o,
             _ => DEFAULT_DIR,
@@ -164,7 +163,7 @@ impl Backing for MemBacking {
                 Some(Node::Dir(_)) => return Err(BackingError::NotAFile(path.to_owned())),
                 // Anything after a file, even a bare `/` or `/.`, is ENOTDIR.
                 Some(Node::File { owner, version, .. }) if comps.peek().is_none() => {
-                    let mut dirs = self.above.read().unwrap_or_else(|e| e.into_inner()).clone();
+                    let mut dirs = self.above.read().clone();
                     dirs.extend(left);
                     dirs.extend(stack.iter().map(|(_, o)| *o));
                     return Ok(Stat {
@@ -183,7 +182,7 @@ impl Backing for MemBacking {
     }
 
     fn open(&self, stat: &Stat) -> Result<Box<dyn BackingFile>, BackingError> {
-        let nodes = self.nodes.read().unwrap_or_else(|e| e.into_inner());
+        let nodes = self.nodes.read();
         match nodes.get(&stat.path) {
             Some(Node::File { data, version, .. }) if *version == stat.version => {
                 Ok(Box::new(MemFile {
@@ -202,7 +201,7 @@ impl Backing for MemBacking {
         } else {
             normalize(dir)?.join("/")
         };
-        let nodes = self.nodes.read().unwrap_or_else(|e| e.into_inner());
+        let nodes = self.nodes.read();
         if !matches!(nodes.get(&prefix), Some(Node::Dir(_))) {
             return Err(BackingError::NotFound(dir.to_owned()));
         }
@@ -231,8 +230,8 @@ impl Backing for MemBacking {
         } else {
             normalize(dir)?
         };
-        let nodes = self.nodes.read().unwrap_or_else(|e| e.into_inner());
-        let mut owners = self.above.read().unwrap_or_else(|e| e.into_inner()).clone();
+        let nodes = self.nodes.read();
+        let mut owners = self.above.read().clone();
         for i in 0..=comps.len() {
             match (i, nodes.get(&comps[..i].join("/"))) {
                 (_, Some(Node::Dir(o))) => owners.push(*o),
@@ -301,10 +300,10 @@ mod tests {
             MemBacking::rewrite_in_place(self, path, data.to_vec());
         }
         fn above(&self) -> usize {
-            self.above.read().unwrap_or_else(|e| e.into_inner()).len()
+            self.above.read().len()
         }
         fn set_parent_mode(&self, mode: u32) {
-            let mut above = self.above.write().unwrap_or_else(|e| e.into_inner());
+            let mut above = self.above.write();
             if let Some(parent) = above.last_mut() {
                 parent.mode = mode;
             }

@@ -33,7 +33,9 @@ use std::fmt;
 use std::io;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{self, SyncSender, TrySendError};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, OnceLock};
+
+use parking_lot::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use super::{Backing, BackingError, BackingFile, DirEntry, Owner, Stat, Version};
@@ -61,10 +63,6 @@ const IDLE: Duration = Duration::from_secs(30);
 /// An identity for the file a call concerns (a hash of its path); 0 for none.
 pub fn file_id(path: &str) -> u64 {
     xxhash_rust::xxh3::xxh3_64(path.as_bytes()) | 1
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[derive(Debug)]
@@ -120,7 +118,7 @@ pub struct CallGuard {
 
 impl Drop for CallGuard {
     fn drop(&mut self) {
-        let mut s = lock(&self.watch.state);
+        let mut s = self.watch.state.lock();
         if let Some(i) = s.calls.iter().position(|c| c.id == self.id) {
             s.calls.swap_remove(i);
         }
@@ -214,7 +212,7 @@ impl Watch {
     /// Registers a call on `file` (see [`file_id`]; 0 for none), or refuses it at once.
     pub fn enter(self: &Arc<Self>, file: u64) -> Result<CallGuard, BackingError> {
         let now = Instant::now();
-        let mut s = lock(&self.state);
+        let mut s = self.state.lock();
         match self.verdict(&s, file, now) {
             Ok(probe) => {
                 if probe {
@@ -245,7 +243,7 @@ impl Watch {
 
     /// Registers a call that must happen whatever the root's state (closing a file).
     fn enter_always(self: &Arc<Self>, file: u64) -> CallGuard {
-        let mut s = lock(&self.state);
+        let mut s = self.state.lock();
         s.next += 1;
         let id = s.next;
         s.calls.push(Call {
@@ -263,19 +261,19 @@ impl Watch {
     /// without taking a probe).
     pub fn refuses(&self, file: u64) -> bool {
         let now = Instant::now();
-        let s = lock(&self.state);
+        let s = self.state.lock();
         !matches!(self.verdict(&s, file, now), Ok(false))
     }
 
     /// Whether the root is stalled now.
     pub fn stalled(&self) -> bool {
-        !self.stall.is_zero() && self.stalled_in(&lock(&self.state), Instant::now())
+        !self.stall.is_zero() && self.stalled_in(&self.state.lock(), Instant::now())
     }
 
     /// The root's health now.
     pub fn health(&self) -> Health {
         let now = Instant::now();
-        let s = lock(&self.state);
+        let s = self.state.lock();
         Health {
             stalled: !self.stall.is_zero() && self.stalled_in(&s, now),
             in_flight: s.calls.len() as u64,
@@ -310,7 +308,7 @@ impl StatPool {
     /// Runs `task` on one of the pool's threads (started when none is idle, up to
     /// [`STAT_THREADS`]; then queued, up to [`STAT_QUEUE`]); false when that is full.
     fn submit(self: &Arc<Self>, task: Task) -> bool {
-        let mut s = lock(&self.state);
+        let mut s = self.state.lock();
         if s.idle > s.tasks.len() || s.threads >= STAT_THREADS {
             if s.tasks.len() >= STAT_QUEUE {
                 return false;
@@ -328,7 +326,7 @@ impl StatPool {
             .stack_size(256 << 10)
             .spawn(move || pool.run());
         if spawned.is_err() {
-            let mut s = lock(&self.state);
+            let mut s = self.state.lock();
             s.threads -= 1;
             // The task stays queued for a running thread, if any; else it is dropped and
             // its caller times out.
@@ -340,20 +338,16 @@ impl StatPool {
     }
 
     fn run(&self) {
-        let mut s = lock(&self.state);
+        let mut s = self.state.lock();
         loop {
             if let Some(task) = s.tasks.pop_front() {
                 drop(s);
                 task();
-                s = lock(&self.state);
+                s = self.state.lock();
                 continue;
             }
             s.idle += 1;
-            let (g, timeout) = self
-                .cv
-                .wait_timeout(s, IDLE)
-                .unwrap_or_else(|e| e.into_inner());
-            s = g;
+            let timeout = self.cv.wait_for(&mut s, IDLE);
             s.idle -= 1;
             if timeout.timed_out() && s.tasks.is_empty() {
                 s.threads -= 1;
@@ -378,12 +372,12 @@ impl<T> Slot<T> {
     }
 
     fn put(&self, v: T) {
-        *lock(&self.value) = Some(v);
+        *self.value.lock() = Some(v);
         self.cv.notify_all();
     }
 
     fn take_by(&self, deadline: Instant) -> Option<T> {
-        let mut g = lock(&self.value);
+        let mut g = self.value.lock();
         loop {
             if let Some(v) = g.take() {
                 return Some(v);
@@ -392,11 +386,7 @@ impl<T> Slot<T> {
             if now >= deadline {
                 return None;
             }
-            g = self
-                .cv
-                .wait_timeout(g, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
+            self.cv.wait_until(&mut g, deadline);
         }
     }
 }

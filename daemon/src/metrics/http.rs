@@ -28,8 +28,8 @@ use std::convert::Infallible;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -252,16 +252,12 @@ impl tokio::io::AsyncWrite for Watched {
     }
 }
 
-type Table = Arc<Mutex<HashMap<u64, Held>>>;
-
-fn lock(t: &Table) -> std::sync::MutexGuard<'_, HashMap<u64, Held>> {
-    t.lock().unwrap_or_else(|e| e.into_inner())
-}
+type Table = Arc<parking_lot::Mutex<HashMap<u64, Held>>>;
 
 /// Makes room for one more connection: closes the one that gives way first (see the
 /// module's doc).
 fn make_room(table: &Table) {
-    let mut t = lock(table);
+    let mut t = table.lock();
     if t.len() < MAX_CONNECTIONS {
         return;
     }
@@ -302,7 +298,7 @@ async fn serve(
         let activity = Arc::new(Activity::default());
         activity.idle_since.store(since(epoch), Ordering::Relaxed);
         let close = Arc::new(tokio::sync::Notify::new());
-        lock(&table).insert(
+        table.lock().insert(
             id,
             Held {
                 activity: activity.clone(),
@@ -343,7 +339,7 @@ async fn serve(
                     tracing::debug!(%peer, "metrics connection closed to make room");
                 }
             }
-            lock(&table).remove(&id);
+            table.lock().remove(&id);
         });
     }
 }

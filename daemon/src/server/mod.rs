@@ -21,11 +21,12 @@ use std::os::fd::AsFd;
 use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use parking_lot::Mutex;
 use shardcache_proto::local::v1 as pb;
 use shardcache_proto::local::v1::{Reason, request, response};
 use shardcache_proto::wire::{self, FrameReader, WireError};
@@ -193,7 +194,7 @@ impl Server {
         if let Some(h) = self.accept.take() {
             let _ = h.join();
         }
-        for c in lock(&self.conns).handles() {
+        for c in self.conns.lock().handles() {
             let _ = c.shutdown(std::net::Shutdown::Both);
         }
         let _ = std::fs::remove_file(&self.path);
@@ -211,10 +212,6 @@ impl Server {
 
 /// The connections held, with a handle of each to close it.
 type Conns = Arc<Mutex<Table<UnixStream>>>;
-
-fn lock(c: &Conns) -> std::sync::MutexGuard<'_, Table<UnixStream>> {
-    c.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// Log lines about refused and closed connections: one per period, with a count.
 static REFUSED_LOG: Mutex<Throttle> = Mutex::new(Throttle::new());
@@ -238,7 +235,7 @@ fn admit_one(
         }
     };
     let uid = creds.uid;
-    let mut table = lock(conns);
+    let mut table = conns.lock();
     match table.decide(uid, admin::is_operator(&creds)) {
         Verdict::Admit => {}
         Verdict::Evict { victim, why } => {
@@ -250,7 +247,7 @@ fn admit_one(
                 Why::UidLimit => &stats.conns_closed_uid_limit,
                 Why::Full => &stats.conns_closed_full,
             });
-            if let Some(n) = CLOSED_LOG.lock().unwrap_or_else(|e| e.into_inner()).hit() {
+            if let Some(n) = CLOSED_LOG.lock().hit() {
                 tracing::info!(
                     uid,
                     held,
@@ -279,7 +276,7 @@ fn admit_one(
                     )
                 }
             };
-            if let Some(n) = REFUSED_LOG.lock().unwrap_or_else(|e| e.into_inner()).hit() {
+            if let Some(n) = REFUSED_LOG.lock().hit() {
                 tracing::warn!(
                     uid,
                     held,
@@ -332,7 +329,7 @@ fn admit_one(
             // one for good.
             let _ = conn.set_write_timeout(Some(REPLY_TIMEOUT));
             serve(&conn, &creds, &ctx2, &activity);
-            let mut t = lock(&conns2);
+            let mut t = conns2.lock();
             t.remove(id);
             ctx2.stats
                 .connections
@@ -343,7 +340,7 @@ fn admit_one(
     if let Err(e) = spawned {
         tracing::warn!(error = %e, "cannot start a connection thread");
         inc(&stats.conns_refused_other);
-        let mut t = lock(conns);
+        let mut t = conns.lock();
         t.remove(id);
         stats.connections.store(t.len() as u64, Ordering::Relaxed);
         drop(t);
@@ -447,7 +444,7 @@ fn serve(conn: &UnixStream, creds: &Creds, ctx: &Ctx, activity: &Activity) {
         // and then registered like an inline one.
         let _big = match &mut req.kind {
             Some(request::Kind::Register(r)) if r.manifest_fd => {
-                let one_at_a_time = BIG_MANIFEST.lock().unwrap_or_else(|e| e.into_inner());
+                let one_at_a_time = BIG_MANIFEST.lock();
                 match manifest_from_fd(fds.into_iter().next()) {
                     Ok(json) => r.manifest_json = json,
                     Err(message) => {
