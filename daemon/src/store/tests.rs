@@ -1,7 +1,8 @@
 //! Store tests: crash/reopen with an oracle, corruption, capacity, versions.
 
 use super::*;
-use crate::backing::Owner;
+use crate::backing::{Owner, Version};
+use std::path::Path;
 
 const BS: u32 = 4096;
 
