@@ -48,6 +48,7 @@
 
 pub mod evict;
 mod index;
+pub mod io;
 pub mod journal;
 mod key;
 mod pins;
@@ -57,9 +58,8 @@ mod space;
 mod verify;
 
 use std::fmt;
-use std::fs::{File, OpenOptions};
-use std::io;
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::fs::File;
+use std::io as stdio;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -74,8 +74,9 @@ use index::{
     BlockMeta, Entry, Evicted, Index, evict_locked, nblocks, residency_locked,
     retire_other_versions,
 };
+use io::{BlockIo, IoEngine};
 use journal::Journal;
-use key::{data_name, data_path, path_key};
+use key::{data_name, path_key};
 use records::{Record, records_of};
 use space::Space;
 
@@ -107,7 +108,7 @@ pub enum StoreError {
     Gone,
     /// Local I/O failed.
     #[error("cache I/O error: {0}")]
-    Io(#[from] io::Error),
+    Io(#[from] stdio::Error),
 }
 
 /// What a client may read of one file version right now.
@@ -208,10 +209,11 @@ pub struct StoreStatus {
 /// The NVMe store.
 pub struct Store {
     dir: PathBuf,
-    data_dir: PathBuf,
-    /// A descriptor of `data_dir`: data files are opened relative to it, which spares the
+    /// A descriptor of the data directory: data files are opened relative to it, which spares the
     /// kernel the walk of the whole cache path on every client open.
     data_fd: std::os::fd::OwnedFd,
+    /// The engine of every write and check of a data file (see [`io`]).
+    io: Arc<dyn BlockIo>,
     index: Mutex<Index>,
     journal: Journal,
     space: Space,
@@ -233,7 +235,7 @@ impl fmt::Debug for Store {
 
 impl Store {
     /// Opens (or creates) the store, replays its journal and checks what it finds.
-    pub fn open(cfg: &StoreConfig, stats: Arc<Stats>) -> io::Result<Self> {
+    pub fn open(cfg: &StoreConfig, stats: Arc<Stats>) -> stdio::Result<Self> {
         Self::open_with_policy(cfg, stats, Box::new(Lru::default()))
     }
 
@@ -242,8 +244,24 @@ impl Store {
         cfg: &StoreConfig,
         stats: Arc<Stats>,
         policy: Box<dyn EvictionPolicy>,
-    ) -> io::Result<Self> {
-        Self::recover(cfg, stats, policy)
+    ) -> stdio::Result<Self> {
+        Self::open_with(cfg, stats, policy, &|dir| io::open(IoEngine::Auto, dir))
+    }
+
+    /// Like [`Store::open_with_policy`], on the I/O engine `engine` makes over the data
+    /// directory (`|dir| store::io::open(choice, dir)`, or a wrapped one in tests).
+    pub fn open_with(
+        cfg: &StoreConfig,
+        stats: Arc<Stats>,
+        policy: Box<dyn EvictionPolicy>,
+        engine: &dyn Fn(&std::path::Path) -> stdio::Result<Arc<dyn BlockIo>>,
+    ) -> stdio::Result<Self> {
+        Self::recover(cfg, stats, policy, engine)
+    }
+
+    /// The I/O engine that runs (`psync`, `uring`).
+    pub fn io_engine(&self) -> &'static str {
+        self.io.engine()
     }
 
     fn lock(&self) -> MutexGuard<'_, Index> {
@@ -252,7 +270,7 @@ impl Store {
 
     /// Opens a data file read-only (a fresh open file description each time, so that
     /// clients never share a file offset).
-    fn open_data(&self, key: &Key, generation: u64) -> io::Result<File> {
+    fn open_data(&self, key: &Key, generation: u64) -> stdio::Result<File> {
         let rel = data_name(key, generation);
         let fd = rustix::fs::openat(
             &self.data_fd,
@@ -261,10 +279,6 @@ impl Store {
             rustix::fs::Mode::empty(),
         )?;
         Ok(File::from(fd))
-    }
-
-    fn data_path(&self, key: &Key, generation: u64) -> PathBuf {
-        data_path(&self.data_dir, key, generation)
     }
 
     /// Looks up (creating if needed) the entry for `stat` under `root`, checks its
@@ -326,7 +340,7 @@ impl Store {
             let data = if durable {
                 match self.open_data(&key, generation) {
                     Ok(f) => Some(f),
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                    Err(e) if e.kind() == stdio::ErrorKind::NotFound => continue,
                     Err(e) => return Err(e.into()),
                 }
             } else {
@@ -635,16 +649,7 @@ impl Store {
             (e.generation, e.version.size, Record::file_added(key, e))
         };
         let (generation, size, rec) = rec;
-        let path = self.data_path(key, generation);
-        let f = OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&path)?;
-        f.set_len(size)?;
-        f.sync_all()?;
-        journal::sync_dir(path.parent().expect("data files live in a subdirectory"))?;
+        self.io.create(&data_name(key, generation), size)?;
         self.journal.append(&rec)?;
         let mut idx = self.lock();
         let e = idx.files.get_mut(key).ok_or(StoreError::Gone)?;
@@ -710,11 +715,11 @@ impl Store {
         xxh3: u64,
     ) -> Result<BlockMeta, StoreError> {
         let generation = self.ensure_durable(&permit.key)?;
-        let f = OpenOptions::new()
-            .write(true)
-            .open(self.data_path(&permit.key, generation))?;
-        f.write_all_at(data, permit.offset)?;
-        f.sync_data()?;
+        // The bytes and an fdatasync, in one submission where the engine can.
+        self.io.write_durable(
+            &data_name(&permit.key, generation),
+            &[(permit.offset, data)],
+        )?;
         let meta = BlockMeta {
             len: permit.len,
             xxh3,
@@ -750,9 +755,9 @@ impl Store {
             if let Err(e) = self.journal.append(&rec) {
                 tracing::warn!(error = %e, "journal append failed during eviction");
             }
-            match std::fs::remove_file(self.data_path(&ev.key, ev.generation)) {
+            match self.io.remove(&data_name(&ev.key, ev.generation)) {
                 Ok(()) => {}
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(e) if e.kind() == stdio::ErrorKind::NotFound => {}
                 Err(e) => {
                     tracing::warn!(error = %e, key = ?ev.key, "could not remove evicted data file")
                 }
@@ -793,7 +798,7 @@ impl Store {
     /// Flushes the journal and marks the shutdown orderly (`CLEAN`, which the next start
     /// only logs: no start trusts a block it did not check). Call once, after every fill
     /// has finished.
-    pub fn close(&self) -> io::Result<()> {
+    pub fn close(&self) -> stdio::Result<()> {
         self.journal.close();
         let marker = self.dir.join("CLEAN");
         journal::clear_unless_file(&marker)?;

@@ -19,6 +19,7 @@ use rustc_hash::FxHashMap as HashMap;
 
 use super::evict::EvictionPolicy;
 use super::index::{Entry, Index};
+use super::io::BlockIo;
 use super::journal::{self, Journal};
 use super::key::{Key, data_path, path_key};
 use super::records::{apply, records_of};
@@ -39,6 +40,7 @@ impl Store {
         cfg: &StoreConfig,
         stats: Arc<Stats>,
         policy: Box<dyn EvictionPolicy>,
+        engine: &dyn Fn(&Path) -> io::Result<Arc<dyn BlockIo>>,
     ) -> io::Result<Self> {
         let dir = cfg.dir.join("shardcache-v1");
         ensure_dir(&dir)?;
@@ -81,6 +83,7 @@ impl Store {
         journal::sync_dir(&dir)?;
 
         let (space, fs_free) = Space::new(&dir, cfg.capacity, cfg.min_free)?;
+        let io = engine(&data_dir)?;
 
         let journal_path = dir.join("journal");
         let replayed = journal::replay(&journal_path);
@@ -152,7 +155,7 @@ impl Store {
                     | rustix::fs::OFlags::CLOEXEC,
                 rustix::fs::Mode::empty(),
             )?,
-            data_dir,
+            io,
             index: Mutex::new(index),
             journal,
             space,

@@ -10,11 +10,10 @@
 //! only when the block is still the one it read (a refill meanwhile is left alone). It
 //! never writes a data file.
 
-use std::os::unix::fs::FileExt;
-
 use super::Store;
 use super::index::BlockMeta;
-use super::key::Key;
+use super::io::Read;
+use super::key::{Key, data_name};
 use super::records::Record;
 use crate::checksum::{BlockHasher, block_xxh3};
 use crate::stats::{add, inc};
@@ -27,6 +26,22 @@ pub const SCRUB_GROUP: u64 = 4 << 20;
 /// least one block): about 20 ms of reading at 1.5 GB/s, well inside a client's open
 /// timeout.
 pub const VERIFY_PER_VIEW: u64 = 32 << 20;
+
+/// Most bytes one engine call reads while verifying (at least one block).
+pub const READ_BATCH: u64 = 8 << 20;
+
+/// Each block is read as pieces of at most this many bytes, in flight together where the
+/// engine allows it (a disk serves several reads of one block at once faster than one
+/// long one).
+pub const PIECE: usize = 256 << 10;
+
+/// The reads of a block at `offset` into `buf`, a [`PIECE`] each.
+fn pieces(offset: u64, buf: &mut [u8]) -> Vec<Read<'_>> {
+    buf.chunks_mut(PIECE)
+        .enumerate()
+        .map(|(n, p)| (offset + (n * PIECE) as u64, p))
+        .collect()
+}
 
 /// Result of checking checksums.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -58,20 +73,28 @@ impl Store {
     /// The checksum is computed piece by piece as the block is read, each piece still in
     /// the CPU's cache. `buf`'s contents are unspecified on `None`.
     pub fn read_block_into(&self, key: &Key, i: usize, buf: &mut Vec<u8>) -> Option<u64> {
-        const PIECE: usize = 256 << 10;
         let (generation, bs, meta) = {
             let idx = self.lock();
             let e = idx.files.get(key)?;
             let meta = (*e.blocks.get(i)?)?;
             (e.generation, e.block_size, meta)
         };
-        let f = self.open_data(key, generation).ok()?;
         // Every byte is overwritten by the reads below: only growth is zero-filled.
         buf.resize(meta.len as usize, 0);
         let base = i as u64 * bs as u64;
+        let mut reads = pieces(base, buf);
+        let name = data_name(key, generation);
+        if !self
+            .io
+            .read_many(&name, &mut reads)
+            .iter()
+            .all(Result::is_ok)
+        {
+            return None;
+        }
+        // Each piece hashed in turn (the block was read as a batch).
         let mut hash = BlockHasher::new();
-        for (n, piece) in buf.chunks_mut(PIECE).enumerate() {
-            f.read_exact_at(piece, base + (n * PIECE) as u64).ok()?;
+        for piece in buf.chunks(PIECE) {
             hash.update(piece);
         }
         let sum = hash.digest();
@@ -87,7 +110,9 @@ impl Store {
     }
 
     /// Checks `blocks` of `key` (generation `generation`) against their checksums; drops the
-    /// corrupt ones.
+    /// corrupt ones (and those that cannot be read). The blocks are read in batches of up
+    /// to [`READ_BATCH`] bytes, each block as [`PIECE`]s, all in flight together where the
+    /// engine allows it.
     pub(super) fn verify_blocks(
         &self,
         key: &Key,
@@ -97,25 +122,43 @@ impl Store {
         let Some(bs) = self.lock().files.get(key).map(|e| e.block_size) else {
             return VerifyReport::default();
         };
-        let file = self.open_data(key, generation);
-        let mut buf = vec![
-            0u8;
-            blocks
-                .iter()
-                .map(|(_, b)| b.len as usize)
-                .max()
-                .unwrap_or(0)
-        ];
+        let name = data_name(key, generation);
+        // One batch's buffer: READ_BATCH bytes, or the largest block, or all of them.
+        let largest = blocks.iter().map(|(_, b)| b.len as u64).max().unwrap_or(0);
+        let total: u64 = blocks.iter().map(|(_, b)| b.len as u64).sum();
+        let mut buf = vec![0u8; READ_BATCH.min(total).max(largest) as usize];
         let mut results = Vec::with_capacity(blocks.len());
-        for &(i, meta) in blocks {
-            let b = &mut buf[..meta.len as usize];
-            let ok = match &file {
-                Ok(f) => {
-                    f.read_exact_at(b, i as u64 * bs as u64).is_ok() && block_xxh3(b) == meta.xxh3
-                }
-                Err(_) => false,
-            };
-            results.push((i, meta, ok));
+        let mut rest = blocks;
+        while !rest.is_empty() {
+            // As many blocks as fit the buffer (at least one).
+            let mut take = 0;
+            let mut bytes = 0usize;
+            while take < rest.len() && (take == 0 || bytes + rest[take].1.len as usize <= buf.len())
+            {
+                bytes += rest[take].1.len as usize;
+                take += 1;
+            }
+            let (batch, more) = rest.split_at(take);
+            rest = more;
+            let mut reads = Vec::new();
+            let mut spans = Vec::with_capacity(batch.len());
+            let mut free = &mut buf[..];
+            for &(i, meta) in batch {
+                let (b, after) = free.split_at_mut(meta.len as usize);
+                free = after;
+                let first = reads.len();
+                reads.extend(pieces(i as u64 * bs as u64, b));
+                spans.push(first..reads.len());
+            }
+            let ok = self.io.read_many(&name, &mut reads);
+            drop(reads);
+            let mut at = 0usize;
+            for (&(i, meta), span) in batch.iter().zip(spans) {
+                let b = &buf[at..at + meta.len as usize];
+                at += meta.len as usize;
+                let good = ok[span].iter().all(Result::is_ok) && block_xxh3(b) == meta.xxh3;
+                results.push((i, meta, good));
+            }
         }
         self.record_checks(key, generation, results)
     }
@@ -219,7 +262,7 @@ impl Store {
             if blocks.is_empty() {
                 continue;
             }
-            if durable && !self.data_path(&key, generation).exists() {
+            if durable && !self.io.exists(&data_name(&key, generation)) {
                 total.missing_files += 1;
             }
             total.files += 1;
