@@ -1,0 +1,168 @@
+//! The portable engine: `pwrite` + `fdatasync` for writes, `pread` for reads, on
+//! descriptors kept in a bounded LRU cache ([`KEPT`] data files), so that the blocks of
+//! a fill and the reads of a verification pass open their data file once, not once per
+//! block.
+//!
+//! A descriptor leaves the cache when its file is removed through [`BlockIo::remove`],
+//! when the cache is full, and after a failed write or `fdatasync` (the next call opens
+//! the file again rather than trust a description that reported an error). It owns no
+//! other state and never touches the index or the journal.
+
+use std::fs::{File, OpenOptions};
+use std::io;
+use std::num::NonZeroUsize;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use lru::LruCache;
+
+use super::{BlockIo, Read, Write};
+use crate::store::journal;
+
+/// Data files whose descriptors are kept open.
+pub const KEPT: usize = 256;
+
+/// `pread` / `pwrite` / `fdatasync` with kept descriptors.
+pub struct Psync {
+    dir: PathBuf,
+    files: Mutex<LruCache<String, Arc<File>>>,
+}
+
+impl std::fmt::Debug for Psync {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Psync").field("dir", &self.dir).finish()
+    }
+}
+
+impl Psync {
+    /// An engine over the data directory `dir` (nothing is opened yet).
+    pub fn new(dir: &Path) -> Self {
+        Self {
+            dir: dir.to_owned(),
+            files: Mutex::new(LruCache::new(NonZeroUsize::new(KEPT).expect("non-zero"))),
+        }
+    }
+
+    fn cache(&self) -> std::sync::MutexGuard<'_, LruCache<String, Arc<File>>> {
+        self.files.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The kept descriptor of `name`, opened (read-write, no links followed) if needed.
+    pub(crate) fn file(&self, name: &str) -> io::Result<Arc<File>> {
+        if let Some(f) = self.cache().get(name) {
+            return Ok(f.clone());
+        }
+        let f = Arc::new(
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+                .open(self.dir.join(name))?,
+        );
+        self.cache().put(name.to_owned(), f.clone());
+        Ok(f)
+    }
+
+    /// Drops the kept descriptor of `name` (it is closed once no call uses it).
+    pub(crate) fn forget(&self, name: &str) {
+        self.cache().pop(name);
+    }
+
+    /// Creates `name` as [`BlockIo::create`] says and keeps its descriptor.
+    pub(crate) fn create_file(&self, name: &str, size: u64) -> io::Result<Arc<File>> {
+        self.forget(name);
+        let path = self.dir.join(name);
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+            .open(&path)?;
+        f.set_len(size)?;
+        f.sync_all()?;
+        journal::sync_dir(path.parent().unwrap_or(&self.dir))?;
+        let f = Arc::new(f);
+        self.cache().put(name.to_owned(), f.clone());
+        Ok(f)
+    }
+}
+
+impl BlockIo for Psync {
+    fn engine(&self) -> &'static str {
+        "psync"
+    }
+
+    fn create(&self, name: &str, size: u64) -> io::Result<()> {
+        self.create_file(name, size).map(|_| ())
+    }
+
+    fn write_durable(&self, name: &str, writes: &[Write<'_>]) -> io::Result<()> {
+        let f = self.file(name)?;
+        let r = writes
+            .iter()
+            .try_for_each(|(off, data)| f.write_all_at(data, *off))
+            .and_then(|()| f.sync_data());
+        if r.is_err() {
+            self.forget(name);
+        }
+        r
+    }
+
+    fn read_many(&self, name: &str, reads: &mut [Read<'_>]) -> Vec<io::Result<()>> {
+        match self.file(name) {
+            Ok(f) => reads
+                .iter_mut()
+                .map(|(off, buf)| f.read_exact_at(buf, *off))
+                .collect(),
+            Err(e) => reads
+                .iter()
+                .map(|_| Err(io::Error::new(e.kind(), e.to_string())))
+                .collect(),
+        }
+    }
+
+    fn remove(&self, name: &str) -> io::Result<()> {
+        self.forget(name);
+        std::fs::remove_file(self.dir.join(name))
+    }
+
+    fn exists(&self, name: &str) -> bool {
+        std::fs::symlink_metadata(self.dir.join(name)).is_ok_and(|m| m.is_file())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn conformance() {
+        super::super::conformance::run_all(&|dir: &Path| -> Arc<dyn BlockIo> {
+            Arc::new(Psync::new(dir))
+        });
+    }
+
+    #[test]
+    fn a_fill_opens_its_data_file_once() {
+        let dir = tempfile::tempdir().unwrap();
+        let io = Psync::new(dir.path());
+        io.create("f", 1 << 20).unwrap();
+        let first = io.file("f").unwrap();
+        for i in 0..8u64 {
+            io.write_durable("f", &[(i * 4096, &[i as u8; 4096])])
+                .unwrap();
+        }
+        assert!(
+            Arc::ptr_eq(&first, &io.file("f").unwrap()),
+            "the descriptor is kept"
+        );
+        io.remove("f").unwrap();
+        assert!(
+            io.file("f").is_err(),
+            "a removed file is not served from the cache"
+        );
+    }
+}
