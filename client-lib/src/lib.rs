@@ -25,7 +25,14 @@
 //! thread-safe; a [`Client`] keeps a small pool of connections.
 
 mod client;
+mod clock;
+mod link;
 mod reader;
+mod report;
+mod transport;
+
+#[cfg(test)]
+mod fallback_tests;
 
 pub use client::{Client, ClientConfig, DEFAULT_SOCKET};
 pub use reader::{OpenAhead, Reader, ReaderStats, Source};
