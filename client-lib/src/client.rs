@@ -14,6 +14,7 @@ use shardcache_proto::local::v1 as pb;
 use shardcache_proto::local::v1::{request, response};
 use shardcache_proto::wire;
 
+use crate::api::{EvictTarget, Evicted, ListQuery, Listing, Registered, Status, Verified};
 use crate::clock::{Clock, SystemClock};
 use crate::link::{CallError, Link, LinkConfig, Pending};
 use crate::reader::{OpenAhead, Reader};
@@ -253,7 +254,7 @@ impl Client {
     /// A manifest that does not fit in one request (1 MiB) is passed by descriptor: a
     /// sealed memfd the daemon reads. The call waits 10 s (or `timeout` if longer), plus
     /// 2 s per MiB of manifest (the daemon parses and plans it), for the answer.
-    pub fn register(&self, manifest_json: &str) -> io::Result<pb::RegisterReply> {
+    pub fn register(&self, manifest_json: &str) -> io::Result<Registered> {
         const MAX: usize = shardcache_plan::manifest::MAX_BYTES;
         if manifest_json.len() > MAX {
             return Err(io::Error::new(
@@ -283,7 +284,7 @@ impl Client {
             self.inner.call_fds(req, &[fd.as_fd()], timeout)?
         };
         match reply {
-            (response::Kind::Register(r), _) => Ok(r),
+            (response::Kind::Register(r), _) => Ok(r.into()),
             (response::Kind::Error(e), _) => {
                 Err(io::Error::new(io::ErrorKind::InvalidInput, e.message))
             }
@@ -316,24 +317,26 @@ impl Client {
     }
 
     /// The daemon's status.
-    pub fn status(&self) -> io::Result<pb::StatusReply> {
+    pub fn status(&self) -> io::Result<Status> {
         match self.inner.call(
             request::Kind::Status(pb::StatusRequest {}),
             self.inner.cfg.timeout,
         )? {
-            (response::Kind::Status(s), _) => Ok(s),
+            (response::Kind::Status(s), _) => Ok(s.into()),
             (other, _) => Err(unexpected(&other)),
         }
     }
 
-    /// What the cache holds: with `job` and `path` empty, the datasets (registered jobs,
-    /// and per backing root the cached files no job plans); with either, a page of its
-    /// files. A caller other than root or the daemon's user sees only what it may read.
-    /// Errors: `NotFound` (no such job or path), `InvalidInput`, `PermissionDenied`,
-    /// with the daemon's message.
-    pub fn list(&self, req: pb::ListRequest, timeout: Duration) -> io::Result<pb::ListReply> {
-        match self.inner.call(request::Kind::List(req), timeout)? {
-            (response::Kind::List(r), _) => Ok(r),
+    /// What the cache holds: the datasets (registered jobs, and per backing root the
+    /// cached files no job plans), or a page of a job's or a path's files. A caller other
+    /// than root or the daemon's user sees only what it may read. Errors: `NotFound` (no
+    /// such job or path), `InvalidInput`, `PermissionDenied`, with the daemon's message.
+    pub fn list(&self, query: ListQuery, timeout: Duration) -> io::Result<Listing> {
+        match self
+            .inner
+            .call(request::Kind::List(query.into()), timeout)?
+        {
+            (response::Kind::List(r), _) => Ok(r.into()),
             (response::Kind::Error(e), _) => Err(daemon_error(e)),
             (other, _) => Err(unexpected(&other)),
         }
@@ -342,21 +345,24 @@ impl Client {
     /// Drops cached copies (never anything on the backing store): of `paths` (files, or
     /// everything under directories), of a registered job's files, or everything. Only
     /// root and the daemon's user may; others get `PermissionDenied`.
-    pub fn evict(&self, req: pb::EvictRequest, timeout: Duration) -> io::Result<pb::EvictReply> {
-        match self.inner.call(request::Kind::Evict(req), timeout)? {
-            (response::Kind::Evict(r), _) => Ok(r),
+    pub fn evict(&self, target: EvictTarget, timeout: Duration) -> io::Result<Evicted> {
+        match self
+            .inner
+            .call(request::Kind::Evict(target.into()), timeout)?
+        {
+            (response::Kind::Evict(r), _) => Ok(r.into()),
             (response::Kind::Error(e), _) => Err(daemon_error(e)),
             (other, _) => Err(unexpected(&other)),
         }
     }
 
     /// Asks the daemon to re-check every cached block's checksum (may take long).
-    pub fn verify(&self, timeout: Duration) -> io::Result<pb::VerifyReply> {
+    pub fn verify(&self, timeout: Duration) -> io::Result<Verified> {
         match self
             .inner
             .call(request::Kind::Verify(pb::VerifyRequest {}), timeout)?
         {
-            (response::Kind::Verify(v), _) => Ok(v),
+            (response::Kind::Verify(v), _) => Ok(v.into()),
             (other, _) => Err(unexpected(&other)),
         }
     }

@@ -13,7 +13,10 @@ use std::time::Duration;
 use clap::{Parser, Subcommand};
 use render::{Align, Table};
 use shardcache_client::proto as pb;
-use shardcache_client::{Client, ClientConfig};
+use shardcache_client::{
+    Client, ClientConfig, EvictTarget, FallbackReason, JobStatus, ListQuery, ListTarget, Listing,
+    Registered, Status, Verified,
+};
 
 /// Talk to the local shardcached.
 #[derive(Debug, Parser)]
@@ -207,7 +210,7 @@ fn count(n: u64, one: &str, many: &str) -> String {
 
 /// What a registration left out or narrowed, one line each (docs/SEMANTICS.md, "What a
 /// registration may change").
-fn registration_notes(r: &pb::RegisterReply) -> Vec<String> {
+fn registration_notes(r: &Registered) -> Vec<String> {
     let mut out = Vec::new();
     if r.dirs_denied > 0 {
         out.push(format!(
@@ -231,7 +234,7 @@ fn registration_notes(r: &pb::RegisterReply) -> Vec<String> {
 }
 
 /// What a job's registrant's rights left out of it, if anything.
-fn left_out(j: &pb::JobStatus) -> Option<String> {
+fn left_out(j: &JobStatus) -> Option<String> {
     let mut parts = Vec::new();
     if j.files_denied > 0 {
         parts.push(format!(
@@ -287,9 +290,9 @@ fn daemon_failure(socket: &Path, e: &io::Error) -> Failure {
 }
 
 /// The status as tables: cache, jobs, peers, reads, counters.
-fn status_text(s: &pb::StatusReply) -> String {
+fn status_text(s: &Status) -> String {
     use render::{bytes as b, pairs, percent};
-    let c = s.counters.unwrap_or_default();
+    let c = &s.counters;
     let mut out = format!(
         "shardcached {}, up {}\n",
         s.daemon_version,
@@ -476,12 +479,9 @@ fn status_text(s: &pb::StatusReply) -> String {
         .filter(|f| f.opens + f.reads > 0)
         .map(|f| {
             // The same names as the metric's `reason` label.
-            let why = match pb::FallbackReason::try_from(f.reason) {
-                Ok(pb::FallbackReason::Unspecified) | Err(_) => "unknown".to_owned(),
-                Ok(r) => r
-                    .as_str_name()
-                    .trim_start_matches("FALLBACK_REASON_")
-                    .to_ascii_lowercase(),
+            let why = match f.reason {
+                FallbackReason::Unspecified => "unknown",
+                r => r.as_str(),
             };
             format!("{why} {} opens {} reads", f.opens, f.reads)
         })
@@ -549,7 +549,7 @@ fn status_text(s: &pb::StatusReply) -> String {
 }
 
 /// The `ls` table of datasets.
-fn datasets_text(r: &pb::ListReply) -> String {
+fn datasets_text(r: &Listing) -> String {
     use render::{bytes as b, percent};
     let mut t = Table::new(&[
         ("JOB", Align::Left),
@@ -591,7 +591,7 @@ fn datasets_text(r: &pb::ListReply) -> String {
 }
 
 /// The `ls` table of files; `limited`: only a first page was asked for.
-fn files_text(r: &pb::ListReply, limited: bool) -> String {
+fn files_text(r: &Listing, limited: bool) -> String {
     use render::{bytes as b, percent};
     let mut t = Table::new(&[
         ("SIZE", Align::Right),
@@ -647,22 +647,24 @@ fn list_one(
     target: &str,
     all: bool,
     limit: u32,
-) -> Result<(bool, pb::ListReply), Failure> {
+) -> Result<(bool, Listing), Failure> {
     let is_path = target.contains('/') || target == "." || target == "..";
-    let mut req = pb::ListRequest {
-        limit: if all { 10_000 } else { limit },
-        ..Default::default()
-    };
-    if is_path {
+    let target = if is_path {
         let abs = std::path::absolute(target).map_err(|e| format!("{target}: {e}"))?;
-        req.path = abs
-            .to_str()
-            .ok_or_else(|| format!("{target}: not valid UTF-8"))?
-            .to_owned();
+        ListTarget::Path(
+            abs.to_str()
+                .ok_or_else(|| format!("{target}: not valid UTF-8"))?
+                .to_owned(),
+        )
     } else {
-        req.job = target.to_owned();
-    }
-    let mut merged = pb::ListReply::default();
+        ListTarget::Job(target.to_owned())
+    };
+    let mut req = ListQuery {
+        target,
+        limit: if all { 10_000 } else { limit },
+        offset: 0,
+    };
+    let mut merged = Listing::default();
     loop {
         let r = client
             .list(req.clone(), LONG_CALL)
@@ -699,7 +701,8 @@ fn run(cli: Cli) -> Result<(), Failure> {
             if json {
                 outln!(
                     "{}",
-                    serde_json::to_string_pretty(&s).map_err(|e| e.to_string())?
+                    serde_json::to_string_pretty(&pb::StatusReply::from(s))
+                        .map_err(|e| e.to_string())?
                 );
             } else {
                 out!("{}", status_text(&s));
@@ -713,12 +716,13 @@ fn run(cli: Cli) -> Result<(), Failure> {
         } => {
             if targets.is_empty() {
                 let r = client
-                    .list(pb::ListRequest::default(), LONG_CALL)
+                    .list(ListQuery::default(), LONG_CALL)
                     .map_err(|e| daemon_failure(socket, &e))?;
                 if json {
                     outln!(
                         "{}",
-                        serde_json::to_string_pretty(&r).map_err(|e| e.to_string())?
+                        serde_json::to_string_pretty(&pb::ListReply::from(r))
+                            .map_err(|e| e.to_string())?
                     );
                 } else {
                     out!("{}", datasets_text(&r));
@@ -732,7 +736,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
                     out.push(serde_json::json!({
                         "target": target,
                         "kind": if is_path { "path" } else { "job" },
-                        "files": r.files,
+                        "files": r.files.into_iter().map(pb::FileEntry::from).collect::<Vec<_>>(),
                         "total": r.total,
                         "hidden": r.hidden,
                     }));
@@ -754,34 +758,34 @@ fn run(cli: Cli) -> Result<(), Failure> {
             }
         }
         Cmd::Evict { paths, job, all } => {
-            let mut req = pb::EvictRequest {
-                job: job.unwrap_or_default(),
-                all,
-                ..Default::default()
-            };
+            let mut abs_paths = Vec::new();
             for p in &paths {
                 let abs = std::path::absolute(p).map_err(|e| format!("{}: {e}", p.display()))?;
-                req.paths.push(
+                abs_paths.push(
                     abs.to_str()
                         .ok_or_else(|| format!("{}: not valid UTF-8", p.display()))?
                         .to_owned(),
                 );
             }
-            if usize::from(!req.paths.is_empty())
-                + usize::from(!req.job.is_empty())
-                + usize::from(all)
-                != 1
-            {
-                return Err(Failure::Usage(
-                    "evict: give paths, --job ID or --all (one of them)".into(),
-                ));
-            }
-            let r = client.evict(req, LONG_CALL).map_err(|e| match e.kind() {
-                io::ErrorKind::NotFound
-                | io::ErrorKind::InvalidInput
-                | io::ErrorKind::PermissionDenied => Failure::Error(e.to_string()),
-                _ => daemon_failure(socket, &e),
-            })?;
+            let job = job.unwrap_or_default();
+            let target = match (abs_paths.is_empty(), job.is_empty(), all) {
+                (false, true, false) => EvictTarget::Paths(abs_paths),
+                (true, false, false) => EvictTarget::Job(job),
+                (true, true, true) => EvictTarget::All,
+                _ => {
+                    return Err(Failure::Usage(
+                        "evict: give paths, --job ID or --all (one of them)".into(),
+                    ));
+                }
+            };
+            let r = client
+                .evict(target, LONG_CALL)
+                .map_err(|e| match e.kind() {
+                    io::ErrorKind::NotFound
+                    | io::ErrorKind::InvalidInput
+                    | io::ErrorKind::PermissionDenied => Failure::Error(e.to_string()),
+                    _ => daemon_failure(socket, &e),
+                })?;
             outln!("evicted {} files ({})", r.files, render::bytes(r.bytes));
             if r.busy > 0 {
                 outln!(
@@ -901,7 +905,7 @@ fn run(cli: Cli) -> Result<(), Failure> {
 }
 
 /// "No such job", with the ones that are registered.
-fn unknown_job(job: &str, s: &pb::StatusReply) -> String {
+fn unknown_job(job: &str, s: &Status) -> String {
     if s.jobs.is_empty() {
         format!(
             "no job `{job}` is registered on this node (none is; shardcache prefetch MANIFEST registers one)"
@@ -916,7 +920,7 @@ fn unknown_job(job: &str, s: &pb::StatusReply) -> String {
 }
 
 /// What `verify` checked and found.
-fn verify_text(v: &pb::VerifyReply) -> String {
+fn verify_text(v: &Verified) -> String {
     let mut out = format!(
         "checked {} blocks ({}) of {} cached files: {} corrupt, {} data files missing\n",
         v.blocks_checked,
@@ -1005,6 +1009,7 @@ fn main() -> ExitCode {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use shardcache_client::PeerStatus;
 
     #[test]
     fn job_replaces_the_manifests_id_and_keeps_the_rest() {
@@ -1055,8 +1060,8 @@ mod tests {
         assert!(Cli::try_parse_from(["shardcache", "evict", "--job", "j", "--all"]).is_err());
     }
 
-    fn status() -> pb::StatusReply {
-        pb::StatusReply {
+    fn status() -> Status {
+        Status {
             daemon_version: "0.1.0".into(),
             uptime_seconds: 3700,
             cache_dir: "/var/cache/shardcache".into(),
@@ -1064,7 +1069,7 @@ mod tests {
             capacity_bytes: 10 << 30,
             used_bytes: 1 << 30,
             block_size: 4 << 20,
-            jobs: vec![pb::JobStatus {
+            jobs: vec![JobStatus {
                 job: "resnet".into(),
                 epoch: 2,
                 step: 10,
@@ -1084,26 +1089,26 @@ mod tests {
             }],
             peer_id: "node-a".into(),
             peers: vec![
-                pb::PeerStatus {
+                PeerStatus {
                     id: "node-a".into(),
                     healthy: true,
                     failures: 0,
                     last_ok_seconds: 0.0,
                 },
-                pb::PeerStatus {
+                PeerStatus {
                     id: "node-b".into(),
                     healthy: false,
                     failures: 3,
                     last_ok_seconds: -1.0,
                 },
             ],
-            counters: Some(pb::Counters {
+            counters: shardcache_client::Counters {
                 hit_bytes: 3 << 20,
                 hit_reads: 3,
                 fallback_bytes: 1 << 20,
                 fallback_reads: 1,
                 ..Default::default()
-            }),
+            },
             ..Default::default()
         }
     }
@@ -1170,9 +1175,9 @@ mod tests {
 
     #[test]
     fn listings_show_fractions_and_what_was_left_out() {
-        let r = pb::ListReply {
+        let r = Listing {
             datasets: vec![
-                pb::DatasetEntry {
+                shardcache_client::Dataset {
                     job: "resnet".into(),
                     root: "/d".into(),
                     files: 4,
@@ -1181,7 +1186,7 @@ mod tests {
                     resident_files: 1,
                     unsized_files: 0,
                 },
-                pb::DatasetEntry {
+                shardcache_client::Dataset {
                     job: String::new(),
                     root: "/d".into(),
                     files: 2,
@@ -1209,16 +1214,16 @@ mod tests {
             "{text}"
         );
 
-        let files = pb::ListReply {
+        let files = Listing {
             files: vec![
-                pb::FileEntry {
+                shardcache_client::FileEntry {
                     path: "/d/a".into(),
                     size: 2 << 20,
                     size_known: true,
                     resident_bytes: 1 << 20,
                     is_dir: false,
                 },
-                pb::FileEntry {
+                shardcache_client::FileEntry {
                     path: "/d/sub".into(),
                     is_dir: true,
                     ..Default::default()
@@ -1238,7 +1243,7 @@ mod tests {
 
     #[test]
     fn verify_says_what_it_checked_and_what_happens_to_bad_blocks() {
-        let clean = verify_text(&pb::VerifyReply {
+        let clean = verify_text(&Verified {
             blocks_checked: 4,
             bytes_checked: 4 << 20,
             files_checked: 1,
@@ -1248,7 +1253,7 @@ mod tests {
             clean,
             "checked 4 blocks (4.0 MiB) of 1 cached files: 0 corrupt, 0 data files missing\n"
         );
-        let bad = verify_text(&pb::VerifyReply {
+        let bad = verify_text(&Verified {
             blocks_checked: 4,
             corrupt_blocks: 1,
             ..Default::default()
