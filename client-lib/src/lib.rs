@@ -24,9 +24,24 @@
 //! The client is synchronous (no async runtime in the training process) and
 //! thread-safe; a [`Client`] keeps a small pool of connections.
 
+mod api;
 mod client;
+mod clock;
+mod link;
 mod reader;
+mod report;
+mod transport;
 
+#[cfg(test)]
+mod fallback_tests;
+
+pub use api::{
+    BackingHealth, Counters, Dataset, EvictTarget, Evicted, FallbackCount, FallbackReason,
+    FileEntry, JobStatus, ListQuery, ListTarget, Listing, PeerStatus, Registered, Status, Verified,
+};
 pub use client::{Client, ClientConfig, DEFAULT_SOCKET};
 pub use reader::{OpenAhead, Reader, ReaderStats, Source};
+/// The local protocol's messages: the wire schema, for callers that print the daemon's
+/// answers as JSON (every type above converts to its message) or speak the protocol
+/// themselves. The calls of [`Client`] take and return the plain types above.
 pub use shardcache_proto::local::v1 as proto;

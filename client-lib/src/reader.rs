@@ -9,7 +9,7 @@ use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use shardcache_proto::local::v1 as pb;
 use shardcache_proto::local::v1::{
@@ -18,7 +18,8 @@ use shardcache_proto::local::v1::{
 
 use shardcache_proto::wire;
 
-use crate::client::{CallError, Client, Pending};
+use crate::client::Client;
+use crate::link::{CallError, Pending};
 
 /// Most blocks one wait asks for.
 const MAX_WAIT_BLOCKS: u64 = 64;
@@ -134,7 +135,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-fn version_of(f: &File) -> io::Result<pb::Version> {
+pub(crate) fn version_of(f: &File) -> io::Result<pb::Version> {
     let st = rustix::fs::fstat(f)?;
     Ok(pb::Version {
         size: st.st_size as u64,
@@ -273,7 +274,7 @@ impl Reader {
     }
 
     /// The reason last noted for reading the backing store (unspecified when none was).
-    fn reason(&self) -> FallbackReason {
+    pub(crate) fn reason(&self) -> FallbackReason {
         lock(&self.fallback_reason)
             .as_ref()
             .map_or(FallbackReason::Unspecified, |r| r.0)
@@ -407,7 +408,8 @@ impl Reader {
     /// ran out, or the daemon failed.
     fn ask(&self, first: u64, count: u64) -> bool {
         let cfg = &self.client.inner.cfg;
-        let started = Instant::now();
+        let clock = self.client.inner.clock();
+        let started = clock.now();
         let budget = started + cfg.wait_timeout;
         let slice = (cfg.timeout / 2).max(Duration::from_millis(1));
         let path = self.path.to_str().unwrap_or_default().to_owned();
@@ -420,7 +422,7 @@ impl Reader {
                 if c.has(first) {
                     break true;
                 }
-                let left = budget.saturating_duration_since(Instant::now());
+                let left = budget.saturating_duration_since(clock.now());
                 if resumed && left.is_zero() {
                     drop(st);
                     self.note(
@@ -506,7 +508,7 @@ impl Reader {
                 }
             }
         };
-        lock(&self.stats).wait_time += started.elapsed();
+        lock(&self.stats).wait_time += clock.now().saturating_duration_since(started);
         present
     }
 
@@ -619,9 +621,10 @@ impl Reader {
 
     /// Reads from the backing file `f`, counted and timed as a fallback.
     fn fallback_read(&self, f: &File, buf: &mut [u8], offset: u64) -> io::Result<usize> {
-        let started = std::time::Instant::now();
+        let clock = self.client.inner.clock();
+        let started = clock.now();
         let n = pread_full(f, buf, offset)?;
-        lock(&self.stats).fallback_time += started.elapsed();
+        lock(&self.stats).fallback_time += clock.now().saturating_duration_since(started);
         self.count(Kind::Fallback, n);
         self.client.inner.report.add_fallback(self.reason(), false);
         Ok(n)

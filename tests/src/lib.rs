@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use shardcache_client::{Client, ClientConfig, proto as pb};
+use shardcache_client::{Client, ClientConfig};
 
 pub mod certs;
 pub mod live;
@@ -350,7 +350,7 @@ impl Daemon {
     }
 
     /// The daemon's status (panics if it does not answer).
-    pub fn status(&self) -> pb::StatusReply {
+    pub fn status(&self) -> shardcache_client::Status {
         Client::at(&self.socket).status().expect("status")
     }
 
@@ -361,8 +361,8 @@ impl Daemon {
     }
 
     /// The daemon's counters.
-    pub fn counters(&self) -> pb::Counters {
-        self.status().counters.expect("counters")
+    pub fn counters(&self) -> shardcache_client::Counters {
+        self.status().counters
     }
 }
 

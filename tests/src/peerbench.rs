@@ -513,11 +513,8 @@ pub fn placement(
         });
         c.register(&manifest.to_string())?;
     }
-    let counters = || -> anyhow::Result<Vec<shardcache_client::proto::Counters>> {
-        clients
-            .iter()
-            .map(|c| Ok(c.status()?.counters.unwrap_or_default()))
-            .collect()
+    let counters = || -> anyhow::Result<Vec<shardcache_client::Counters>> {
+        clients.iter().map(|c| Ok(c.status()?.counters)).collect()
     };
     let (mut backing_bytes, mut local, mut opens) = (0u64, 0u64, 0u64);
     let (mut use_sum, mut use_n, mut use_peak) = (0.0f64, 0u64, 0.0f64);

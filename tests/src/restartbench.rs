@@ -172,7 +172,7 @@ pub fn run(a: &Args) -> anyhow::Result<()> {
             small: parallel(&small, a.readers, 256 << 10, &open),
         };
         let st = c.status().expect("status");
-        let fb = st.counters.unwrap_or_default().fallback_bytes;
+        let fb = st.counters.fallback_bytes;
         assert_eq!(
             fb, 0,
             "the client read the backing store: not a cache measurement"

@@ -227,7 +227,7 @@ fn evict_by_path_directory_job_and_all_frees_the_bytes_and_reads_stay_right() {
     let st = d.status();
     assert_eq!(st.used_bytes, 6 * MIB);
     assert_eq!(st.files, 4);
-    let c = st.counters.unwrap();
+    let c = st.counters;
     assert_eq!((c.evicted_files, c.evicted_bytes), (1, 2 * MIB));
     let status = ok(s, &["status"]);
     assert!(status.contains("evicted 1 files (2.0 MiB)"), "{status}");

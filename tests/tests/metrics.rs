@@ -7,7 +7,7 @@ use std::net::{SocketAddr, TcpListener};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use shardcache_client::proto::FallbackReason;
+use shardcache_client::FallbackReason;
 use shardcache_tests::{Bed, bin, content, http_get, read_all, write_file};
 
 fn get(addr: SocketAddr, path: &str) -> (u16, String) {
@@ -131,14 +131,14 @@ fn clients_report_why_they_read_the_backing_store() {
     let of = |r: FallbackReason| {
         s.fallbacks
             .iter()
-            .find(|f| f.reason == r as i32)
+            .find(|f| f.reason == r)
             .map(|f| (f.opens, f.reads > 0))
     };
     assert_eq!(s.fallbacks.len(), 9, "every reason is reported");
     assert_eq!(of(FallbackReason::Unavailable), Some((1, true)));
     assert_eq!(of(FallbackReason::Refused), Some((1, true)));
     assert_eq!(of(FallbackReason::Declined), Some((0, false)));
-    let c = s.counters.unwrap();
+    let c = s.counters;
     assert_eq!(c.fallback_opens, 2);
     assert_eq!(
         s.fallbacks.iter().map(|f| f.reads).sum::<u64>(),

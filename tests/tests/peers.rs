@@ -47,7 +47,7 @@ fn cluster_with(bed: &Bed, secrets: &[&str], extra: &[&str]) -> (Vec<Daemon>, Ve
     (nodes, addrs)
 }
 
-fn total(nodes: &[Daemon], f: impl Fn(&shardcache_client::proto::Counters) -> u64) -> u64 {
+fn total(nodes: &[Daemon], f: impl Fn(&shardcache_client::Counters) -> u64) -> u64 {
     nodes.iter().map(|d| f(&d.counters())).sum()
 }
 

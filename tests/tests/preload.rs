@@ -10,7 +10,6 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 
-use shardcache_client::proto as pb;
 use shardcache_tests::{Bed, content, read_all, write_file};
 
 const KIB: u64 = 1 << 10;
@@ -50,7 +49,10 @@ fn python(bed: &Bed, script: &str, args: &[&Path]) -> Vec<u8> {
 }
 
 /// How the daemon's counters moved.
-fn delta(before: &pb::Counters, after: &pb::Counters) -> (u64, u64, u64) {
+fn delta(
+    before: &shardcache_client::Counters,
+    after: &shardcache_client::Counters,
+) -> (u64, u64, u64) {
     (
         after.opens - before.opens,
         after.opens_full - before.opens_full,

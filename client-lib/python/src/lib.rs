@@ -287,7 +287,9 @@ impl PyClient {
         let s = py
             .detach(|| self.inner.status())
             .map_err(|e| PyOSError::new_err(format!("shardcached: {e}")))?;
-        serde_json::to_string(&s).map_err(|e| PyValueError::new_err(e.to_string()))
+        // The protocol's message, whose field names are the JSON's (docs/PYTHON.md).
+        serde_json::to_string(&shardcache_client::proto::StatusReply::from(s))
+            .map_err(|e| PyValueError::new_err(e.to_string()))
     }
 }
 

@@ -555,12 +555,7 @@ fn foundation(a: &Foundation) {
                     assert_eq!(read_through(&mut rd, &mut b), a.large_mib << 20);
                 }
             });
-            let fb = c
-                .status()
-                .expect("status")
-                .counters
-                .unwrap_or_default()
-                .fallback_bytes;
+            let fb = c.status().expect("status").counters.fallback_bytes;
             assert_eq!(
                 fb, 0,
                 "the client read the backing store itself: not a cache measurement"
@@ -689,7 +684,7 @@ fn foundation(a: &Foundation) {
         }
         small.len() as f64 / t.elapsed().as_secs_f64()
     });
-    let st = c.status().expect("status").counters.unwrap_or_default();
+    let st = c.status().expect("status").counters;
     daemon.stop();
 
     let mib = |v: &[(f64, f64)]| {

@@ -527,10 +527,10 @@ fn a_listing_over_the_frame_limit_comes_in_pages_that_fit() {
     }
     let _d = bed.start(&[]);
     let client = bed.client();
-    let mut req = pb::ListRequest {
-        path: dir.display().to_string(),
+    let mut req = shardcache_client::ListQuery {
+        target: shardcache_client::ListTarget::Path(dir.display().to_string()),
         limit: 10_000,
-        ..Default::default()
+        offset: 0,
     };
     let mut seen = 0u64;
     let mut pages = 0;

@@ -1,5 +1,6 @@
-//! Text rendering for the CLI: sizes, fractions, durations and aligned tables. Pure
-//! functions of their input, so that the output is tested without a daemon.
+//! Text rendering for the CLI: sizes, fractions, durations and aligned tables (laid out
+//! by `comfy-table`). Pure functions of their input, so that the output is tested
+//! without a daemon.
 
 /// A size in bytes with a binary unit: `512 B`, `1.5 MiB`.
 pub fn bytes(b: u64) -> String {
@@ -53,23 +54,32 @@ pub enum Align {
     Right,
 }
 
-/// A table with a header row, rendered with columns padded to their widest cell and two
-/// spaces between columns. The last column is never padded (no trailing blanks).
+/// A table with a header row: columns as wide as their widest cell, two spaces between
+/// columns, no borders, no trailing blanks (laid out by `comfy-table`; this only sets
+/// that style, the indent and each column's alignment).
 #[derive(Debug)]
 pub struct Table {
-    columns: Vec<(String, Align)>,
-    rows: Vec<Vec<String>>,
+    inner: comfy_table::Table,
     indent: usize,
 }
 
 impl Table {
     /// A table with these (header, alignment) columns.
     pub fn new(columns: &[(&str, Align)]) -> Self {
-        Self {
-            columns: columns.iter().map(|(h, a)| ((*h).to_owned(), *a)).collect(),
-            rows: Vec::new(),
-            indent: 0,
+        let mut inner = comfy_table::Table::new();
+        inner
+            .load_style(comfy_table::presets::NOTHING)
+            .set_header(columns.iter().map(|(h, _)| *h));
+        let last = columns.len().saturating_sub(1);
+        for (i, (col, (_, align))) in inner.column_iter_mut().zip(columns).enumerate() {
+            // The gap is the padding on the right of every column but the last.
+            col.set_padding((0, if i < last { 2 } else { 0 }));
+            col.set_cell_alignment(match align {
+                Align::Left => comfy_table::CellAlignment::Left,
+                Align::Right => comfy_table::CellAlignment::Right,
+            });
         }
+        Self { inner, indent: 0 }
     }
 
     /// Indents every line by `n` spaces.
@@ -78,56 +88,23 @@ impl Table {
         self
     }
 
-    /// Adds a row (missing cells are empty, extra ones dropped).
+    /// Adds a row (missing cells are empty).
     pub fn row(&mut self, cells: Vec<String>) {
-        let mut cells = cells;
-        cells.resize(self.columns.len(), String::new());
-        self.rows.push(cells);
+        self.inner.add_row(cells);
     }
 
     /// True when no row was added.
     pub fn is_empty(&self) -> bool {
-        self.rows.is_empty()
+        self.inner.is_empty()
     }
 
     /// The rendered lines, each ending in a newline.
     pub fn render(&self) -> String {
-        let width = |i: usize| {
-            self.rows
-                .iter()
-                .map(|r| r[i].chars().count())
-                .chain(std::iter::once(self.columns[i].0.chars().count()))
-                .max()
-                .unwrap_or(0)
-        };
-        let widths: Vec<usize> = (0..self.columns.len()).map(width).collect();
-        let header: Vec<String> = self.columns.iter().map(|(h, _)| h.clone()).collect();
-        let mut out = String::new();
-        for cells in std::iter::once(&header).chain(&self.rows) {
-            let mut line = " ".repeat(self.indent);
-            for (i, cell) in cells.iter().enumerate() {
-                if i > 0 {
-                    line.push_str("  ");
-                }
-                let pad = widths[i].saturating_sub(cell.chars().count());
-                let last = i + 1 == cells.len();
-                match self.columns[i].1 {
-                    Align::Right => {
-                        line.push_str(&" ".repeat(pad));
-                        line.push_str(cell);
-                    }
-                    Align::Left => {
-                        line.push_str(cell);
-                        if !last {
-                            line.push_str(&" ".repeat(pad));
-                        }
-                    }
-                }
-            }
-            out.push_str(line.trim_end());
-            out.push('\n');
-        }
-        out
+        let pad = " ".repeat(self.indent);
+        self.inner
+            .lines()
+            .map(|l| format!("{pad}{}\n", l.trim_end()))
+            .collect()
     }
 }
 
