@@ -174,6 +174,7 @@ fn an_absent_daemon_sends_opens_to_the_backing_store_and_is_retried_after_retry_
     assert_eq!(r.reason(), FallbackReason::Unavailable);
     assert_eq!(read_all(&r), data);
     assert_eq!(b.script.refused(), 1);
+    assert_eq!(r.fallback(), Some(crate::FallbackReason::Unavailable));
     // Down for retry_after: not even a connection is tried.
     b.clock.advance(RETRY_AFTER - Duration::from_millis(1));
     let r = b.client.open(&path).unwrap();
@@ -189,6 +190,7 @@ fn an_absent_daemon_sends_opens_to_the_backing_store_and_is_retried_after_retry_
     assert_eq!(r.source(), Source::Cache);
     assert_eq!(read_all(&r), data);
     assert_eq!(r.stats().hit_bytes, 2 * BS);
+    assert_eq!(r.fallback(), None);
     assert_eq!(b.elapsed(), RETRY_AFTER, "nothing waited on the daemon");
 }
 
