@@ -3,6 +3,10 @@
 //! docs/SEMANTICS.md section 2 is checked exactly (the clock moves only while the fake
 //! daemon takes its time) and nothing sleeps. The trust suite's `stalls` tests hold the
 //! same bounds end to end, against the real daemon.
+//!
+//! Also here, over the same fake: the reader's decisions about the local copy (a
+//! replaced data file, an unreadable copy, a backing file changed under the reader,
+//! `local_copy`) and what the client's calls send and make of refusals.
 
 #![allow(clippy::unwrap_used)]
 
@@ -170,6 +174,7 @@ fn an_absent_daemon_sends_opens_to_the_backing_store_and_is_retried_after_retry_
     assert_eq!(r.reason(), FallbackReason::Unavailable);
     assert_eq!(read_all(&r), data);
     assert_eq!(b.script.refused(), 1);
+    assert_eq!(r.fallback(), Some(crate::FallbackReason::Unavailable));
     // Down for retry_after: not even a connection is tried.
     b.clock.advance(RETRY_AFTER - Duration::from_millis(1));
     let r = b.client.open(&path).unwrap();
@@ -185,6 +190,7 @@ fn an_absent_daemon_sends_opens_to_the_backing_store_and_is_retried_after_retry_
     assert_eq!(r.source(), Source::Cache);
     assert_eq!(read_all(&r), data);
     assert_eq!(r.stats().hit_bytes, 2 * BS);
+    assert_eq!(r.fallback(), None);
     assert_eq!(b.elapsed(), RETRY_AFTER, "nothing waited on the daemon");
 }
 
@@ -519,4 +525,284 @@ fn a_client_dropped_with_reads_unreported_delivers_them() {
     let log = script.take_log();
     assert_eq!(log.len(), 1);
     assert_eq!(log[0].req.report.as_ref().unwrap().fallback_reads, 1);
+}
+
+// The reader's own decisions over the local copy: which descriptor it reads, what it does
+// when the backing file changed under it, and `local_copy`.
+
+/// The daemon's "opened" for the file at `path` (its version), with blocks `present` of
+/// the local copy `data` (generation `gen`).
+fn opened_copy(path: &PathBuf, present: &[u64], data: File, data_gen: u64) -> Answer {
+    let version = version_of(&File::open(path).unwrap()).unwrap();
+    Answer::with_fds(
+        response::Kind::Open(pb::OpenReply {
+            result: Some(open_reply::Result::Opened(pb::Opened {
+                version: Some(version),
+                block_size: BS as u32,
+                present: bitmap(present),
+                data_gen,
+                job_tag: 0,
+            })),
+        }),
+        vec![OwnedFd::from(data)],
+    )
+}
+
+/// A local copy holding `bytes`.
+fn copy_of(b: &Bed, name: &str, bytes: &[u8]) -> File {
+    let p = b.dir.path().join(name);
+    File::create(&p).unwrap().write_all(bytes).unwrap();
+    File::open(p).unwrap()
+}
+
+#[test]
+fn a_wait_that_replaces_the_data_file_brings_its_descriptor_and_reads_come_from_it() {
+    let b = bed();
+    let (path, data) = b.file("f", 1);
+    // The first copy is stale garbage that is never read (no block present); the
+    // daemon's wait answers with a new generation and its descriptor.
+    let old = copy_of(&b, "old", &vec![0xee; BS as usize]);
+    let new = copy_of(&b, "new", &data);
+    let p = path.clone();
+    let (mut old, mut new) = (Some(old), Some(new));
+    b.script.set(move |c| match &c.req.kind {
+        Some(request::Kind::Open(_)) => opened_copy(&p, &[], old.take().unwrap(), 1),
+        Some(request::Kind::Wait(w)) => {
+            assert_eq!(w.have_data_gen, 1);
+            Answer::with_fds(
+                response::Kind::Wait(pb::WaitReply {
+                    result: Some(wait_reply::Result::Waited(pb::Waited {
+                        present: bitmap(&[0]),
+                        data_gen: 2,
+                        declined: false,
+                        filling: false,
+                    })),
+                }),
+                vec![OwnedFd::from(new.take().unwrap())],
+            )
+        }
+        _ => status_reply(),
+    });
+    let r = b.client.open(&path).unwrap();
+    assert_eq!(read_all(&r), data);
+    let s = r.stats();
+    assert_eq!((s.filled_bytes, s.fallback_bytes), (BS, 0));
+    assert_eq!(r.reason(), FallbackReason::Unspecified);
+}
+
+#[test]
+fn a_new_generation_without_its_descriptor_is_a_protocol_fallback() {
+    let b = bed();
+    let (path, data) = b.file("f", 1);
+    let p = path.clone();
+    b.script.set(move |c| match &c.req.kind {
+        Some(request::Kind::Open(_)) => opened(&p, &[]),
+        Some(request::Kind::Wait(_)) => Answer::reply(response::Kind::Wait(pb::WaitReply {
+            result: Some(wait_reply::Result::Waited(pb::Waited {
+                present: bitmap(&[0]),
+                data_gen: 2,
+                declined: false,
+                filling: false,
+            })),
+        })),
+        _ => status_reply(),
+    });
+    let r = b.client.open(&path).unwrap();
+    assert_eq!(read_all(&r), data);
+    assert_eq!(r.reason(), FallbackReason::Protocol);
+    assert_eq!(r.stats().fallback_bytes, BS);
+}
+
+#[test]
+fn a_local_copy_that_cannot_be_read_falls_back_to_the_backing_file() {
+    let b = bed();
+    let (path, data) = b.file("f", 1);
+    // A descriptor open for writing only: every read of it fails.
+    let unreadable = std::fs::OpenOptions::new()
+        .write(true)
+        .open(b.dir.path().join("f"))
+        .unwrap();
+    let p = path.clone();
+    let mut copy = Some(unreadable);
+    b.script.set(move |c| match &c.req.kind {
+        Some(request::Kind::Open(_)) => opened_copy(&p, &[0], copy.take().unwrap(), 1),
+        _ => status_reply(),
+    });
+    let r = b.client.open(&path).unwrap();
+    assert_eq!(read_all(&r), data);
+    assert_eq!(r.reason(), FallbackReason::LocalError);
+    let s = r.stats();
+    assert_eq!((s.hit_bytes, s.fallback_bytes), (0, BS));
+}
+
+#[test]
+fn a_file_changed_on_the_backing_store_is_read_new_before_anything_was_served_and_fails_after() {
+    // Nothing served from the cache yet: the reader switches to the new version.
+    let b = bed();
+    let (path, _) = b.file("f", 2);
+    let p = path.clone();
+    b.script.set(move |c| match &c.req.kind {
+        Some(request::Kind::Open(_)) => opened(&p, &[1]),
+        Some(request::Kind::Wait(_)) => waited(&[1], false, true, Duration::ZERO),
+        _ => status_reply(),
+    });
+    let r = b.client.open(&path).unwrap();
+    let newer: Vec<u8> = vec![7u8; (3 * BS) as usize];
+    // A new inode: a different version whatever the clock's resolution.
+    std::fs::remove_file(&path).unwrap();
+    File::create(&path).unwrap().write_all(&newer).unwrap();
+    let mut buf = vec![0u8; BS as usize];
+    assert_eq!(r.read_at(&mut buf, 0).unwrap(), BS as usize);
+    assert_eq!(buf, newer[..BS as usize], "the new version");
+    assert_eq!(r.reason(), FallbackReason::Stale);
+    assert_eq!(r.len(), 3 * BS, "its size too");
+
+    // A block served from the cache first: mixing versions is refused.
+    let b = bed();
+    let (path, data) = b.file("f", 2);
+    let p = path.clone();
+    b.script.set(move |c| match &c.req.kind {
+        Some(request::Kind::Open(_)) => opened(&p, &[1]),
+        Some(request::Kind::Wait(_)) => waited(&[1], false, true, Duration::ZERO),
+        _ => status_reply(),
+    });
+    let r = b.client.open(&path).unwrap();
+    let mut buf = vec![0u8; BS as usize];
+    assert_eq!(r.read_at(&mut buf, BS).unwrap(), BS as usize);
+    assert_eq!(buf, data[BS as usize..], "block 1 from the cache");
+    std::fs::remove_file(&path).unwrap();
+    File::create(&path).unwrap().write_all(&newer).unwrap();
+    assert!(
+        r.read_at(&mut buf, 0).is_err(),
+        "no read mixes two versions"
+    );
+}
+
+#[test]
+fn local_copy_waits_for_every_block_and_hands_out_the_copy() {
+    let b = bed();
+    let (path, data) = b.file("f", 3);
+    let p = path.clone();
+    let n = AtomicU64::new(0);
+    b.script.set(move |c| match &c.req.kind {
+        Some(request::Kind::Open(_)) => opened(&p, &[0]),
+        // Blocks land one wait at a time.
+        Some(request::Kind::Wait(_)) => match n.fetch_add(1, Ordering::SeqCst) {
+            0 => waited(&[0, 1], false, false, Duration::from_millis(10)),
+            _ => waited(&[0, 1, 2], false, false, Duration::from_millis(10)),
+        },
+        _ => status_reply(),
+    });
+    let r = b.client.open(&path).unwrap();
+    let f = r.local_copy().expect("a complete copy");
+    let mut got = vec![0u8; data.len()];
+    std::os::unix::fs::FileExt::read_exact_at(&f, &mut got, 0).unwrap();
+    assert_eq!(got, data);
+    let waits = b.script.take_log().iter().filter_map(wait_req).count();
+    assert_eq!(waits, 2);
+    assert_eq!(b.elapsed(), Duration::from_millis(20));
+
+    // Declined: no copy, and the reader still reads the file.
+    let b = bed();
+    let (path, data) = b.file("f", 2);
+    let p = path.clone();
+    b.script.set(move |c| match &c.req.kind {
+        Some(request::Kind::Open(_)) => opened(&p, &[0]),
+        Some(request::Kind::Wait(_)) => waited(&[0], false, true, Duration::ZERO),
+        _ => status_reply(),
+    });
+    let r = b.client.open(&path).unwrap();
+    assert!(r.local_copy().is_none());
+    assert_eq!(read_all(&r), data);
+}
+
+// The client's calls: what goes by descriptor, and what the daemon's refusals become.
+
+#[test]
+fn a_manifest_over_one_request_goes_by_a_sealed_memfd() {
+    let b = bed();
+    let big = format!(
+        r#"{{"version": 1, "job": "j", "pad": "{}"}}"#,
+        "x".repeat(2 << 20)
+    );
+    let seen = Arc::new(std::sync::Mutex::new(None));
+    let s = seen.clone();
+    b.script.set(move |c| match &c.req.kind {
+        Some(request::Kind::Register(r)) => {
+            let fd = c.fds.first().map(|f| {
+                let seals = rustix::fs::fcntl_get_seals(f).unwrap();
+                // The descriptor's offset is the writer's (at the end): read from 0.
+                let file = File::from(f.try_clone().unwrap());
+                let mut text = vec![0u8; file.metadata().unwrap().len() as usize];
+                std::os::unix::fs::FileExt::read_exact_at(&file, &mut text, 0).unwrap();
+                (seals, text)
+            });
+            *s.lock().unwrap() = Some((r.manifest_fd, r.manifest_json.len(), fd));
+            Answer::reply(response::Kind::Register(pb::RegisterReply {
+                job: "j".into(),
+                files: 3,
+                ..Default::default()
+            }))
+        }
+        _ => status_reply(),
+    });
+    let reg = b.client.register(&big).unwrap();
+    assert_eq!((reg.job.as_str(), reg.files), ("j", 3));
+    let (by_fd, inline, fd) = seen.lock().unwrap().take().unwrap();
+    assert!(by_fd);
+    assert_eq!(inline, 0, "nothing inline");
+    let (seals, text) = fd.expect("a descriptor");
+    use rustix::fs::SealFlags;
+    assert!(
+        seals.contains(SealFlags::WRITE | SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
+    );
+    assert!(
+        text == big.as_bytes(),
+        "the manifest, whole ({} bytes)",
+        text.len()
+    );
+
+    // A small one goes inline, with no descriptor.
+    b.client.register(r#"{"version": 1}"#).unwrap();
+    let (by_fd, inline, fd) = seen.lock().unwrap().take().unwrap();
+    assert!(!by_fd && inline > 0 && fd.is_none());
+}
+
+#[test]
+fn the_daemons_refusals_become_errors_of_their_kind() {
+    use std::io::ErrorKind;
+    for (code, kind) in [
+        (pb::ErrorCode::NotFound, ErrorKind::NotFound),
+        (pb::ErrorCode::PermissionDenied, ErrorKind::PermissionDenied),
+        (pb::ErrorCode::Invalid, ErrorKind::InvalidInput),
+        (pb::ErrorCode::Unspecified, ErrorKind::Other),
+    ] {
+        let b = bed();
+        b.script.set(move |_| {
+            Answer::reply(response::Kind::Error(pb::ErrorReply {
+                message: "no".into(),
+                code: code as i32,
+            }))
+        });
+        let e = b
+            .client
+            .list(crate::ListQuery::default(), TIMEOUT)
+            .unwrap_err();
+        assert_eq!((e.kind(), e.to_string().as_str()), (kind, "no"), "{code:?}");
+        let e = b
+            .client
+            .evict(crate::EvictTarget::All, TIMEOUT)
+            .unwrap_err();
+        assert_eq!(e.kind(), kind, "{code:?}");
+        // A refused registration is always the manifest's fault.
+        let e = b.client.register("{}").unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidInput);
+    }
+    // A reply of the wrong kind is a protocol error, not a panic.
+    let b = bed();
+    b.script.set(|_| status_reply());
+    assert_eq!(
+        b.client.verify(TIMEOUT).unwrap_err().kind(),
+        std::io::ErrorKind::InvalidData
+    );
 }

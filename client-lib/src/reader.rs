@@ -268,9 +268,15 @@ impl Reader {
         }
     }
 
-    /// Why the cache was bypassed, when it was.
+    /// Why the cache was bypassed, when it was: the message (`fallback()` has the kind).
     pub fn fallback_reason(&self) -> Option<String> {
         lock(&self.fallback_reason).as_ref().map(|r| r.1.clone())
+    }
+
+    /// The kind of the last reason for reading the backing store, when there was one
+    /// (the `reason` label of the daemon's fallback metrics).
+    pub fn fallback(&self) -> Option<crate::FallbackReason> {
+        lock(&self.fallback_reason).as_ref().map(|r| r.0.into())
     }
 
     /// The reason last noted for reading the backing store (unspecified when none was).

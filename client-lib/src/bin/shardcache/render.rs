@@ -54,32 +54,34 @@ pub enum Align {
     Right,
 }
 
-/// A table with a header row: columns as wide as their widest cell, two spaces between
-/// columns, no borders, no trailing blanks (laid out by `comfy-table`; this only sets
-/// that style, the indent and each column's alignment).
+/// A table: columns as wide as their widest cell, two spaces between columns, no borders,
+/// no trailing blanks (laid out by `comfy-table`; this only sets that style, the indent
+/// and each column's alignment).
 #[derive(Debug)]
 pub struct Table {
     inner: comfy_table::Table,
+    aligns: Vec<Align>,
     indent: usize,
 }
 
 impl Table {
-    /// A table with these (header, alignment) columns.
+    /// A table with a header row of these (header, alignment) columns.
     pub fn new(columns: &[(&str, Align)]) -> Self {
+        let mut t = Self::headless(&columns.iter().map(|(_, a)| *a).collect::<Vec<_>>());
+        t.inner.set_header(columns.iter().map(|(h, _)| *h));
+        t.style();
+        t
+    }
+
+    /// A table without a header row, its columns aligned as `aligns`.
+    pub fn headless(aligns: &[Align]) -> Self {
         let mut inner = comfy_table::Table::new();
-        inner
-            .load_style(comfy_table::presets::NOTHING)
-            .set_header(columns.iter().map(|(h, _)| *h));
-        let last = columns.len().saturating_sub(1);
-        for (i, (col, (_, align))) in inner.column_iter_mut().zip(columns).enumerate() {
-            // The gap is the padding on the right of every column but the last.
-            col.set_padding((0, if i < last { 2 } else { 0 }));
-            col.set_cell_alignment(match align {
-                Align::Left => comfy_table::CellAlignment::Left,
-                Align::Right => comfy_table::CellAlignment::Right,
-            });
+        inner.load_style(comfy_table::presets::NOTHING);
+        Self {
+            inner,
+            aligns: aligns.to_vec(),
+            indent: 0,
         }
-        Self { inner, indent: 0 }
     }
 
     /// Indents every line by `n` spaces.
@@ -91,6 +93,7 @@ impl Table {
     /// Adds a row (missing cells are empty).
     pub fn row(&mut self, cells: Vec<String>) {
         self.inner.add_row(cells);
+        self.style();
     }
 
     /// True when no row was added.
@@ -106,17 +109,32 @@ impl Table {
             .map(|l| format!("{pad}{}\n", l.trim_end()))
             .collect()
     }
+
+    /// Pads and aligns the columns that exist so far (comfy-table makes a column when
+    /// the first header or row reaches it).
+    fn style(&mut self) {
+        let last = self.aligns.len().saturating_sub(1);
+        for (i, (col, align)) in self.inner.column_iter_mut().zip(&self.aligns).enumerate() {
+            // The gap is the padding on the right of every column but the last.
+            col.set_padding((0, if i < last { 2 } else { 0 }));
+            col.set_cell_alignment(match align {
+                Align::Left => comfy_table::CellAlignment::Left,
+                Align::Right => comfy_table::CellAlignment::Right,
+            });
+        }
+    }
 }
 
 /// Lines of `label  value` pairs with the values aligned, indented by `indent`.
 pub fn pairs(indent: usize, items: &[(&str, String)]) -> String {
-    let w = items.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
-    let mut out = String::new();
-    for (k, v) in items {
-        out.push_str(format!("{}{k:<w$}  {v}", " ".repeat(indent)).trim_end());
-        out.push('\n');
+    if items.is_empty() {
+        return String::new();
     }
-    out
+    let mut t = Table::headless(&[Align::Left, Align::Left]).indent(indent);
+    for (k, v) in items {
+        t.row(vec![(*k).to_owned(), v.clone()]);
+    }
+    t.render()
 }
 
 #[cfg(test)]
@@ -193,5 +211,6 @@ mod tests {
             ],
         );
         assert_eq!(text, "  a       1\n  longer  2\n  e\n");
+        assert_eq!(pairs(2, &[]), "");
     }
 }
