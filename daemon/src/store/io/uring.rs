@@ -94,18 +94,26 @@ impl Uring {
         })
     }
 
-    fn with_ring<T>(&self, f: impl FnOnce(&mut IoUring) -> T) -> io::Result<T> {
+    /// Runs `f` on a ring of the pool (a new one when all are in use); `None` when no
+    /// ring can be made now (a memory limit): the caller does the call as psync would.
+    fn with_ring<T>(&self, f: impl FnOnce(&mut IoUring) -> T) -> Option<T> {
         let pooled = self.rings.lock().unwrap_or_else(|e| e.into_inner()).pop();
         let mut ring = match pooled {
             Some(r) => r,
-            None => IoUring::new(DEPTH)?,
+            None => match IoUring::new(DEPTH) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::debug!(error = %e, "no io_uring ring for this call; pread/pwrite instead");
+                    return None;
+                }
+            },
         };
         let out = f(&mut ring);
         let mut pool = self.rings.lock().unwrap_or_else(|e| e.into_inner());
         if pool.len() < POOLED {
             pool.push(ring);
         }
-        Ok(out)
+        Some(out)
     }
 }
 
@@ -154,7 +162,7 @@ impl Uring {
         let mut redo: Vec<(usize, usize)> = Vec::new(); // (write index, bytes done)
         let mut base = 0usize;
         let mut done = Vec::with_capacity(DEPTH as usize);
-        self.with_ring(|ring| {
+        let chained = self.with_ring(|ring| {
             for (c, ws) in chunks.iter().enumerate() {
                 let with_sync = c == last_chunk;
                 let n = ws.len() + usize::from(with_sync);
@@ -209,7 +217,17 @@ impl Uring {
                 base += ws.len();
             }
             Ok(())
-        })??;
+        });
+        match chained {
+            Some(r) => r?,
+            None => {
+                // No ring: every write as psync does it.
+                for (off, data) in writes {
+                    f.write_all_at(data, *off)?;
+                }
+                sync_done = false;
+            }
+        }
         // A short write (or one cancelled after it broke the chain): finish it here.
         for (i, got) in redo {
             let (off, data) = writes[i];
@@ -227,7 +245,7 @@ impl Uring {
         let mut out: Vec<io::Result<()>> = (0..reads.len()).map(|_| Ok(())).collect();
         let mut partial: Vec<(usize, usize)> = Vec::new();
         let mut done = Vec::with_capacity(DEPTH as usize);
-        self.with_ring(|ring| {
+        let batched = self.with_ring(|ring| {
             let mut base = 0usize;
             for rs in reads.chunks_mut(DEPTH as usize) {
                 {
@@ -256,7 +274,13 @@ impl Uring {
                 }
                 base += rs.len();
             }
-        })?;
+        });
+        if batched.is_none() {
+            // No ring: every read as psync does it.
+            for (r, (off, buf)) in out.iter_mut().zip(reads.iter_mut()) {
+                *r = f.read_exact_at(buf, *off);
+            }
+        }
         for (i, got) in partial {
             let (off, buf) = &mut reads[i];
             out[i] = if got == 0 {
