@@ -740,6 +740,15 @@ mod tests {
     }
 
     #[test]
+    fn io_engine_is_auto_psync_or_uring() {
+        let c: Config = toml::from_str("io_engine = \"psync\"\n").unwrap();
+        assert_eq!(c.io_engine, IoEngine::Psync);
+        assert_eq!(Config::default().io_engine, IoEngine::Auto);
+        let e = toml::from_str::<Config>("io_engine = \"aio\"\n").unwrap_err();
+        assert!(e.to_string().contains("io_engine"), "{e}");
+    }
+
+    #[test]
     fn validation_names_the_field() {
         let c = Config {
             backing_roots: vec!["/d".into()],

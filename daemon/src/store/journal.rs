@@ -20,6 +20,9 @@
 //! record is durable. A caller makes a block visible only after that, and writes the
 //! block's data durably before appending, so a replayed record never points at data that
 //! did not reach the disk.
+//!
+//! The journal knows records, not the index: what a record says and how it is replayed
+//! are `records.rs`'s; it never reads or writes a data file.
 
 use std::fmt;
 use std::fs::{File, OpenOptions};
