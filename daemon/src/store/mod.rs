@@ -680,6 +680,53 @@ impl Store {
         r.map(|_| ())
     }
 
+    /// Writes several filled blocks of one file version durably as one batch — their
+    /// bytes and one `fdatasync` (with io_uring, one submission), then their journal
+    /// records in one group — and makes them visible. Each `data` must be exactly its
+    /// permit's block. On an error none of them is made visible (some may be written: they
+    /// stay invisible, and a later fill writes them again) and every permit is given
+    /// back; permits of different files are refused (`Gone`) before anything is written.
+    pub fn commit_fills(&self, blocks: Vec<(Permit, &[u8])>) -> Result<(), StoreError> {
+        let r = self.write_blocks(&blocks);
+        for (n, (permit, _)) in blocks.iter().enumerate() {
+            self.release(permit, r.as_ref().ok().map(|metas| metas[n]));
+        }
+        self.maybe_compact();
+        r.map(|_| ())
+    }
+
+    fn write_blocks(&self, blocks: &[(Permit, &[u8])]) -> Result<Vec<BlockMeta>, StoreError> {
+        let Some((first, _)) = blocks.first() else {
+            return Ok(Vec::new());
+        };
+        let key = first.key;
+        if blocks
+            .iter()
+            .any(|(p, d)| p.key != key || d.len() != p.len as usize)
+        {
+            return Err(StoreError::Gone);
+        }
+        let generation = self.ensure_durable(&key)?;
+        let writes: Vec<io::Write<'_>> = blocks.iter().map(|(p, d)| (p.offset, *d)).collect();
+        self.io
+            .write_durable(&data_name(&key, generation), &writes)?;
+        let metas: Vec<BlockMeta> = blocks
+            .iter()
+            .map(|(p, d)| BlockMeta {
+                len: p.len,
+                xxh3: block_xxh3(d),
+                verified: true,
+            })
+            .collect();
+        let records: Vec<_> = blocks
+            .iter()
+            .zip(&metas)
+            .map(|((p, _), m)| Record::block_added(&key, generation, p.index, m))
+            .collect();
+        self.journal.append_all(&records)?;
+        Ok(metas)
+    }
+
     /// Ends a fill: returns its reservation, records the block if it was `written`, and
     /// drops an entry that is superseded, or that nothing of ever reached the disk.
     fn release(&self, permit: &Permit, written: Option<BlockMeta>) {

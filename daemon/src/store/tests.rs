@@ -377,6 +377,9 @@ mod faults {
         Fill(usize, usize),
         FaultyFill(Fault, usize, usize),
         Rewrite(usize),
+        /// Every missing block of a file in one batch (`Store::commit_fills`), with a
+        /// fault armed or not.
+        FillAll(usize, Option<Fault>),
         /// `n` reads of a verification pass fail with EIO.
         FaultyVerify(usize),
         Crash,
@@ -384,16 +387,18 @@ mod faults {
     }
 
     fn op() -> impl Strategy<Value = Op> {
-        let fault = prop_oneof![
+        let fault: BoxedStrategy<Fault> = prop_oneof![
             Just(Fault::SyncEio),
             Just(Fault::Enospc),
             Just(Fault::ShortWrite),
             Just(Fault::CreateEnospc),
-        ];
+        ]
+        .boxed();
         prop_oneof![
             5 => (0..3usize, 0..4usize).prop_map(|(f, b)| Op::Fill(f, b)),
-            4 => (fault, 0..3usize, 0..4usize).prop_map(|(k, f, b)| Op::FaultyFill(k, f, b)),
+            4 => (fault.clone(), 0..3usize, 0..4usize).prop_map(|(k, f, b)| Op::FaultyFill(k, f, b)),
             1 => (0..3usize).prop_map(Op::Rewrite),
+            2 => (0..3usize, proptest::option::of(fault.clone())).prop_map(|(f, k)| Op::FillAll(f, k)),
             1 => (1..4usize).prop_map(Op::FaultyVerify),
             1 => Just(Op::Crash),
             1 => Just(Op::Restart),
@@ -466,6 +471,34 @@ mod faults {
                         }
                     }
                     Op::Fill(..) | Op::FaultyFill(..) => {}
+                    Op::FillAll(f, k) => {
+                        let stf = st(f, versions[f]);
+                        let data = content(&stf);
+                        s.view("/r", &stf).unwrap();
+                        let permits: Vec<Permit> = (0..nb(f))
+                            .filter_map(|b| s.begin_fill("/r", &stf, b, false).unwrap())
+                            .collect();
+                        let landing: Vec<usize> = permits.iter().map(|p| p.offset() as usize / BS as usize).collect();
+                        let blocks = permits
+                            .into_iter()
+                            .map(|p| {
+                                let r = p.offset() as usize..p.offset() as usize + p.len();
+                                (p, &data[r])
+                            })
+                            .collect();
+                        let before = faults.injected.load(Ordering::Relaxed);
+                        if let Some(k) = k {
+                            faults.arm(k);
+                        }
+                        let r = s.commit_fills(blocks);
+                        faults.clear();
+                        if faults.injected.load(Ordering::Relaxed) > before {
+                            prop_assert!(matches!(r, Err(StoreError::Io(_))), "{k:?} came back as {r:?}");
+                        } else {
+                            prop_assert!(r.is_ok(), "{r:?}");
+                            durable[f].extend(landing);
+                        }
+                    }
                     Op::Rewrite(f) => {
                         versions[f] += 1;
                         durable[f].clear();
@@ -508,6 +541,70 @@ mod faults {
             }
         }
     }
+}
+
+#[test]
+fn blocks_committed_as_a_batch_land_together_or_not_at_all() {
+    use crate::store::io::failing::{FailingIo, Fault, IoFaults};
+    let dir = tempfile::tempdir().unwrap();
+    let c = cfg(dir.path(), 64 * BS as u64);
+    let faults = Arc::new(IoFaults::default());
+    let engine = {
+        let faults = faults.clone();
+        move |d: &Path| -> std::io::Result<Arc<dyn io::BlockIo>> {
+            Ok(Arc::new(FailingIo::with(
+                io::open(IoEngine::Auto, d)?,
+                faults.clone(),
+            )))
+        }
+    };
+    let open = || Store::open_with(&c, Arc::default(), Box::new(Lru::default()), &engine).unwrap();
+    let s = open();
+    let a = stat("a", 5 * BS as u64 + 9, 1);
+    let b = stat("b", BS as u64, 1);
+    let data = content(&a);
+    let permits = |s: &Store| -> Vec<Permit> {
+        (1..5)
+            .filter_map(|i| s.begin_fill("/r", &a, i, false).unwrap())
+            .collect()
+    };
+    let batch = |ps: Vec<Permit>| -> Vec<(Permit, &[u8])> {
+        ps.into_iter()
+            .map(|p| {
+                let r = p.offset() as usize..p.offset() as usize + p.len();
+                (p, &data[r])
+            })
+            .collect()
+    };
+    // A failed sync: none of the four is visible, and their room is given back.
+    faults.arm(Fault::SyncEio);
+    assert!(matches!(
+        s.commit_fills(batch(permits(&s))),
+        Err(StoreError::Io(_))
+    ));
+    assert_eq!(check(&s, &a), 0);
+    assert_eq!(s.room(), 64 * BS as u64);
+    // Permits of two files are refused before anything is written.
+    let mut mixed = batch(permits(&s));
+    let pb = s.begin_fill("/r", &b, 0, false).unwrap().unwrap();
+    let bdata = content(&b);
+    mixed.push((pb, &bdata[..]));
+    assert!(matches!(s.commit_fills(mixed), Err(StoreError::Gone)));
+    assert_eq!(check(&s, &a), 0);
+    // Then the batch lands whole, and survives a crash.
+    s.commit_fills(batch(permits(&s))).unwrap();
+    assert_eq!(check(&s, &a), 4);
+    drop(s);
+    let s = open();
+    assert_eq!(
+        check(&s, &a),
+        4,
+        "checked again after the start, all four hold"
+    );
+    fill(&s, &a, 0).unwrap();
+    fill(&s, &a, 5).unwrap();
+    assert_eq!(check(&s, &a), 6);
+    assert!(s.is_cached("/r", "a"));
 }
 
 #[test]
