@@ -256,14 +256,19 @@ fn a_second_store_on_the_same_directory_is_refused() {
 
 mod model {
     //! Reference-model property test: random fills, rewrites, corruptions, crashes and
-    //! clean restarts; no view may ever expose bytes that differ from the version it
-    //! was asked for.
+    //! clean restarts, and fills that meet an injected I/O fault (EIO from `fdatasync`,
+    //! ENOSPC, a torn write, a failed creation) under eviction pressure; no view may ever
+    //! expose bytes that differ from the version it was asked for, and a fault comes
+    //! back as `StoreError::Io` from the fill it hit.
     use super::*;
+    use crate::store::io::failing::{FailingIo, Fault, IoFaults};
     use proptest::prelude::*;
+    use std::sync::atomic::Ordering;
 
     #[derive(Debug, Clone)]
     enum Op {
         Fill(usize, usize),
+        FaultyFill(Fault, usize, usize),
         Rewrite(usize),
         /// Bytes of a block changed while the store ran (caught by verify).
         Corrupt(usize, usize),
@@ -278,6 +283,17 @@ mod model {
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
             6 => (0..3usize, 0..4usize).prop_map(|(f, b)| Op::Fill(f, b)),
+            2 => (
+                prop_oneof![
+                    Just(Fault::SyncEio),
+                    Just(Fault::Enospc),
+                    Just(Fault::ShortWrite),
+                    Just(Fault::CreateEnospc),
+                ],
+                0..3usize,
+                0..4usize
+            )
+                .prop_map(|(k, f, b)| Op::FaultyFill(k, f, b)),
             1 => (0..3usize).prop_map(Op::Rewrite),
             1 => (0..3usize, 0..4usize).prop_map(|(f, b)| Op::Corrupt(f, b)),
             2 => (0..3usize, 0..4usize, any::<bool>()).prop_map(|(f, b, c)| Op::CorruptWhileDown(f, b, c)),
@@ -308,7 +324,15 @@ mod model {
         fn views_never_expose_wrong_bytes(ops in proptest::collection::vec(op(), 1..40), cap_blocks in 2u64..10) {
             let dir = tempfile::tempdir().unwrap();
             let c = cfg(dir.path(), cap_blocks * BS as u64);
-            let mut store = Some(Store::open(&c, Arc::default()).unwrap());
+            let faults = Arc::new(IoFaults::default());
+            let engine = {
+                let faults = faults.clone();
+                move |d: &Path| -> std::io::Result<Arc<dyn io::BlockIo>> {
+                    Ok(Arc::new(FailingIo::with(io::open(IoEngine::Auto, d)?, faults.clone())))
+                }
+            };
+            let open = || Store::open_with(&c, Arc::default(), Box::new(Lru::default()), &engine).unwrap();
+            let mut store = Some(open());
             let mut versions = [1i64, 1, 1];
             let sizes = [BS as u64 * 3 + 17, BS as u64, BS as u64 * 2];
             let st = |f: usize, v: i64| stat(&format!("f{f}"), sizes[f], v);
@@ -318,6 +342,17 @@ mod model {
                     Op::Fill(f, b) => {
                         if (b as u64) < sizes[f].div_ceil(BS as u64) {
                             let _ = fill(s, &st(f, versions[f]), b);
+                        }
+                    }
+                    Op::FaultyFill(k, f, b) => {
+                        if (b as u64) < sizes[f].div_ceil(BS as u64) {
+                            let before = faults.injected.load(Ordering::Relaxed);
+                            faults.arm(k);
+                            let r = fill(s, &st(f, versions[f]), b);
+                            faults.clear();
+                            if faults.injected.load(Ordering::Relaxed) > before {
+                                prop_assert!(matches!(r, Err(StoreError::Io(_))), "{k:?} came back as {r:?}");
+                            }
                         }
                     }
                     Op::Rewrite(f) => versions[f] += 1,
@@ -334,15 +369,15 @@ mod model {
                         }
                         drop(s);
                         corrupt_block(dir.path(), &st(f, versions[f]), b);
-                        store = Some(Store::open(&c, Arc::default()).unwrap());
+                        store = Some(open());
                     }
                     Op::Crash => {
                         drop(store.take());
-                        store = Some(Store::open(&c, Arc::default()).unwrap());
+                        store = Some(open());
                     }
                     Op::Restart => {
                         store.take().unwrap().close().unwrap();
-                        store = Some(Store::open(&c, Arc::default()).unwrap());
+                        store = Some(open());
                     }
                     Op::Verify => {
                         prop_assert_eq!(store.as_ref().unwrap().verify_all().corrupt, 0);
