@@ -240,7 +240,7 @@ impl Uring {
         Ok(())
     }
 
-    fn read_batch(&self, f: &File, reads: &mut [Read<'_>]) -> io::Result<Vec<io::Result<()>>> {
+    fn read_batch(&self, f: &File, reads: &mut [Read<'_>]) -> Vec<io::Result<()>> {
         let fd = types::Fd(f.as_raw_fd());
         let mut out: Vec<io::Result<()>> = (0..reads.len()).map(|_| Ok(())).collect();
         let mut partial: Vec<(usize, usize)> = Vec::new();
@@ -284,12 +284,12 @@ impl Uring {
         for (i, got) in partial {
             let (off, buf) = &mut reads[i];
             out[i] = if got == 0 {
-                Err(super::short("read"))
+                Err(super::eof())
             } else {
                 f.read_exact_at(&mut buf[got..], *off + got as u64)
             };
         }
-        Ok(out)
+        out
     }
 }
 
@@ -312,12 +312,8 @@ impl BlockIo for Uring {
     }
 
     fn read_many(&self, name: &str, reads: &mut [Read<'_>]) -> Vec<io::Result<()>> {
-        let res = self
-            .psync
-            .file(name)
-            .and_then(|f| self.read_batch(&f, reads));
-        match res {
-            Ok(out) => out,
+        match self.psync.file(name) {
+            Ok(f) => self.read_batch(&f, reads),
             Err(e) => reads
                 .iter()
                 .map(|_| Err(io::Error::new(e.kind(), e.to_string())))
