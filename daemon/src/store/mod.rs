@@ -38,13 +38,16 @@
 //! ## Files
 //! This file is the facade: [`Store`] and what it hands out ([`View`], [`Permit`],
 //! [`StoreStatus`]), looking up and creating entries, the fill protocol
-//! ([`Store::begin_fill`] → [`Store::commit_fill`] / [`Store::abort_fill`]) with the
+//! ([`Store::begin_fill`] → [`Store::commit_fill`] / [`Store::commit_fills`] /
+//! [`Store::abort_fill`]) with the
 //! eviction loop that makes room, explicit eviction, status. The roles it leans on:
 //! `key.rs` (names), `index.rs` (entries, blocks, counts; no I/O, under the lock),
 //! `space.rs` (capacity, the free-space floor, the sampled `statvfs`), `pins.rs`
 //! (readers' pins), [`journal`] (the log and its group commit), `records.rs` (journal
 //! records ↔ index), `recover.rs` (what a start does), `verify.rs` (checks and the
-//! scrub), [`evict`] (the policy seam and LRU).
+//! scrub), [`evict`] (the policy seam and LRU), [`io`] (the I/O engine every write,
+//! sync and check of a data file goes through: psync or io_uring). The facade opens
+//! data files itself only for clients ([`View::data`]: a fresh read-only descriptor).
 
 pub mod evict;
 mod index;
