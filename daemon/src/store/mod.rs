@@ -39,10 +39,10 @@
 //! This file is the facade: [`Store`] and what it hands out ([`View`], [`Permit`],
 //! [`StoreStatus`]), looking up and creating entries, the fill protocol
 //! ([`Store::begin_fill`] → [`Store::commit_fill`] / [`Store::commit_fills`] /
-//! [`Store::abort_fill`]) with the
-//! eviction loop that makes room, explicit eviction, status. The roles it leans on:
+//! [`Store::abort_fill`]), explicit eviction, status. The roles it leans on:
 //! `key.rs` (names), `index.rs` (entries, blocks, counts; no I/O, under the lock),
-//! `space.rs` (capacity, the free-space floor, the sampled `statvfs`), `pins.rs`
+//! `space.rs` (capacity, the free-space floor, the sampled `statvfs`), `room.rs` (the
+//! loop that evicts, in the policy's order, until a block fits), `pins.rs`
 //! (readers' pins), [`journal`] (the log and its group commit), `records.rs` (journal
 //! records ↔ index), `recover.rs` (what a start does), `verify.rs` (checks and the
 //! scrub), [`evict`] (the policy seam and LRU), [`io`] (the I/O engine every write,
@@ -57,6 +57,7 @@ mod key;
 mod pins;
 mod records;
 mod recover;
+mod room;
 mod space;
 mod verify;
 
@@ -560,57 +561,20 @@ impl Store {
             }
             let len = e.block_len(i);
             let offset = i as u64 * e.block_size as u64;
-            // Victims evicted below are unlinked after the lock: count them as freed.
-            let fs_free = idx.fs.free_now(idx.used);
-            let mut freed = 0u64;
-            loop {
-                let wanted = idx.used + idx.reserved + len as u64;
-                let over_cap = wanted > self.space.capacity;
-                let short = (self.space.min_free + idx.reserved + len as u64)
-                    .saturating_sub(fs_free + freed);
-                if !over_cap && short == 0 {
-                    break;
-                }
-                let Index {
-                    files,
-                    policy,
-                    pins,
-                    ..
-                } = &mut *idx;
-                let now = Instant::now();
-                let victim = policy.victim(&|k| {
-                    k != key && files.get(k).is_some_and(|e| e.filling == 0) && !pins.holds(k, now)
-                });
-                let Some(victim) = victim else {
-                    inc(&self.stats.fills_no_space);
-                    return Err(StoreError::NoSpace);
-                };
-                // Two nodes exchanging the cluster's copies each need a file's room
-                // before the other lets go of its copy: the cache may go over its
-                // capacity by the copies it keeps until other nodes take them (a
-                // bounded number, for a bounded time), never past the free-space floor.
-                if short == 0
-                    && wanted
-                        <= self.space.capacity
-                            + policy.exchange_allowance(root, &stat.path, &victim)
-                {
-                    tracing::debug!(path = %stat.path, over = wanted - self.space.capacity, "over capacity for an exchange");
-                    break;
-                }
-                if !policy.admits(root, &stat.path, &victim, prefetch) {
-                    // Everything cached is needed sooner than this file: bypass.
-                    tracing::debug!(path = %stat.path, prefetch, "not admitted: everything cached is needed sooner");
-                    inc(&self.stats.fills_no_space);
-                    return Err(StoreError::NoSpace);
-                }
-                if let Some(e) = idx.files.get(&victim) {
-                    tracing::debug!(dir = %self.dir.display(), path = %e.path, to_admit = %stat.path, prefetch, "evicting");
-                }
-                if let Some(ev) = evict_locked(&mut idx, &victim) {
-                    freed += ev.bytes;
-                    evicted.push(ev);
-                }
-            }
+            room::make_room(
+                &mut idx,
+                &self.space,
+                &self.stats,
+                &room::Wanted {
+                    key,
+                    root,
+                    path: &stat.path,
+                    len: len as u64,
+                    prefetch,
+                    dir: &self.dir,
+                },
+                &mut evicted,
+            )?;
             idx.reserved += len as u64;
             idx.files.get_mut(key).expect("checked above").filling += 1;
             Ok(Some(Permit {
