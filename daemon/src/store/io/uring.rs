@@ -21,6 +21,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 use io_uring::{IoUring, Probe, opcode, squeue, types};
 
@@ -33,6 +34,11 @@ pub const DEPTH: u32 = 64;
 /// Rings kept between calls (more are made while more threads call at once).
 const POOLED: usize = 16;
 
+/// Most rings at once; a call that finds none free beyond this does its I/O as psync
+/// does (many client threads checking blocks after a start must not set up a ring
+/// each).
+const MOST_RINGS: usize = 64;
+
 /// `user_data` of the linked `fdatasync`.
 const SYNC: u64 = u64::MAX;
 
@@ -40,6 +46,8 @@ const SYNC: u64 = u64::MAX;
 pub struct Uring {
     psync: Psync,
     rings: Mutex<Vec<IoUring>>,
+    /// Rings in existence (pooled or in use).
+    live: AtomicUsize,
 }
 
 impl std::fmt::Debug for Uring {
@@ -91,27 +99,40 @@ impl Uring {
         Ok(Self {
             psync: Psync::new(dir),
             rings: Mutex::new(vec![ring]),
+            live: AtomicUsize::new(1),
         })
     }
 
     /// Runs `f` on a ring of the pool (a new one when all are in use); `None` when no
-    /// ring can be made now (a memory limit): the caller does the call as psync would.
+    /// ring can be had now ([`MOST_RINGS`] in use, or a memory limit): the caller does
+    /// the call as psync would.
     fn with_ring<T>(&self, f: impl FnOnce(&mut IoUring) -> T) -> Option<T> {
         let pooled = self.rings.lock().unwrap_or_else(|e| e.into_inner()).pop();
         let mut ring = match pooled {
             Some(r) => r,
-            None => match IoUring::new(DEPTH) {
-                Ok(r) => r,
-                Err(e) => {
-                    tracing::debug!(error = %e, "no io_uring ring for this call; pread/pwrite instead");
+            None => {
+                if self.live.fetch_add(1, Ordering::Relaxed) >= MOST_RINGS {
+                    self.live.fetch_sub(1, Ordering::Relaxed);
                     return None;
                 }
-            },
+                match IoUring::new(DEPTH) {
+                    Ok(r) => r,
+                    Err(e) => {
+                        self.live.fetch_sub(1, Ordering::Relaxed);
+                        tracing::debug!(error = %e, "no io_uring ring for this call; pread/pwrite instead");
+                        return None;
+                    }
+                }
+            }
         };
         let out = f(&mut ring);
         let mut pool = self.rings.lock().unwrap_or_else(|e| e.into_inner());
         if pool.len() < POOLED {
             pool.push(ring);
+        } else {
+            drop(pool);
+            drop(ring);
+            self.live.fetch_sub(1, Ordering::Relaxed);
         }
         Some(out)
     }
@@ -354,6 +375,35 @@ mod tests {
         super::super::conformance::run_all(&|dir: &Path| -> Arc<dyn BlockIo> {
             Arc::new(Uring::new(dir).expect("probed above"))
         });
+    }
+
+    #[test]
+    fn more_threads_than_rings_all_complete() {
+        if !available() {
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let io = Uring::new(dir.path()).unwrap();
+        let n = MOST_RINGS + 16;
+        io.create("f", (n * 4096) as u64).unwrap();
+        std::thread::scope(|s| {
+            for t in 0..n {
+                let io = &io;
+                s.spawn(move || {
+                    for _ in 0..4 {
+                        io.write_durable("f", &[((t * 4096) as u64, &[t as u8; 4096])])
+                            .unwrap();
+                        let mut b = [0u8; 4096];
+                        io.read_many("f", &mut [((t * 4096) as u64, &mut b[..])])
+                            .remove(0)
+                            .unwrap();
+                        assert_eq!(b, [t as u8; 4096]);
+                    }
+                });
+            }
+        });
+        assert!(io.live.load(Ordering::Relaxed) <= MOST_RINGS);
+        assert!(io.rings.lock().unwrap().len() <= POOLED);
     }
 
     #[test]
