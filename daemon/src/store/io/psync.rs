@@ -154,6 +154,15 @@ mod tests {
         });
     }
 
+    proptest::proptest! {
+        #[test]
+        fn behaves_as_the_in_memory_twin(steps in super::super::conformance::steps()) {
+            let dir = tempfile::tempdir().unwrap();
+            std::fs::create_dir(dir.path().join("ab")).unwrap();
+            super::super::conformance::differential(&Psync::new(dir.path()), &steps);
+        }
+    }
+
     #[test]
     fn a_fill_opens_its_data_file_once() {
         let dir = tempfile::tempdir().unwrap();

@@ -406,6 +406,17 @@ mod tests {
         assert!(io.rings.lock().unwrap().len() <= POOLED);
     }
 
+    proptest::proptest! {
+        #[test]
+        fn behaves_as_the_in_memory_twin(steps in super::super::conformance::steps()) {
+            if available() {
+                let dir = tempfile::tempdir().unwrap();
+                std::fs::create_dir(dir.path().join("ab")).unwrap();
+                super::super::conformance::differential(&Uring::new(dir.path()).unwrap(), &steps);
+            }
+        }
+    }
+
     #[test]
     fn auto_picks_an_engine_that_works() {
         let dir = tempfile::tempdir().unwrap();
