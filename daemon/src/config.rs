@@ -10,6 +10,8 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer};
 
+pub use crate::store::io::IoEngine;
+
 /// A size in bytes, or a percentage of the cache file system's size.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum SizeSpec {
@@ -182,6 +184,12 @@ impl fmt::Display for MetricsListen {
     }
 }
 
+fn de_io_engine<'de, D: Deserializer<'de>>(d: D) -> Result<IoEngine, D::Error> {
+    String::deserialize(d)?
+        .parse()
+        .map_err(serde::de::Error::custom)
+}
+
 fn de_metrics_listen<'de, D: Deserializer<'de>>(d: D) -> Result<MetricsListen, D::Error> {
     String::deserialize(d)?
         .parse()
@@ -224,6 +232,11 @@ pub struct Config {
     /// written with.
     #[serde(deserialize_with = "de_bytes")]
     pub block_size: u64,
+    /// How the store writes and checks its data files: `auto` (io_uring where the kernel
+    /// allows it, else psync), `psync` (`pread`/`pwrite`/`fdatasync`) or `uring` (io_uring,
+    /// or no start). Default `auto`. Clients read the same files either way.
+    #[serde(deserialize_with = "de_io_engine")]
+    pub io_engine: IoEngine,
     /// How long a backing file's metadata (version, owners, modes) is trusted before it
     /// is checked again, like NFS `actimeo`. `0` checks on every open. Default 1 s.
     #[serde(deserialize_with = "de_duration")]
@@ -331,6 +344,7 @@ impl Default for Config {
             capacity: SizeSpec::Percent(80.0),
             min_free: SizeSpec::Percent(5.0),
             block_size: 4 << 20,
+            io_engine: IoEngine::Auto,
             metadata_ttl: Duration::from_secs(1),
             readahead_blocks: 8,
             fill_workers: 4,
@@ -726,6 +740,15 @@ mod tests {
     }
 
     #[test]
+    fn io_engine_is_auto_psync_or_uring() {
+        let c: Config = toml::from_str("io_engine = \"psync\"\n").unwrap();
+        assert_eq!(c.io_engine, IoEngine::Psync);
+        assert_eq!(Config::default().io_engine, IoEngine::Auto);
+        let e = toml::from_str::<Config>("io_engine = \"aio\"\n").unwrap_err();
+        assert!(e.to_string().contains("io_engine"), "{e}");
+    }
+
+    #[test]
     fn validation_names_the_field() {
         let c = Config {
             backing_roots: vec!["/d".into()],
@@ -758,6 +781,7 @@ mod packaged {
         assert_eq!(c.capacity, d.capacity);
         assert_eq!(c.min_free, d.min_free);
         assert_eq!(c.block_size, d.block_size);
+        assert_eq!(c.io_engine, d.io_engine);
         assert_eq!(c.metadata_ttl, d.metadata_ttl);
         assert_eq!(c.readahead_blocks, d.readahead_blocks);
         assert_eq!(c.fill_workers, d.fill_workers);

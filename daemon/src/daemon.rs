@@ -190,7 +190,10 @@ impl Daemon {
         let jobs = Arc::new(Jobs::new(meta.clone(), metrics.prefetch()));
         let policy = Box::new(PlannedPolicy::new(jobs.clone()));
         let store = Arc::new(
-            Store::open_with_policy(&store_cfg, stats.clone(), policy).with_context(|| {
+            Store::open_with(&store_cfg, stats.clone(), policy, &|dir| {
+                crate::store::io::open(cfg.io_engine, dir)
+            })
+            .with_context(|| {
                 format!(
                     "cache_dir: opening the cache in {}",
                     cfg.cache_dir.display()

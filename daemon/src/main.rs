@@ -41,6 +41,9 @@ struct Args {
     /// Block size [default: 4MiB].
     #[arg(long, env = "SHARDCACHED_BLOCK_SIZE", value_parser = config::parse_bytes)]
     block_size: Option<u64>,
+    /// How the store writes and checks its data files: auto, psync or uring [default: auto].
+    #[arg(long, env = "SHARDCACHED_IO_ENGINE")]
+    io_engine: Option<config::IoEngine>,
     /// How long backing metadata is trusted, e.g. 1s, 250ms, 0 [default: 1s].
     #[arg(long, env = "SHARDCACHED_METADATA_TTL", value_parser = config::parse_duration)]
     metadata_ttl: Option<std::time::Duration>,
@@ -163,6 +166,7 @@ fn load(args: &Args) -> anyhow::Result<Config> {
         capacity,
         min_free,
         block_size,
+        io_engine,
         metadata_ttl,
         readahead_blocks,
         fill_workers,

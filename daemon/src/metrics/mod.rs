@@ -79,6 +79,8 @@ defs! {
         "Always 1; the version label is the daemon's version.";
     UPTIME: Gauge "shardcache_uptime_seconds" SECONDS, [],
         "Seconds since the daemon started.";
+    IO_ENGINE: Gauge "shardcache_store_io_engine" NONE, ["engine"],
+        "Always 1; the engine label is the store's I/O engine (uring or psync).";
 
     READ_BYTES: Counter "shardcache_read_bytes_total" BYTES, ["result"],
         "Bytes clients read, by where they came from: hit (the local copy, already present), filled (the local copy, after waiting for a fill from a peer or the backing store), fallback (the backing store, read by the client itself). Reported by clients with their next request.";
@@ -350,6 +352,7 @@ impl Metrics {
         let w = Writer { rec: &rec };
         w.gauge(&BUILD_INFO, &[&s.daemon_version], 1.0);
         w.gauge(&UPTIME, &[], s.uptime_seconds as f64);
+        w.gauge(&IO_ENGINE, &[&s.io_engine], 1.0);
         let c = s.counters.unwrap_or_default();
         for (v, (bytes, reads)) in label::RESULT.iter().zip([
             (c.hit_bytes, c.hit_reads),

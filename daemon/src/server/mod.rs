@@ -862,6 +862,7 @@ pub fn status(ctx: &Ctx) -> pb::StatusReply {
         files: s.files,
         blocks: s.blocks,
         block_size: ctx.store.block_size(),
+        io_engine: ctx.store.io_engine().to_owned(),
         unverified_blocks: s.unverified,
         counters: Some(ctx.stats.snapshot()),
         fallbacks: ctx.stats.fallbacks(),

@@ -2,8 +2,12 @@
 //!
 //! The store asks an [`EvictionPolicy`] for victims and tells it about inserts, uses and
 //! removals; it never orders entries itself. [`Lru`] is the policy for data without a
-//! plan. The epoch-aware policy (evict what is needed farthest in the future) plugs in
-//! here.
+//! plan. The plan-aware policy (evict what is needed farthest in the future) implements
+//! the trait outside the store and is handed to [`super::Store::open_with_policy`].
+//!
+//! A policy sees keys and (root, path) names only, and is called under the index lock:
+//! it must not call back into the store, and touches no data file, journal or index
+//! entry (the store evicts what it names, after checking pins and running fills).
 
 use std::collections::BTreeMap;
 

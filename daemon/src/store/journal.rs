@@ -20,6 +20,9 @@
 //! record is durable. A caller makes a block visible only after that, and writes the
 //! block's data durably before appending, so a replayed record never points at data that
 //! did not reach the disk.
+//!
+//! The journal knows records, not the index: what a record says and how it is replayed
+//! are `records.rs`'s; it never reads or writes a data file.
 
 use std::fmt;
 use std::fs::{File, OpenOptions};
@@ -353,12 +356,22 @@ impl Journal {
     /// previous write failed (the journal then refuses everything: nothing new becomes
     /// visible, which is safe).
     pub fn append(&self, rec: &Record) -> io::Result<()> {
+        self.append_frames(frame(rec))
+    }
+
+    /// Appends `recs` in one write and one `fdatasync` (shared with whatever else is
+    /// queued); returns once every one is durable. A crash during the write keeps a
+    /// prefix of them (replay stops at a torn frame).
+    pub fn append_all(&self, recs: &[Record]) -> io::Result<()> {
+        self.append_frames(recs.iter().flat_map(frame).collect())
+    }
+
+    fn append_frames(&self, frame: Vec<u8>) -> io::Result<()> {
         let (done_tx, done_rx) = sync_channel(1);
         let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let Some(tx) = tx else {
             return Err(io::Error::other("journal closed"));
         };
-        let frame = frame(rec);
         self.appended
             .fetch_add(frame.len() as u64, Ordering::Relaxed);
         tx.send(Msg::Append(frame, done_tx))

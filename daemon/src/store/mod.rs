@@ -38,13 +38,16 @@
 //! ## Files
 //! This file is the facade: [`Store`] and what it hands out ([`View`], [`Permit`],
 //! [`StoreStatus`]), looking up and creating entries, the fill protocol
-//! ([`Store::begin_fill`] → [`Store::commit_fill`] / [`Store::abort_fill`]) with the
-//! eviction loop that makes room, explicit eviction, status. The roles it leans on:
+//! ([`Store::begin_fill`] → [`Store::commit_fill`] / [`Store::commit_fills`] /
+//! [`Store::abort_fill`]), explicit eviction, status. The roles it leans on:
 //! `key.rs` (names), `index.rs` (entries, blocks, counts; no I/O, under the lock),
-//! `space.rs` (capacity, the free-space floor, the sampled `statvfs`), `pins.rs`
+//! `space.rs` (capacity, the free-space floor, the sampled `statvfs`), `room.rs` (the
+//! loop that evicts, in the policy's order, until a block fits), `pins.rs`
 //! (readers' pins), [`journal`] (the log and its group commit), `records.rs` (journal
 //! records ↔ index), `recover.rs` (what a start does), `verify.rs` (checks and the
-//! scrub), [`evict`] (the policy seam and LRU).
+//! scrub), [`evict`] (the policy seam and LRU), [`io`] (the I/O engine every write,
+//! sync and check of a data file goes through: psync or io_uring). The facade opens
+//! data files itself only for clients ([`View::data`]: a fresh read-only descriptor).
 
 pub mod evict;
 mod index;
@@ -54,6 +57,7 @@ mod key;
 mod pins;
 mod records;
 mod recover;
+mod room;
 mod space;
 mod verify;
 
@@ -557,57 +561,20 @@ impl Store {
             }
             let len = e.block_len(i);
             let offset = i as u64 * e.block_size as u64;
-            // Victims evicted below are unlinked after the lock: count them as freed.
-            let fs_free = idx.fs.free_now(idx.used);
-            let mut freed = 0u64;
-            loop {
-                let wanted = idx.used + idx.reserved + len as u64;
-                let over_cap = wanted > self.space.capacity;
-                let short = (self.space.min_free + idx.reserved + len as u64)
-                    .saturating_sub(fs_free + freed);
-                if !over_cap && short == 0 {
-                    break;
-                }
-                let Index {
-                    files,
-                    policy,
-                    pins,
-                    ..
-                } = &mut *idx;
-                let now = Instant::now();
-                let victim = policy.victim(&|k| {
-                    k != key && files.get(k).is_some_and(|e| e.filling == 0) && !pins.holds(k, now)
-                });
-                let Some(victim) = victim else {
-                    inc(&self.stats.fills_no_space);
-                    return Err(StoreError::NoSpace);
-                };
-                // Two nodes exchanging the cluster's copies each need a file's room
-                // before the other lets go of its copy: the cache may go over its
-                // capacity by the copies it keeps until other nodes take them (a
-                // bounded number, for a bounded time), never past the free-space floor.
-                if short == 0
-                    && wanted
-                        <= self.space.capacity
-                            + policy.exchange_allowance(root, &stat.path, &victim)
-                {
-                    tracing::debug!(path = %stat.path, over = wanted - self.space.capacity, "over capacity for an exchange");
-                    break;
-                }
-                if !policy.admits(root, &stat.path, &victim, prefetch) {
-                    // Everything cached is needed sooner than this file: bypass.
-                    tracing::debug!(path = %stat.path, prefetch, "not admitted: everything cached is needed sooner");
-                    inc(&self.stats.fills_no_space);
-                    return Err(StoreError::NoSpace);
-                }
-                if let Some(e) = idx.files.get(&victim) {
-                    tracing::debug!(dir = %self.dir.display(), path = %e.path, to_admit = %stat.path, prefetch, "evicting");
-                }
-                if let Some(ev) = evict_locked(&mut idx, &victim) {
-                    freed += ev.bytes;
-                    evicted.push(ev);
-                }
-            }
+            room::make_room(
+                &mut idx,
+                &self.space,
+                &self.stats,
+                &room::Wanted {
+                    key,
+                    root,
+                    path: &stat.path,
+                    len: len as u64,
+                    prefetch,
+                    dir: &self.dir,
+                },
+                &mut evicted,
+            )?;
             idx.reserved += len as u64;
             idx.files.get_mut(key).expect("checked above").filling += 1;
             Ok(Some(Permit {
@@ -678,6 +645,53 @@ impl Store {
         self.release(&permit, r.as_ref().ok().copied());
         self.maybe_compact();
         r.map(|_| ())
+    }
+
+    /// Writes several filled blocks of one file version durably as one batch — their
+    /// bytes and one `fdatasync` (with io_uring, one submission), then their journal
+    /// records in one group — and makes them visible. Each `data` must be exactly its
+    /// permit's block. On an error none of them is made visible (some may be written: they
+    /// stay invisible, and a later fill writes them again) and every permit is given
+    /// back; permits of different files are refused (`Gone`) before anything is written.
+    pub fn commit_fills(&self, blocks: Vec<(Permit, &[u8])>) -> Result<(), StoreError> {
+        let r = self.write_blocks(&blocks);
+        for (n, (permit, _)) in blocks.iter().enumerate() {
+            self.release(permit, r.as_ref().ok().map(|metas| metas[n]));
+        }
+        self.maybe_compact();
+        r.map(|_| ())
+    }
+
+    fn write_blocks(&self, blocks: &[(Permit, &[u8])]) -> Result<Vec<BlockMeta>, StoreError> {
+        let Some((first, _)) = blocks.first() else {
+            return Ok(Vec::new());
+        };
+        let key = first.key;
+        if blocks
+            .iter()
+            .any(|(p, d)| p.key != key || d.len() != p.len as usize)
+        {
+            return Err(StoreError::Gone);
+        }
+        let generation = self.ensure_durable(&key)?;
+        let writes: Vec<io::Write<'_>> = blocks.iter().map(|(p, d)| (p.offset, *d)).collect();
+        self.io
+            .write_durable(&data_name(&key, generation), &writes)?;
+        let metas: Vec<BlockMeta> = blocks
+            .iter()
+            .map(|(p, d)| BlockMeta {
+                len: p.len,
+                xxh3: block_xxh3(d),
+                verified: true,
+            })
+            .collect();
+        let records: Vec<_> = blocks
+            .iter()
+            .zip(&metas)
+            .map(|((p, _), m)| Record::block_added(&key, generation, p.index, m))
+            .collect();
+        self.journal.append_all(&records)?;
+        Ok(metas)
     }
 
     /// Ends a fill: returns its reservation, records the block if it was `written`, and

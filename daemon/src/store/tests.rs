@@ -256,14 +256,19 @@ fn a_second_store_on_the_same_directory_is_refused() {
 
 mod model {
     //! Reference-model property test: random fills, rewrites, corruptions, crashes and
-    //! clean restarts; no view may ever expose bytes that differ from the version it
-    //! was asked for.
+    //! clean restarts, and fills that meet an injected I/O fault (EIO from `fdatasync`,
+    //! ENOSPC, a torn write, a failed creation) under eviction pressure; no view may ever
+    //! expose bytes that differ from the version it was asked for, and a fault comes
+    //! back as `StoreError::Io` from the fill it hit.
     use super::*;
+    use crate::store::io::failing::{FailingIo, Fault, IoFaults};
     use proptest::prelude::*;
+    use std::sync::atomic::Ordering;
 
     #[derive(Debug, Clone)]
     enum Op {
         Fill(usize, usize),
+        FaultyFill(Fault, usize, usize),
         Rewrite(usize),
         /// Bytes of a block changed while the store ran (caught by verify).
         Corrupt(usize, usize),
@@ -278,6 +283,17 @@ mod model {
     fn op() -> impl Strategy<Value = Op> {
         prop_oneof![
             6 => (0..3usize, 0..4usize).prop_map(|(f, b)| Op::Fill(f, b)),
+            2 => (
+                prop_oneof![
+                    Just(Fault::SyncEio),
+                    Just(Fault::Enospc),
+                    Just(Fault::ShortWrite),
+                    Just(Fault::CreateEnospc),
+                ],
+                0..3usize,
+                0..4usize
+            )
+                .prop_map(|(k, f, b)| Op::FaultyFill(k, f, b)),
             1 => (0..3usize).prop_map(Op::Rewrite),
             1 => (0..3usize, 0..4usize).prop_map(|(f, b)| Op::Corrupt(f, b)),
             2 => (0..3usize, 0..4usize, any::<bool>()).prop_map(|(f, b, c)| Op::CorruptWhileDown(f, b, c)),
@@ -308,7 +324,15 @@ mod model {
         fn views_never_expose_wrong_bytes(ops in proptest::collection::vec(op(), 1..40), cap_blocks in 2u64..10) {
             let dir = tempfile::tempdir().unwrap();
             let c = cfg(dir.path(), cap_blocks * BS as u64);
-            let mut store = Some(Store::open(&c, Arc::default()).unwrap());
+            let faults = Arc::new(IoFaults::default());
+            let engine = {
+                let faults = faults.clone();
+                move |d: &Path| -> std::io::Result<Arc<dyn io::BlockIo>> {
+                    Ok(Arc::new(FailingIo::with(io::open(IoEngine::Auto, d)?, faults.clone())))
+                }
+            };
+            let open = || Store::open_with(&c, Arc::default(), Box::new(Lru::default()), &engine).unwrap();
+            let mut store = Some(open());
             let mut versions = [1i64, 1, 1];
             let sizes = [BS as u64 * 3 + 17, BS as u64, BS as u64 * 2];
             let st = |f: usize, v: i64| stat(&format!("f{f}"), sizes[f], v);
@@ -318,6 +342,17 @@ mod model {
                     Op::Fill(f, b) => {
                         if (b as u64) < sizes[f].div_ceil(BS as u64) {
                             let _ = fill(s, &st(f, versions[f]), b);
+                        }
+                    }
+                    Op::FaultyFill(k, f, b) => {
+                        if (b as u64) < sizes[f].div_ceil(BS as u64) {
+                            let before = faults.injected.load(Ordering::Relaxed);
+                            faults.arm(k);
+                            let r = fill(s, &st(f, versions[f]), b);
+                            faults.clear();
+                            if faults.injected.load(Ordering::Relaxed) > before {
+                                prop_assert!(matches!(r, Err(StoreError::Io(_))), "{k:?} came back as {r:?}");
+                            }
                         }
                     }
                     Op::Rewrite(f) => versions[f] += 1,
@@ -334,15 +369,15 @@ mod model {
                         }
                         drop(s);
                         corrupt_block(dir.path(), &st(f, versions[f]), b);
-                        store = Some(Store::open(&c, Arc::default()).unwrap());
+                        store = Some(open());
                     }
                     Op::Crash => {
                         drop(store.take());
-                        store = Some(Store::open(&c, Arc::default()).unwrap());
+                        store = Some(open());
                     }
                     Op::Restart => {
                         store.take().unwrap().close().unwrap();
-                        store = Some(Store::open(&c, Arc::default()).unwrap());
+                        store = Some(open());
                     }
                     Op::Verify => {
                         prop_assert_eq!(store.as_ref().unwrap().verify_all().corrupt, 0);
@@ -377,6 +412,9 @@ mod faults {
         Fill(usize, usize),
         FaultyFill(Fault, usize, usize),
         Rewrite(usize),
+        /// Every missing block of a file in one batch (`Store::commit_fills`), with a
+        /// fault armed or not.
+        FillAll(usize, Option<Fault>),
         /// `n` reads of a verification pass fail with EIO.
         FaultyVerify(usize),
         Crash,
@@ -384,16 +422,18 @@ mod faults {
     }
 
     fn op() -> impl Strategy<Value = Op> {
-        let fault = prop_oneof![
+        let fault: BoxedStrategy<Fault> = prop_oneof![
             Just(Fault::SyncEio),
             Just(Fault::Enospc),
             Just(Fault::ShortWrite),
             Just(Fault::CreateEnospc),
-        ];
+        ]
+        .boxed();
         prop_oneof![
             5 => (0..3usize, 0..4usize).prop_map(|(f, b)| Op::Fill(f, b)),
-            4 => (fault, 0..3usize, 0..4usize).prop_map(|(k, f, b)| Op::FaultyFill(k, f, b)),
+            4 => (fault.clone(), 0..3usize, 0..4usize).prop_map(|(k, f, b)| Op::FaultyFill(k, f, b)),
             1 => (0..3usize).prop_map(Op::Rewrite),
+            2 => (0..3usize, proptest::option::of(fault.clone())).prop_map(|(f, k)| Op::FillAll(f, k)),
             1 => (1..4usize).prop_map(Op::FaultyVerify),
             1 => Just(Op::Crash),
             1 => Just(Op::Restart),
@@ -466,6 +506,34 @@ mod faults {
                         }
                     }
                     Op::Fill(..) | Op::FaultyFill(..) => {}
+                    Op::FillAll(f, k) => {
+                        let stf = st(f, versions[f]);
+                        let data = content(&stf);
+                        s.view("/r", &stf).unwrap();
+                        let permits: Vec<Permit> = (0..nb(f))
+                            .filter_map(|b| s.begin_fill("/r", &stf, b, false).unwrap())
+                            .collect();
+                        let landing: Vec<usize> = permits.iter().map(|p| p.offset() as usize / BS as usize).collect();
+                        let blocks = permits
+                            .into_iter()
+                            .map(|p| {
+                                let r = p.offset() as usize..p.offset() as usize + p.len();
+                                (p, &data[r])
+                            })
+                            .collect();
+                        let before = faults.injected.load(Ordering::Relaxed);
+                        if let Some(k) = k {
+                            faults.arm(k);
+                        }
+                        let r = s.commit_fills(blocks);
+                        faults.clear();
+                        if faults.injected.load(Ordering::Relaxed) > before {
+                            prop_assert!(matches!(r, Err(StoreError::Io(_))), "{k:?} came back as {r:?}");
+                        } else {
+                            prop_assert!(r.is_ok(), "{r:?}");
+                            durable[f].extend(landing);
+                        }
+                    }
                     Op::Rewrite(f) => {
                         versions[f] += 1;
                         durable[f].clear();
@@ -508,6 +576,70 @@ mod faults {
             }
         }
     }
+}
+
+#[test]
+fn blocks_committed_as_a_batch_land_together_or_not_at_all() {
+    use crate::store::io::failing::{FailingIo, Fault, IoFaults};
+    let dir = tempfile::tempdir().unwrap();
+    let c = cfg(dir.path(), 64 * BS as u64);
+    let faults = Arc::new(IoFaults::default());
+    let engine = {
+        let faults = faults.clone();
+        move |d: &Path| -> std::io::Result<Arc<dyn io::BlockIo>> {
+            Ok(Arc::new(FailingIo::with(
+                io::open(IoEngine::Auto, d)?,
+                faults.clone(),
+            )))
+        }
+    };
+    let open = || Store::open_with(&c, Arc::default(), Box::new(Lru::default()), &engine).unwrap();
+    let s = open();
+    let a = stat("a", 5 * BS as u64 + 9, 1);
+    let b = stat("b", BS as u64, 1);
+    let data = content(&a);
+    let permits = |s: &Store| -> Vec<Permit> {
+        (1..5)
+            .filter_map(|i| s.begin_fill("/r", &a, i, false).unwrap())
+            .collect()
+    };
+    let batch = |ps: Vec<Permit>| -> Vec<(Permit, &[u8])> {
+        ps.into_iter()
+            .map(|p| {
+                let r = p.offset() as usize..p.offset() as usize + p.len();
+                (p, &data[r])
+            })
+            .collect()
+    };
+    // A failed sync: none of the four is visible, and their room is given back.
+    faults.arm(Fault::SyncEio);
+    assert!(matches!(
+        s.commit_fills(batch(permits(&s))),
+        Err(StoreError::Io(_))
+    ));
+    assert_eq!(check(&s, &a), 0);
+    assert_eq!(s.room(), 64 * BS as u64);
+    // Permits of two files are refused before anything is written.
+    let mut mixed = batch(permits(&s));
+    let pb = s.begin_fill("/r", &b, 0, false).unwrap().unwrap();
+    let bdata = content(&b);
+    mixed.push((pb, &bdata[..]));
+    assert!(matches!(s.commit_fills(mixed), Err(StoreError::Gone)));
+    assert_eq!(check(&s, &a), 0);
+    // Then the batch lands whole, and survives a crash.
+    s.commit_fills(batch(permits(&s))).unwrap();
+    assert_eq!(check(&s, &a), 4);
+    drop(s);
+    let s = open();
+    assert_eq!(
+        check(&s, &a),
+        4,
+        "checked again after the start, all four hold"
+    );
+    fill(&s, &a, 0).unwrap();
+    fill(&s, &a, 5).unwrap();
+    assert_eq!(check(&s, &a), 6);
+    assert!(s.is_cached("/r", "a"));
 }
 
 #[test]

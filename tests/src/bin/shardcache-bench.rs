@@ -9,6 +9,10 @@
 //!   local cache files directly, from disk (page cache dropped) and from page cache;
 //! - small files: warm open+read+close of 100 KiB files through the client ÷ the same
 //!   on the local cache files directly (p50, p99, files/s).
+//! - store engine: cold fill and `shardcache verify` (every block read back from disk and
+//!   checked) with `--io-engine uring` ÷ `--io-engine psync`, each on an empty cache, on
+//!   the same files in the same run (`--engine-rounds`, 0 leaves it out; skipped where
+//!   io_uring cannot run).
 //!
 //! Rounds alternate which side goes first; the median ratio is reported.
 //!
@@ -352,6 +356,10 @@ struct Foundation {
     /// Rounds per measurement (alternating order).
     #[arg(long, default_value_t = 5)]
     rounds: usize,
+    /// Rounds of the store I/O engine comparison (cold fill and verify with io_uring ÷
+    /// psync, alternating which goes first); 0 leaves it out.
+    #[arg(long, default_value_t = 3)]
+    engine_rounds: usize,
 }
 
 const BUF: usize = 4 << 20;
@@ -686,6 +694,7 @@ fn foundation(a: &Foundation) {
     });
     let st = c.status().expect("status").counters;
     daemon.stop();
+    let engines = engine_rounds(a, &bed, &large, &args);
 
     let mib = |v: &[(f64, f64)]| {
         v.iter()
@@ -757,10 +766,106 @@ fn foundation(a: &Foundation) {
         "≥ 0.8",
     );
     row("small files, open_ahead (32 ahead)", "f/s", &ahead, "≥ 0.8");
+    match engines {
+        Some((fill, verify)) => {
+            row(
+                "store engine: cold fill, io_uring ÷ psync",
+                "MiB/s",
+                &mib(&fill),
+                "≥ 1",
+            );
+            row(
+                "store engine: verify from disk, io_uring ÷ psync",
+                "MiB/s",
+                &mib(&verify),
+                "≥ 1",
+            );
+        }
+        None if a.engine_rounds > 0 => {
+            println!("store engine rows: io_uring is not available here, nothing to compare")
+        }
+        None => {}
+    }
     println!(
         "daemon: {} backing reads, {:.0} MiB from backing, {} client fallback bytes",
         st.backing_reads,
         st.backing_bytes as f64 / MIB,
         st.fallback_bytes
     );
+}
+
+/// The store's I/O engines side by side on the same data in this run: per round, a
+/// daemon with `--io-engine psync` and one with `--io-engine uring` (which goes first
+/// alternates), each on an empty cache: the large files read through it cold (the
+/// backing files' page cache dropped: the fill writes and syncs every block), then
+/// `shardcache verify` with the cache files' page cache dropped (every block read back
+/// from disk and checked). (psync, uring) in bytes/s per round for each; `None` when
+/// io_uring cannot run here or no round was asked for.
+#[allow(clippy::type_complexity)]
+fn engine_rounds(
+    a: &Foundation,
+    bed: &Bed,
+    large: &[PathBuf],
+    args: &[&str],
+) -> Option<(Vec<(f64, f64)>, Vec<(f64, f64)>)> {
+    if a.engine_rounds == 0 {
+        return None;
+    }
+    let probe = bed.tmp.path().join("uring-probe");
+    std::fs::create_dir_all(&probe).expect("mkdir");
+    if let Err(e) =
+        shardcache_daemon::store::io::open(shardcache_daemon::store::io::IoEngine::Uring, &probe)
+    {
+        eprintln!("  {e}");
+        return None;
+    }
+    let large_bytes = (a.large_files * a.large_mib) << 20;
+    let one = |engine: &str| -> (f64, f64) {
+        let _ = std::fs::remove_dir_all(bed.cache.join("shardcache-v1"));
+        let mut with: Vec<&str> = args.to_vec();
+        with.extend(["--io-engine", engine]);
+        let mut d = bed.start(&with);
+        assert_eq!(
+            d.status().io_engine,
+            engine,
+            "the daemon runs the engine asked for"
+        );
+        drop_all(large);
+        let c = Client::with_config(ClientConfig {
+            socket: bed.socket.clone(),
+            ..ClientConfig::default()
+        });
+        let mut b = vec![0u8; BUF];
+        let fill = secs(|| {
+            for p in large {
+                let mut rd = c.open(p).expect("open");
+                assert_eq!(read_through(&mut rd, &mut b), a.large_mib << 20);
+            }
+        });
+        drop_all(&cached_copies(bed, large));
+        let mut checked = 0;
+        let verify = secs(|| {
+            let r = c.verify(Duration::from_secs(3600)).expect("verify");
+            assert_eq!(r.corrupt_blocks, 0);
+            checked = r.bytes_checked;
+        });
+        assert_eq!(checked, large_bytes, "verify read every cached byte");
+        d.stop();
+        (large_bytes as f64 / fill, large_bytes as f64 / verify)
+    };
+    let mut fill = Vec::new();
+    let mut verify = Vec::new();
+    for r in 0..a.engine_rounds {
+        let (p, u) = alternate(r, &mut || one("psync"), &mut || one("uring"));
+        eprintln!(
+            "  engine round {r}: cold fill psync {:.0} / uring {:.0} MiB/s, verify psync {:.0} / uring {:.0} MiB/s",
+            p.0 / MIB,
+            u.0 / MIB,
+            p.1 / MIB,
+            u.1 / MIB
+        );
+        fill.push((p.0, u.0));
+        verify.push((p.1, u.1));
+    }
+    Some((fill, verify))
 }

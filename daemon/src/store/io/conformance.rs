@@ -212,3 +212,94 @@ fn threads_write_blocks_of_one_file(io: &dyn BlockIo) {
         );
     }
 }
+
+/// One step of [`differential`].
+#[derive(Debug, Clone)]
+pub(crate) enum Step {
+    Create(usize, u64),
+    /// File, then (block, seed) writes in one batch.
+    Write(usize, Vec<(u64, u8)>),
+    /// File, then blocks read in one batch.
+    Read(usize, Vec<u64>),
+    Remove(usize),
+}
+
+/// Random steps over a few files of up to 8 blocks of 4 KiB (reads and writes may reach
+/// past the end).
+pub(crate) fn steps() -> impl proptest::strategy::Strategy<Value = Vec<Step>> {
+    use proptest::prelude::*;
+    let step = prop_oneof![
+        1 => (0..3usize, 0..8u64).prop_map(|(f, n)| Step::Create(f, n * 4096 + n * 7)),
+        3 => (0..3usize, proptest::collection::vec((0..9u64, any::<u8>()), 0..5))
+            .prop_map(|(f, w)| Step::Write(f, w)),
+        3 => (0..3usize, proptest::collection::vec(0..9u64, 0..5)).prop_map(|(f, r)| Step::Read(f, r)),
+        1 => (0..3usize).prop_map(Step::Remove),
+    ];
+    proptest::collection::vec(step, 1..30)
+}
+
+/// Runs `steps` on `io` and on the in-memory twin: every result (success, error kind,
+/// bytes read) must be the same. Writes go to distinct blocks within a batch.
+pub(crate) fn differential(io: &dyn BlockIo, steps: &[Step]) {
+    let twin = super::mem::MemIo::new();
+    let name = |f: usize| format!("ab/f.{f}");
+    for step in steps {
+        match step {
+            Step::Create(f, size) => {
+                assert_eq!(
+                    io.create(&name(*f), *size).is_ok(),
+                    twin.create(&name(*f), *size).is_ok()
+                );
+            }
+            Step::Write(f, ws) => {
+                let mut seen = std::collections::BTreeSet::new();
+                let data: Vec<(u64, Vec<u8>)> = ws
+                    .iter()
+                    .filter(|(b, _)| seen.insert(*b))
+                    .map(|(b, seed)| (b * 4096, pattern(*seed, 4096)))
+                    .collect();
+                let batch: Vec<(u64, &[u8])> = data.iter().map(|(o, d)| (*o, &d[..])).collect();
+                let (a, b) = (
+                    io.write_durable(&name(*f), &batch),
+                    twin.write_durable(&name(*f), &batch),
+                );
+                assert_eq!(
+                    a.as_ref().map_err(io::Error::kind),
+                    b.as_ref().map_err(io::Error::kind),
+                    "{step:?}"
+                );
+            }
+            Step::Read(f, rs) => {
+                let run = |e: &dyn BlockIo| {
+                    let mut bufs = vec![vec![0u8; 4096]; rs.len()];
+                    let mut reads: Vec<(u64, &mut [u8])> = rs
+                        .iter()
+                        .zip(bufs.iter_mut())
+                        .map(|(b, buf)| (b * 4096, &mut buf[..]))
+                        .collect();
+                    let r: Vec<_> = e
+                        .read_many(&name(*f), &mut reads)
+                        .into_iter()
+                        .map(|r| r.map_err(|e| e.kind()))
+                        .collect();
+                    // What a failed read left in its buffer is unspecified.
+                    let got: Vec<_> = bufs
+                        .into_iter()
+                        .zip(&r)
+                        .filter(|(_, r)| r.is_ok())
+                        .map(|(b, _)| b)
+                        .collect();
+                    (r, got)
+                };
+                assert_eq!(run(io), run(&twin), "{step:?}");
+            }
+            Step::Remove(f) => {
+                let (a, b) = (io.remove(&name(*f)), twin.remove(&name(*f)));
+                assert_eq!(a.map_err(|e| e.kind()), b.map_err(|e| e.kind()), "{step:?}");
+            }
+        }
+        for f in 0..3 {
+            assert_eq!(io.exists(&name(f)), twin.exists(&name(f)));
+        }
+    }
+}

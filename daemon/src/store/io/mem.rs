@@ -67,7 +67,7 @@ impl BlockIo for MemIo {
                 let start = *off as usize;
                 let end = start + buf.len();
                 if end > f.len() {
-                    return Err(super::short("read"));
+                    return Err(super::eof());
                 }
                 buf.copy_from_slice(&f[start..end]);
                 Ok(())

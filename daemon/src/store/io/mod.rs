@@ -137,14 +137,10 @@ pub fn open(choice: IoEngine, data_dir: &Path) -> io::Result<Arc<dyn BlockIo>> {
     }
 }
 
-/// A short transfer as an error (the engines retry the rest of a short read or write
-/// themselves; this is what a zero-length transfer becomes).
-pub(crate) fn short(what: &str) -> io::Error {
-    match what {
-        "read" => io::Error::new(
-            io::ErrorKind::UnexpectedEof,
-            "read past the end of a data file",
-        ),
-        _ => io::Error::new(io::ErrorKind::WriteZero, "write made no progress"),
-    }
+/// A read past the end of a data file, as `read_exact_at` reports it.
+pub(crate) fn eof() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::UnexpectedEof,
+        "read past the end of a data file",
+    )
 }
