@@ -37,6 +37,19 @@ fn stall_bound(cfg: &Config) -> Duration {
     }
 }
 
+/// Everything start-up refuses of `cfg`: [`Config::check`] (the settings, and what this
+/// machine must offer), then that the peer TLS files load ([`crate::peer::tls::Tls::load`]:
+/// they parse, the key fits the certificate, the certificate verifies against the CA).
+/// `shardcached --check-config` and [`Daemon::start`] both call it, so that the check
+/// passes exactly the configurations a start accepts.
+pub fn check(cfg: &Config) -> Result<(), String> {
+    cfg.check()?;
+    if let Some(files) = cfg.peer_tls() {
+        crate::peer::tls::Tls::load(&files)?;
+    }
+    Ok(())
+}
+
 /// A running daemon.
 #[derive(Debug)]
 pub struct Daemon {
@@ -133,11 +146,10 @@ impl Endpoint for Probes {
 }
 
 impl Daemon {
-    /// Checks `cfg` ([`Config::check`], as `shardcached --check-config` does), opens the
+    /// Checks `cfg` ([`check`], as `shardcached --check-config` does), opens the
     /// store, binds the socket and starts serving.
     pub fn start(cfg: &Config) -> anyhow::Result<Self> {
-        cfg.check()
-            .map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;
+        check(cfg).map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;
         let mut roots = Vec::new();
         for r in &cfg.backing_roots {
             // Directories are trusted as long as file metadata (metadata_ttl).
@@ -420,5 +432,43 @@ impl Daemon {
         self.store.close().context("closing the store")?;
         tracing::info!("shardcached stopped cleanly");
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The TLS half of `config::tests::peer_tls_is_all_or_nothing_with_peers`: whether
+    /// the files load is checked here (the peer layer loads them), with the key named.
+    #[test]
+    fn check_loads_the_peer_tls_files() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("secret"), "0123456789abcdef-secret").unwrap();
+        let f = |n: &str| Some(dir.path().join(n));
+        let base = Config {
+            backing_roots: vec![dir.path().to_owned()],
+            cache_dir: dir.path().join("cache"),
+            socket: dir.path().join("sc.sock"),
+            metrics_listen: MetricsListen::Off,
+            peer_listen: Some("127.0.0.1:7070".parse().unwrap()),
+            peers: vec!["127.0.0.1:7071".into()],
+            peer_secret_file: f("secret"),
+            ..Config::default()
+        };
+        assert_eq!(check(&base), Ok(()));
+        let all = Config {
+            peer_tls_cert: f("tls.crt"),
+            peer_tls_key: f("tls.key"),
+            peer_tls_ca: f("ca.crt"),
+            ..base
+        };
+        assert_eq!(all.validate(), Ok(()));
+        // Missing files: the key that names them.
+        let e = check(&all).unwrap_err();
+        assert!(e.starts_with("peer_tls_cert:"), "{e}");
+        std::fs::write(dir.path().join("tls.crt"), "not PEM").unwrap();
+        let e = check(&all).unwrap_err();
+        assert!(e.contains("no PEM certificate"), "{e}");
     }
 }

@@ -774,9 +774,9 @@ mod tests {
     use crate::backing::fault::{Faults, FaultyBacking};
     use crate::backing::mem::MemBacking;
     use crate::backing::{Backing, Owner};
-    use crate::config::SizeSpec;
     use crate::meta::{Root, Roots};
     use crate::store::StoreConfig;
+    use crate::units::SizeSpec;
 
     const BS: u32 = 4096;
 

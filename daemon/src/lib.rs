@@ -32,3 +32,4 @@ pub mod planner;
 pub mod server;
 pub mod stats;
 pub mod store;
+pub mod units;

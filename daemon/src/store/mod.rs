@@ -54,8 +54,8 @@ use xxhash_rust::xxh3::xxh3_128;
 
 use crate::backing::{Stat, Version};
 use crate::checksum::{BlockHasher, block_xxh3};
-use crate::config::SizeSpec;
 use crate::stats::{Stats, add, inc};
+use crate::units::SizeSpec;
 use evict::{EvictionPolicy, Lru};
 use journal::Journal;
 
