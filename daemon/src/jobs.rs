@@ -1217,9 +1217,10 @@ impl PlannedPolicy {
 /// rendezvous hashing.
 fn owner_of<'a>(p: &Planner, roots: &Roots, f: &FileRef, healthy: &'a [String]) -> Option<&'a str> {
     let root = &roots.get(f.root).name;
-    let id = |f: &FileRef| crate::peer::file_id(&roots.get(f.root).name, &f.path);
-    p.plan_owner(f, healthy, &id)
-        .or_else(|| crate::peer::file_owner(healthy.iter().map(String::as_str), root, &f.path))
+    let id = |f: &FileRef| crate::planner::ring::file_id(&roots.get(f.root).name, &f.path);
+    p.plan_owner(f, healthy, &id).or_else(|| {
+        crate::planner::ring::file_owner(healthy.iter().map(String::as_str), root, &f.path)
+    })
 }
 
 impl EvictionPolicy for PlannedPolicy {

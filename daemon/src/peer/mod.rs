@@ -1,7 +1,7 @@
 //! Peers: daemons on other nodes share cached blocks, so that the shared file system is
 //! read about once per block per cluster.
 //!
-//! Every block has an owner among the healthy peers ([`ring`], rendezvous hashing over
+//! Every block has an owner among the healthy peers ([`crate::planner::ring`], rendezvous hashing over
 //! [`membership`]). A fill that misses locally asks the owner: the owner serves the
 //! block from its cache, or fetches it from the backing store first (its own fill
 //! engine: one backing read however many nodes ask), and the requester checks the
@@ -22,7 +22,6 @@
 pub mod auth;
 mod data;
 pub mod membership;
-pub mod ring;
 mod service;
 pub mod tls;
 pub mod wire;
@@ -132,23 +131,7 @@ const RANKS_REFRESH: Duration = Duration::from_secs(5);
 /// Nodes asked for a block before its owner (each "not here" costs a round trip).
 const MAX_HOLDERS: usize = 3;
 
-/// The owner of file `path` under `root` among `members` (what every node computes).
-pub fn file_owner<'a>(
-    members: impl IntoIterator<Item = &'a str>,
-    root: &str,
-    path: &str,
-) -> Option<&'a str> {
-    ring::owner(members, &file_id(root, path))
-}
-
-/// A file's identity for ownership: its root and canonical path.
-pub(crate) fn file_id(root: &str, path: &str) -> Vec<u8> {
-    let mut id = Vec::with_capacity(root.len() + path.len() + 1);
-    id.extend_from_slice(root.as_bytes());
-    id.push(0);
-    id.extend_from_slice(path.as_bytes());
-    id
-}
+pub use crate::planner::ring::{file_id, file_owner};
 
 /// This node's side of sharing: the service other nodes call, and the client fills use.
 pub struct Peers {
