@@ -1,5 +1,12 @@
-//! Wiring: builds every part from a [`Config`], runs them, and shuts them down in
-//! order (stop clients, stop fills, then mark the store clean).
+//! Wiring: builds every part from a [`Config`] in one pass, each handed what it uses at
+//! construction (imports point downward only; nothing is set later), runs them, and
+//! shuts them down in order (stop clients, stop fills, then mark the store clean).
+//!
+//! The order of construction: the roots and the metadata cache; the member list (with
+//! peers); the plans cell ([`Plans`]: what the store's eviction policy, the peers and
+//! the jobs share); the store over the plan-aware policy; the peers' client; the fill
+//! engine over its sources (the peers, then each root's backing store); the peer port
+//! serving through the fill engine; the jobs; the socket server; the prefetcher.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -10,14 +17,18 @@ use anyhow::Context;
 use crate::backing::Backing;
 use crate::backing::posix::PosixBacking;
 use crate::backing::throttle::{Bucket, ThrottledBacking};
+use crate::blocks::{BlockSource, Sources};
 use crate::config::{Config, MetricsListen};
 use crate::fill::Filler;
-use crate::jobs::{Jobs, PlannedPolicy};
+use crate::jobs::Jobs;
 use crate::meta::{Meta, Root, Roots};
 use crate::metrics::Metrics;
 use crate::metrics::http::{self, Endpoint, HttpServer};
 use crate::peer::membership::Source;
-use crate::peer::{PeerConfig, Peers};
+use crate::peer::source::PeerSource;
+use crate::peer::{PeerConfig, PeerServer, Peers};
+use crate::policy::planned::PlannedPolicy;
+use crate::policy::{Members, Plans};
 use crate::server::{self, Ctx, Server};
 use crate::stats::Stats;
 use crate::store::{Store, StoreConfig};
@@ -56,6 +67,7 @@ pub struct Daemon {
     server: Server,
     ctx: Arc<Ctx>,
     peers: Option<Arc<Peers>>,
+    peer_server: Option<PeerServer>,
     filler: Arc<Filler>,
     store: Arc<Store>,
     scrub: Option<Scrub>,
@@ -76,24 +88,6 @@ pub const SCRUB_RATE: u64 = 256 << 20;
 /// Most bytes per second the background scrub reads while clients or peers are active
 /// (blocks they want are checked on first use anyway).
 pub const SCRUB_RATE_BUSY: u64 = 16 << 20;
-
-/// Marks a long-running thread as alive for as long as it is held: its drop (the thread
-/// ending, by return or by panic) clears the flag the liveness probe reads.
-#[derive(Debug)]
-pub struct Alive(Arc<AtomicBool>);
-
-impl Alive {
-    /// Holds `flag` (already set by the caller) until dropped.
-    pub fn new(flag: Arc<AtomicBool>) -> Self {
-        Self(flag)
-    }
-}
-
-impl Drop for Alive {
-    fn drop(&mut self) {
-        self.0.store(false, Ordering::Release);
-    }
-}
 
 /// What `/metrics`, `/healthz` and `/readyz` answer from.
 #[derive(Debug)]
@@ -198,8 +192,18 @@ impl Daemon {
             min_free: cfg.min_free,
             block_size: u32::try_from(cfg.block_size).context("block_size")?,
         };
-        let jobs = Arc::new(Jobs::new(meta.clone(), metrics.prefetch()));
-        let policy = Box::new(PlannedPolicy::new(jobs.clone()));
+        // With peers: the port is bound first (a taken port stops the start here), and
+        // the member list exists before the store's policy, which asks it who owns what.
+        let peer_cfg = match cfg.peer_listen {
+            Some(listen) => Some((Self::peer_config(cfg, listen)?, crate::peer::bind(listen)?)),
+            None => None,
+        };
+        let membership = peer_cfg
+            .as_ref()
+            .map(|(pc, _)| crate::peer::member_list(pc));
+        let plans = Arc::new(Plans::new(meta.roots().clone(), membership.is_some()));
+        let members = membership.clone().map(|m| m as Arc<dyn Members>);
+        let policy = Box::new(PlannedPolicy::new(plans.clone(), members));
         let store = Arc::new(
             Store::open_with_policy(&store_cfg, stats.clone(), policy).with_context(|| {
                 format!(
@@ -208,22 +212,43 @@ impl Daemon {
                 )
             })?,
         );
+        let peers = match (&peer_cfg, membership) {
+            (Some((pc, _)), Some(m)) => Some(
+                Peers::start(pc, m, plans.clone(), stats.clone(), store.block_size())
+                    .with_context(|| format!("peer_listen: starting the peers on {}", pc.listen))?,
+            ),
+            _ => None,
+        };
+        let mut sources = Sources::backing(&meta, &stats);
+        if let Some(p) = &peers {
+            let first: Arc<dyn BlockSource> = Arc::new(PeerSource::new(p.clone()));
+            sources = sources.ask_first(first);
+        }
         let filler = Arc::new(
             Filler::new(
                 store.clone(),
                 meta.clone(),
                 stats.clone(),
+                sources,
                 cfg.fill_workers,
                 cfg.fill_queue,
             )
             .context("starting fill workers")?,
         );
-        let peers = match cfg.peer_listen {
-            Some(listen) => Some(Self::start_peers(
-                cfg, listen, &store, &meta, &stats, &filler, &jobs,
-            )?),
-            None => None,
+        let peer_server = match (peer_cfg, &peers) {
+            (Some((pc, listener)), Some(p)) => Some(
+                PeerServer::start(&pc, listener, p, meta.clone(), filler.clone()).with_context(
+                    || format!("peer_listen: starting the peer service on {}", pc.listen),
+                )?,
+            ),
+            _ => None,
         };
+        let jobs = Arc::new(Jobs::new(
+            meta.clone(),
+            plans,
+            peers.clone(),
+            metrics.prefetch(),
+        ));
         let listener = server::bind(&cfg.socket, cfg.socket_mode)
             .with_context(|| format!("socket: binding {}", cfg.socket.display()))?;
         let meta_for_prefetch = meta.clone();
@@ -290,6 +315,7 @@ impl Daemon {
             server,
             ctx,
             peers,
+            peer_server,
             filler,
             store,
             scrub,
@@ -316,16 +342,8 @@ impl Daemon {
         &self.ctx
     }
 
-    /// Starts the peer service and lets fills ask peers.
-    fn start_peers(
-        cfg: &Config,
-        listen: std::net::SocketAddr,
-        store: &Arc<Store>,
-        meta: &Arc<Meta>,
-        stats: &Arc<Stats>,
-        filler: &Arc<Filler>,
-        jobs: &Arc<Jobs>,
-    ) -> anyhow::Result<Arc<Peers>> {
+    /// The peers' settings from `cfg` (the secret read from its file).
+    fn peer_config(cfg: &Config, listen: std::net::SocketAddr) -> anyhow::Result<PeerConfig> {
         let file = cfg
             .peer_secret_file
             .as_ref()
@@ -338,7 +356,7 @@ impl Daemon {
             }
             None => Source::Static(cfg.peers.clone()),
         };
-        let pc = PeerConfig {
+        Ok(PeerConfig {
             listen,
             advertise: cfg
                 .peer_advertise
@@ -349,13 +367,7 @@ impl Daemon {
             timeout: cfg.peer_timeout,
             refresh: cfg.peer_refresh,
             tls: cfg.peer_tls(),
-        };
-        let (peers, fill_cell) = Peers::start(&pc, store.clone(), meta.clone(), stats.clone())
-            .with_context(|| format!("peer_listen: starting the peer service on {listen}"))?;
-        let _ = fill_cell.set(filler.clone());
-        filler.use_peers(peers.clone());
-        jobs.set_peers(peers.clone());
-        Ok(peers)
+        })
     }
 
     /// After every start, checks in the background every block kept from before it
@@ -409,6 +421,9 @@ impl Daemon {
     pub fn close(mut self) -> anyhow::Result<()> {
         self.probes.ready.store(false, Ordering::Release);
         self.server.close();
+        if let Some(p) = &self.peer_server {
+            p.close();
+        }
         if let Some(p) = &self.peers {
             p.close();
         }

@@ -1,7 +1,7 @@
-//! Registered jobs: their manifests feed the [`Planner`], which then decides eviction
-//! (through [`PlannedPolicy`], the store's eviction policy) and prefetch (the thread
-//! started by [`Jobs::start_prefetcher`]). Reads move a job's position (`on_open`), and
-//! so does an explicit progress report.
+//! Registered jobs: their manifests feed the planner (in the [`Plans`] cell they share
+//! with the store's eviction policy, `crate::policy::planned`, and the peers), which
+//! then decides eviction and prefetch (the thread started by [`Jobs::start_prefetcher`]).
+//! Reads move a job's position (`on_open`), and so does an explicit progress report.
 //!
 //! A registration acts with its registrant's rights, never the daemon's: a glob lists
 //! only directories the registrant may list, the prefetcher fetches (from the backing
@@ -29,8 +29,8 @@ use crate::fill::{Filler, Flight, Priority, Scheduled, Target};
 use crate::meta::{Hold, Meta, Roots, Voucher};
 use crate::metrics::PrefetchInstruments;
 use crate::planner::prefetch::{self, CacheView, Pace};
-use crate::planner::{FileRef, Need, Planner, Source};
-use crate::store::evict::{EvictionPolicy, Lru};
+use crate::planner::{FileRef, Planner, Source};
+use crate::policy::{Plans, Slots};
 use crate::store::{Key, Store};
 
 /// How far ahead of a job's position a read may be and still count as its next read.
@@ -158,9 +158,8 @@ impl Left {
 pub struct Jobs {
     roots: Arc<Roots>,
     meta: Arc<Meta>,
-    /// Root index by root name (store entries name their root).
-    root_index: HashMap<String, usize>,
-    planner: Mutex<Planner>,
+    /// The planner and what it says, shared with the store's policy and the peers.
+    plans: Arc<Plans>,
     info: Mutex<BTreeMap<String, JobInfo>>,
     next_tag: AtomicU64,
     /// Files being prefetched now (for status).
@@ -168,9 +167,9 @@ pub struct Jobs {
     /// Sizes of planned files, as declared by manifests or stat'ed by the prefetcher
     /// and the status (bounded: cleared when it grows past a million entries).
     sizes: Mutex<HashMap<FileRef, u64>>,
-    /// The peers, when this node shares with others: eviction then keeps the files this
-    /// node owns for the cluster before its local copies of files others own.
-    peers: std::sync::OnceLock<Arc<crate::peer::Peers>>,
+    /// The peers, when this node shares with others: the cluster layouts come from
+    /// them, and claimed copies are released through them.
+    peers: Option<Arc<crate::peer::Peers>>,
     wake: (Mutex<bool>, Condvar),
     /// Files the prefetcher fetched, until their first open: the open then records the
     /// prefetch lead time (or a late prefetch).
@@ -178,17 +177,6 @@ pub struct Jobs {
     instruments: PrefetchInstruments,
     /// False once the prefetch thread has ended (for the liveness probe).
     prefetcher_alive: Arc<AtomicBool>,
-    /// Per shuffle, how many of its files this node's cache holds (told to peers for
-    /// the cluster placement): the capacity ÷ the number of shuffles ÷ the files' mean
-    /// size (over a sample), fixed when first computed; and that mean size.
-    slots: Mutex<HashMap<String, Slots>>,
-}
-
-/// A shuffle's slots on this node (see `Jobs::slots`).
-#[derive(Debug, Clone, Copy)]
-struct Slots {
-    files: u64,
-    mean_size: u64,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -196,30 +184,27 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Jobs {
-    /// No jobs yet; the prefetcher records its lead times into `instruments`.
-    pub fn new(meta: Arc<Meta>, instruments: PrefetchInstruments) -> Self {
-        let roots = meta.roots().clone();
-        let root_index = roots
-            .all()
-            .iter()
-            .enumerate()
-            .map(|(i, r)| (r.name.clone(), i))
-            .collect();
+    /// No jobs yet: they are planned in `plans`; with `peers`, cluster layouts come
+    /// from them. The prefetcher records its lead times into `instruments`.
+    pub fn new(
+        meta: Arc<Meta>,
+        plans: Arc<Plans>,
+        peers: Option<Arc<crate::peer::Peers>>,
+        instruments: PrefetchInstruments,
+    ) -> Self {
         Self {
-            roots,
+            roots: meta.roots().clone(),
             meta,
-            root_index,
-            planner: Mutex::new(Planner::new()),
+            plans,
             info: Mutex::new(BTreeMap::new()),
             next_tag: AtomicU64::new(1),
             prefetching: AtomicU64::new(0),
             sizes: Mutex::new(HashMap::new()),
-            peers: std::sync::OnceLock::new(),
+            peers,
             wake: (Mutex::new(false), Condvar::new()),
             prefetched: Mutex::new(HashMap::new()),
             instruments,
             prefetcher_alive: Arc::new(AtomicBool::new(false)),
-            slots: Mutex::new(HashMap::new()),
         }
     }
 
@@ -238,22 +223,6 @@ impl Jobs {
             Some(Prefetched::InFlight) => self.instruments.late.increment(1),
             None => {}
         }
-    }
-
-    /// Makes eviction aware of the cluster: which files this node owns for it, and
-    /// (cluster mode, [`Planner::set_cluster`]) which files other nodes' ranks read next;
-    /// and lets the peers ask the plans who read a file last.
-    pub fn set_peers(self: &Arc<Self>, peers: Arc<crate::peer::Peers>) {
-        lock(&self.planner).set_cluster(true);
-        peers.use_plans(Arc::new(Hooks(Arc::downgrade(self))));
-        let _ = self.peers.set(peers);
-    }
-
-    fn file_ref(&self, root: &str, path: &str) -> Option<FileRef> {
-        self.root_index.get(root).map(|&r| FileRef {
-            root: r,
-            path: path.to_owned(),
-        })
     }
 
     fn poke(&self) {
@@ -389,7 +358,8 @@ impl Jobs {
         }
         let n = files.len();
         let immutable = m.immutable.then(|| Arc::new(files.clone()));
-        lock(&self.planner)
+        self.plans
+            .planner()
             .register(&m.job, files, source)
             .map_err(|e| format!("plan: {e}"))?;
         let immutable = immutable.map(|f| {
@@ -412,7 +382,7 @@ impl Jobs {
             immutable_owner_only: immutable.is_some() && !operator,
         };
         let tag = self.next_tag.fetch_add(1, Ordering::Relaxed);
-        let done = lock(&self.planner).steps_done(&m.job).unwrap_or(0);
+        let done = self.plans.planner().steps_done(&m.job).unwrap_or(0);
         let old = lock(&self.info).insert(
             m.job.clone(),
             JobInfo {
@@ -472,11 +442,11 @@ impl Jobs {
     }
 
     pub fn unregister(&self, job: &str) -> bool {
-        lock(&self.slots).remove(job);
+        self.plans.slots().remove(job);
         if let Some(old) = lock(&self.info).remove(job) {
             self.release(&old);
         }
-        let found = lock(&self.planner).unregister(job);
+        let found = self.plans.planner().unregister(job);
         if found {
             tracing::info!(job, "prefetch manifest unregistered");
         }
@@ -487,14 +457,14 @@ impl Jobs {
     /// its cluster layout as the peers report it (none until every rank's node and
     /// every node's slots are known: eviction and fetches then go by ownership).
     fn update_layouts(&self, store: &Store) {
-        let Some(peers) = self.peers.get() else {
+        let Some(peers) = &self.peers else {
             return;
         };
-        let shuffles = lock(&self.planner).shuffles();
+        let shuffles = self.plans.planner().shuffles();
         let n = shuffles.len() as u64;
         let me = peers.view().1;
         for (job, world, _) in shuffles {
-            if !lock(&self.slots).contains_key(&job) {
+            if !self.plans.slots().contains_key(&job) {
                 let Some(files) = self.files_of(&job) else {
                     continue;
                 };
@@ -512,7 +482,7 @@ impl Jobs {
                 let mean = (sizes.iter().sum::<u64>() / sizes.len() as u64).max(1);
                 let slots = (store.capacity() / n.max(1) / mean).max(1);
                 tracing::debug!(job = %job, slots, mean, "cluster placement: this node's slots");
-                lock(&self.slots).insert(
+                self.plans.slots().insert(
                     job.clone(),
                     Slots {
                         files: slots,
@@ -521,14 +491,14 @@ impl Jobs {
                 );
             }
             let Some(layout) = peers.layout(&job, world) else {
-                lock(&self.planner).set_layout(&job, None, &me);
+                self.plans.planner().set_layout(&job, None, &me);
                 continue;
             };
-            let made = lock(&self.planner).placement_for(&job, layout, &me);
+            let made = self.plans.planner().placement_for(&job, layout, &me);
             if let Some((mut p, target)) = made {
                 // The replay from the start of the plan, without the planner lock.
                 p.advance(target);
-                lock(&self.planner).install_placement(&job, p);
+                self.plans.planner().install_placement(&job, p);
             }
         }
     }
@@ -545,7 +515,7 @@ impl Jobs {
     /// may fetch. Each job whose registrant may not read it counts it (and stops
     /// counting it once it may). `None`: no fetch.
     fn stat_for_plan(&self, meta: &Meta, f: &FileRef) -> Option<Arc<Stat>> {
-        let readers = lock(&self.planner).readers_of(f);
+        let readers = self.plans.planner().readers_of(f);
         let who: Vec<(String, u32, Creds, bool)> = {
             let info = lock(&self.info);
             readers
@@ -593,7 +563,7 @@ impl Jobs {
     /// Sets a job's position explicitly: `Ok(false)` when no such job is registered; an
     /// error when the position is not in its plan (nothing changes).
     pub fn progress(&self, job: &str, epoch: u64, step: u64) -> Result<bool, String> {
-        let found = lock(&self.planner).set_position(job, epoch, step)?;
+        let found = self.plans.planner().set_position(job, epoch, step)?;
         self.poke();
         Ok(found)
     }
@@ -605,7 +575,7 @@ impl Jobs {
 
     /// The files of job `id`, in manifest order; `None` when no such job is registered.
     pub fn files_of(&self, id: &str) -> Option<Arc<Vec<FileRef>>> {
-        lock(&self.planner).job_files(id)
+        self.plans.planner().job_files(id)
     }
 
     /// The size of `f` when a manifest declared it or the daemon stat'ed it since
@@ -616,7 +586,7 @@ impl Jobs {
 
     /// Which of `files` some registered job plans (one planner lock for all).
     pub fn planned(&self, files: &[FileRef]) -> Vec<bool> {
-        let p = lock(&self.planner);
+        let p = self.plans.planner();
         files.iter().map(|f| p.is_planned(f)).collect()
     }
 
@@ -635,7 +605,9 @@ impl Jobs {
             root,
             path: rel.to_owned(),
         };
-        let job = lock(&self.planner)
+        let job = self
+            .plans
+            .planner()
             .on_access(&f, READ_WINDOW)
             .map(str::to_owned);
         self.poke();
@@ -672,7 +644,7 @@ impl Jobs {
     /// planner, which then compares needs across jobs in seconds. A job that read
     /// nothing in a period keeps its last rate (a pause is not a slowdown).
     fn measure_rates(&self) {
-        let mut p = lock(&self.planner);
+        let mut p = self.plans.planner();
         let mut info = lock(&self.info);
         for (id, j) in info.iter_mut() {
             let (done0, at) = j.rate_mark;
@@ -723,7 +695,7 @@ impl Jobs {
         let mut out = Vec::new();
         for (job, files, u, rate, left) in info {
             let (pos, len, upcoming, placed) = {
-                let mut p = lock(&self.planner);
+                let mut p = self.plans.planner();
                 let placed = p.placement_status(&job).unwrap_or_default();
                 let pos = p.position(&job).unwrap_or_default();
                 let len = p.epoch_len(&job).unwrap_or_default();
@@ -797,7 +769,7 @@ impl Jobs {
         let stop = Arc::new(AtomicBool::new(false));
         let (jobs, s) = (self.clone(), stop.clone());
         self.prefetcher_alive.store(true, Ordering::Release);
-        let alive = crate::daemon::Alive::new(self.prefetcher_alive.clone());
+        let alive = crate::lifecycle::Alive::new(self.prefetcher_alive.clone());
         let h = std::thread::Builder::new()
             .name("sc-prefetch".into())
             .spawn(move || {
@@ -877,7 +849,7 @@ impl Jobs {
                     // soon (it was turned away while exchanges were under way: the
                     // room comes back as peers take their copies).
                     let now = Instant::now();
-                    let at = if lock(&self.planner).is_mine(f) {
+                    let at = if self.plans.planner().is_mine(f) {
                         now.checked_sub(DECLINED_BACKOFF - PLACED_BACKOFF)
                             .unwrap_or(now)
                     } else {
@@ -907,7 +879,7 @@ impl Jobs {
             }
             // Sizes of the upcoming files, looked up without the planner lock (a stat
             // may go to the backing store).
-            let upcoming = lock(&self.planner).upcoming(LOOKAHEAD);
+            let upcoming = self.plans.planner().upcoming(LOOKAHEAD);
             for (f, _) in &upcoming {
                 self.size_of(f);
             }
@@ -951,7 +923,7 @@ impl Jobs {
             let mut fetches = Vec::new();
             let mut claims: Vec<FileRef> = Vec::new();
             {
-                let mut p = lock(&self.planner);
+                let mut p = self.plans.planner();
                 let reads = p.reads();
                 ahead.retain(|_, due| reads < *due);
                 // First what the cluster placement moved here (the reads of the next
@@ -994,7 +966,7 @@ impl Jobs {
             }
             drop(view);
             drop(sizes);
-            if let Some(peers) = self.peers.get() {
+            if let Some(peers) = &self.peers {
                 for f in claims {
                     let root = &self.roots.get(f.root).name;
                     if !store.is_cached(root, &f.path) {
@@ -1044,66 +1016,6 @@ impl Jobs {
                     flights.insert(f, fl);
                 }
             }
-        }
-    }
-}
-
-/// The plans as the peer layer sees them (weakly: the peers outlive nothing).
-struct Hooks(std::sync::Weak<Jobs>);
-
-impl crate::peer::PlanHooks for Hooks {
-    fn shuffles(&self) -> Vec<crate::peer::Shuffle> {
-        let Some(jobs) = self.0.upgrade() else {
-            return Vec::new();
-        };
-        let list = lock(&jobs.planner).shuffles();
-        let slots = lock(&jobs.slots);
-        list.into_iter()
-            .map(|(job, world, ranks)| crate::peer::Shuffle {
-                slots: slots.get(&job).map_or(0, |s| s.files),
-                job,
-                world,
-                ranks,
-            })
-            .collect()
-    }
-
-    fn keeps(&self, root: &str, path: &str) -> bool {
-        let Some(jobs) = self.0.upgrade() else {
-            return false;
-        };
-        jobs.file_ref(root, path)
-            .is_some_and(|f| lock(&jobs.planner).is_mine(&f))
-    }
-
-    fn placed(&self, root: &str, path: &str) -> Option<Vec<String>> {
-        let jobs = self.0.upgrade()?;
-        let f = jobs.file_ref(root, path)?;
-        lock(&jobs.planner).sources(&f)
-    }
-
-    fn holders(&self, root: &str, path: &str) -> Vec<(String, u64)> {
-        let Some(jobs) = self.0.upgrade() else {
-            return Vec::new();
-        };
-        let Some(f) = jobs.file_ref(root, path) else {
-            return Vec::new();
-        };
-        lock(&jobs.planner).holders(&f)
-    }
-
-    fn owner(&self, root: &str, path: &str, members: &[String]) -> Option<String> {
-        let jobs = self.0.upgrade()?;
-        let f = jobs.file_ref(root, path)?;
-        let p = lock(&jobs.planner);
-        owner_of(&p, &jobs.roots, &f, members).map(str::to_owned)
-    }
-
-    fn handed(&self, root: &str, path: &str) {
-        if let Some(jobs) = self.0.upgrade()
-            && let Some(f) = jobs.file_ref(root, path)
-        {
-            lock(&jobs.planner).set_handed(&f);
         }
     }
 }
@@ -1174,200 +1086,5 @@ impl CacheView for Snapshot<'_> {
     }
     fn has_room(&self, f: &FileRef) -> bool {
         self.size(f) <= self.room
-    }
-}
-
-/// The store's eviction policy: the planner's choice when jobs are registered (a file
-/// no plan needs, least recently used first, else the file needed farthest in the
-/// future, from the planner's eviction index) and its admission rule; plain LRU without
-/// jobs. Every entry is reported to the planner either way, so that its index is
-/// complete when a job registers.
-#[derive(Debug)]
-pub struct PlannedPolicy {
-    lru: Lru,
-    files: HashMap<Key, FileRef>,
-    keys: HashMap<FileRef, Key>,
-    jobs: Arc<Jobs>,
-}
-
-impl PlannedPolicy {
-    /// A policy consulting `jobs`.
-    pub fn new(jobs: Arc<Jobs>) -> Self {
-        Self {
-            lru: Lru::default(),
-            files: HashMap::new(),
-            keys: HashMap::new(),
-            jobs,
-        }
-    }
-
-    /// "This node owns the file for the cluster", when peers are on (see [`owner_of`]).
-    fn owner_test(&self) -> Option<impl Fn(&Planner, &FileRef) -> bool + use<>> {
-        let (healthy, me) = self.jobs.peers.get()?.view();
-        let roots = self.jobs.roots.clone();
-        Some(move |p: &Planner, f: &FileRef| {
-            p.protects(f)
-                .unwrap_or_else(|| owner_of(p, &roots, f, &healthy) == Some(me.as_str()))
-        })
-    }
-}
-
-/// The owner of `f` among `healthy` (sorted), as every node computes it: for a file a
-/// shuffle plans, the plan's balanced owner ([`Planner::plan_owner`]); else by
-/// rendezvous hashing.
-fn owner_of<'a>(p: &Planner, roots: &Roots, f: &FileRef, healthy: &'a [String]) -> Option<&'a str> {
-    let root = &roots.get(f.root).name;
-    let id = |f: &FileRef| crate::planner::ring::file_id(&roots.get(f.root).name, &f.path);
-    p.plan_owner(f, healthy, &id).or_else(|| {
-        crate::planner::ring::file_owner(healthy.iter().map(String::as_str), root, &f.path)
-    })
-}
-
-impl EvictionPolicy for PlannedPolicy {
-    fn insert(&mut self, key: Key, root: &str, path: &str) {
-        self.lru.insert(key, root, path);
-        if let Some(&r) = self.jobs.root_index.get(root) {
-            let f = FileRef {
-                root: r,
-                path: path.to_owned(),
-            };
-            lock(&self.jobs.planner).set_resident(&f, true);
-            self.keys.insert(f.clone(), key);
-            self.files.insert(key, f);
-        }
-    }
-
-    fn touch(&mut self, key: Key) {
-        self.lru.touch(key);
-        if let Some(f) = self.files.get(&key) {
-            lock(&self.jobs.planner).touch(f);
-        }
-    }
-
-    fn remove(&mut self, key: &Key) {
-        self.lru.remove(key);
-        if let Some(f) = self.files.remove(key)
-            && self.keys.get(&f) == Some(key)
-        {
-            // (Another version of the same path may have taken its place already.)
-            self.keys.remove(&f);
-
-            lock(&self.jobs.planner).set_resident(&f, false);
-        }
-    }
-
-    fn victim(&mut self, evictable: &dyn Fn(&Key) -> bool) -> Option<Key> {
-        // With peers, local copies of files other nodes own go before the files this
-        // node owns (the cluster's copy: evicting it sends a peer to the backing store).
-        let owned = self.owner_test();
-        let Self {
-            lru,
-            files,
-            keys,
-            jobs,
-        } = self;
-        if let Some(owned) = owned {
-            let local =
-                |p: &Planner, k: &Key| evictable(k) && files.get(k).is_none_or(|f| !owned(p, f));
-            if let Some(v) = choose(lru, keys, jobs, &local) {
-                if let Some(f) = files.get(&v) {
-                    tracing::trace!(path = %f.path, placement = %lock(&jobs.planner).describe_placement(f), "victim");
-                }
-                return Some(v);
-            }
-        }
-        choose(lru, keys, jobs, &|_, k| evictable(k))
-    }
-
-    fn admits(&mut self, root: &str, path: &str, victim: &Key, prefetch: bool) -> bool {
-        let (Some(&r), Some(v)) = (self.jobs.root_index.get(root), self.files.get(victim)) else {
-            return true;
-        };
-        let f = FileRef {
-            root: r,
-            path: path.to_owned(),
-        };
-        if let Some(owned) = self.owner_test() {
-            let (incoming, victim, placed) = {
-                let p = lock(&self.jobs.planner);
-                let placed = p.protects(&f).is_some() && p.protects(v).is_some();
-                (owned(&p, &f), owned(&p, v), placed)
-            };
-            match (incoming, victim) {
-                // Under a cluster placement, its copies never displace each other (the
-                // store goes over capacity by the copies leaving, see `exchange_allowance`).
-                (true, true) if placed => return false,
-                // A local copy never displaces the cluster's copy of another file.
-                (false, true) => return false,
-                // The cluster's copy displaces a local copy; and a local copy displaces
-                // another: refetching one from its owner costs a transfer between nodes,
-                // not reading the shared file system (which is what a client turned away
-                // here would do).
-                (true, false) | (false, false) => return true,
-                (true, true) => {}
-            }
-        }
-        if !self.jobs.any() {
-            return true;
-        }
-        let mut p = lock(&self.jobs.planner);
-        let (incoming, needed) = (p.need(&f), p.need(v));
-        if incoming == Need::Never && needed == Need::Never {
-            return true; // neither is planned: least recently used goes
-        }
-        if !needed.later_than(incoming) {
-            return false; // everything cached is needed sooner: bypass
-        }
-        // A prefetch decided a moment ago is checked again against the epoch rule.
-        !prefetch || {
-            let epoch = p.use_epoch(&f);
-            p.may_evict_for_prefetch(v, epoch)
-        }
-    }
-
-    fn exchange_allowance(&mut self, root: &str, path: &str, victim: &Key) -> u64 {
-        let (Some(&r), Some(v)) = (self.jobs.root_index.get(root), self.files.get(victim)) else {
-            return 0;
-        };
-        let f = FileRef {
-            root: r,
-            path: path.to_owned(),
-        };
-        let departing = {
-            let p = lock(&self.jobs.planner);
-            if p.protects(&f) != Some(true) || p.protects(v) != Some(true) {
-                return 0;
-            }
-            p.departing()
-        };
-        let slots = lock(&self.jobs.slots);
-        departing
-            .iter()
-            .map(|(job, n)| *n as u64 * slots.get(job).map_or(0, |s| s.mean_size))
-            .sum()
-    }
-
-    fn order(&self) -> Vec<Key> {
-        self.lru.order()
-    }
-}
-
-/// The victim among files `ok` accepts: the planner's choice with jobs registered, least
-/// recently used without.
-fn choose(
-    lru: &mut Lru,
-    keys: &HashMap<FileRef, Key>,
-    jobs: &Jobs,
-    ok: &dyn Fn(&Planner, &Key) -> bool,
-) -> Option<Key> {
-    let any = jobs.any();
-    let mut p = lock(&jobs.planner);
-    if !any {
-        return lru.victim(&|k| ok(&p, k));
-    }
-    match p.victim_indexed_with(&|p, f| keys.get(f).is_some_and(|k| ok(p, k))) {
-        Some(f) => keys.get(&f).copied(),
-        // Entries the planner cannot name (none in practice): least recently used.
-        None => lru.victim(&|k| ok(&p, k)),
     }
 }

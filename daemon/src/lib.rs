@@ -11,7 +11,13 @@
 //! - [`access`]: who may read what through the cache;
 //! - [`checksum`]: the block checksum (XXH3-64) the store records and peers check;
 //! - [`store`]: blocks on NVMe, the index journal, capacity and eviction;
+//! - [`blocks`]: the seams blocks travel through: where a fill gets them
+//!   ([`blocks::BlockSource`]) and what the peer server serves ([`blocks::BlockProvider`]);
+//! - [`planner`]: the pure epoch-aware planner; [`policy`]: the plans as the store's
+//!   eviction policy and the peers' placement view see them (the cell created first);
 //! - [`fill`]: single-flight block fills with a bounded priority queue;
+//! - [`peer`]: sharing between nodes (the client a fill's source, the server over a
+//!   provider); [`jobs`]: registered jobs and the prefetcher;
 //! - [`server`]: the local Unix-socket API (descriptors, not bytes);
 //! - [`metrics`]: every exported metric, and the HTTP endpoint for Prometheus and the
 //!   probes;
@@ -19,16 +25,19 @@
 
 pub mod access;
 pub mod backing;
+pub mod blocks;
 pub mod checksum;
 pub mod config;
 pub mod daemon;
 pub mod fill;
 pub mod glob;
 pub mod jobs;
+pub mod lifecycle;
 pub mod meta;
 pub mod metrics;
 pub mod peer;
 pub mod planner;
+pub mod policy;
 pub mod server;
 pub mod stats;
 pub mod store;

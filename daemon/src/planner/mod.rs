@@ -959,6 +959,11 @@ impl Planner {
         })
     }
 
+    /// True when some job is registered.
+    pub fn has_jobs(&self) -> bool {
+        !self.jobs.is_empty()
+    }
+
     /// True when some registered job reads `f`.
     pub fn is_planned(&self, f: &FileRef) -> bool {
         self.files.contains_key(f)

@@ -152,7 +152,7 @@ impl Server {
                 conns.clone(),
                 active.clone(),
             );
-            let alive = crate::daemon::Alive::new(accepting.clone());
+            let alive = crate::lifecycle::Alive::new(accepting.clone());
             std::thread::Builder::new()
                 .name("sc-accept".into())
                 .spawn(move || {

@@ -2,8 +2,8 @@
 //!
 //! The store asks an [`EvictionPolicy`] for victims and tells it about inserts, uses and
 //! removals; it never orders entries itself. [`Lru`] is the policy for data without a
-//! plan. The epoch-aware policy (evict what is needed farthest in the future) plugs in
-//! here.
+//! plan. The plan-aware policy (evict what is needed farthest in the future) is
+//! `crate::policy::planned`; this module knows no plans, peers or clients.
 
 use std::collections::BTreeMap;
 
@@ -29,11 +29,11 @@ pub trait EvictionPolicy: Send + fmt::Debug {
         true
     }
 
-    /// How far a fill of `path` under `root` may go over the capacity instead of
-    /// evicting `victim`, in bytes (0: not at all): when both are copies the cluster
-    /// keeps here, the victim only until another node has taken it, by the copies this
-    /// node keeps for other nodes (see `crate::planner::placement`). The default: 0.
-    fn exchange_allowance(&mut self, _root: &str, _path: &str, _victim: &Key) -> u64 {
+    /// How far a fill of `path` under `root` may take the store over its capacity
+    /// instead of evicting `victim`, in bytes (0: not at all; never past the free-space
+    /// floor). A policy that lets two caches swap files uses it: each needs the room
+    /// before the other lets go. The default: 0.
+    fn overcommit(&mut self, _root: &str, _path: &str, _victim: &Key) -> u64 {
         0
     }
 

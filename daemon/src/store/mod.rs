@@ -886,15 +886,12 @@ impl Store {
                     inc(&self.stats.fills_no_space);
                     return Err(StoreError::NoSpace);
                 };
-                // Two nodes exchanging the cluster's copies each need a file's room
-                // before the other lets go of its copy: the cache may go over its
-                // capacity by the copies it keeps until other nodes take them (a
-                // bounded number, for a bounded time), never past the free-space floor.
+                // The policy may let the cache go over its capacity instead (by a
+                // bounded amount, for a bounded time), never past the free-space floor.
                 if short == 0
-                    && wanted
-                        <= self.capacity + policy.exchange_allowance(root, &stat.path, &victim)
+                    && wanted <= self.capacity + policy.overcommit(root, &stat.path, &victim)
                 {
-                    tracing::debug!(path = %stat.path, over = wanted - self.capacity, "over capacity for an exchange");
+                    tracing::debug!(path = %stat.path, over = wanted - self.capacity, "over capacity: the policy's overcommit");
                     break;
                 }
                 if !policy.admits(root, &stat.path, &victim, prefetch) {
