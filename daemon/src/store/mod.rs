@@ -36,6 +36,7 @@
 //! engine ([`crate::fill`]) feeds it, the server hands out its descriptors.
 
 pub mod evict;
+mod free;
 pub mod journal;
 
 use rustc_hash::FxHashMap as HashMap;
@@ -57,6 +58,7 @@ use crate::checksum::{BlockHasher, block_xxh3};
 use crate::stats::{Stats, add, inc};
 use crate::units::SizeSpec;
 use evict::{EvictionPolicy, Lru};
+use free::{FreeSpace, fs_stats};
 use journal::Journal;
 
 /// Identity of a cached file version: xxh3-128 of (root, canonical path, version).
@@ -340,6 +342,8 @@ pub struct Store {
     block_size: u32,
     next_generation: AtomicU64,
     create: Mutex<()>,
+    /// The file system's free bytes, measured off the index lock.
+    free: FreeSpace,
     stats: Arc<Stats>,
     _lock: File,
 }
@@ -351,11 +355,6 @@ impl fmt::Debug for Store {
             .field("capacity", &self.capacity)
             .finish()
     }
-}
-
-fn fs_stats(dir: &Path) -> io::Result<(u64, u64)> {
-    let s = rustix::fs::statvfs(dir)?;
-    Ok((s.f_blocks * s.f_frsize, s.f_bavail * s.f_frsize))
 }
 
 fn now_nanos() -> u64 {
@@ -491,6 +490,7 @@ impl Store {
             "store opened"
         );
         Ok(Self {
+            free: FreeSpace::new(&dir)?,
             dir,
             data_fd: rustix::fs::open(
                 &data_dir,
@@ -720,7 +720,7 @@ impl Store {
 
     /// Bytes that can be admitted without evicting anything.
     pub fn room(&self) -> u64 {
-        let fs_free = fs_stats(&self.dir).map(|(_, f)| f).unwrap_or(0);
+        let fs_free = self.free.get();
         let idx = self.lock();
         let by_capacity = self.capacity.saturating_sub(idx.used + idx.reserved);
         let by_floor = fs_free.saturating_sub(self.min_free + idx.reserved);
@@ -829,6 +829,8 @@ impl Store {
             self.verify_blocks(key, generation, &[(i, meta)]);
         }
         let mut evicted = Vec::new();
+        // Measured (when due) before the index lock is taken, never under it.
+        let fs_free = self.free.get();
         let result = (|| {
             let mut idx = self.lock();
             if !idx.files.contains_key(key) {
@@ -864,7 +866,6 @@ impl Store {
             loop {
                 let wanted = idx.used + idx.reserved + len as u64;
                 let over_cap = wanted > self.capacity;
-                let (_, fs_free) = fs_stats(&self.dir)?;
                 let short =
                     (self.min_free + idx.reserved + len as u64).saturating_sub(fs_free + freed);
                 if !over_cap && short == 0 {
@@ -1028,6 +1029,7 @@ impl Store {
             .write(true)
             .open(self.data_path(&permit.key, generation))?;
         f.write_all_at(data, permit.offset)?;
+        self.free.wrote(data.len() as u64);
         f.sync_data()?;
         let meta = BlockMeta {
             len: permit.len,
@@ -1073,6 +1075,7 @@ impl Store {
             }
             inc(&self.stats.evicted_files);
             add(&self.stats.evicted_bytes, ev.bytes);
+            self.free.removed();
         }
     }
 
