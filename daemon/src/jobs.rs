@@ -30,11 +30,9 @@ use crate::meta::{Hold, Meta, Roots, Voucher};
 use crate::metrics::PrefetchInstruments;
 use crate::planner::prefetch::{self, CacheView, Pace};
 use crate::planner::{FileRef, Planner, Source};
-use crate::policy::{Plans, Slots};
+use crate::policy::{Applied, Deferred, Plans, Slots};
 use crate::store::{Key, Store};
 
-/// How far ahead of a job's position a read may be and still count as its next read.
-const READ_WINDOW: u64 = 64;
 /// Upcoming files the prefetcher and the status look at.
 const LOOKAHEAD: usize = 256;
 /// Most files in a job's readiness window (status, `shardcache prefetch --wait`).
@@ -177,6 +175,9 @@ pub struct Jobs {
     instruments: PrefetchInstruments,
     /// False once the prefetch thread has ended (for the liveness probe).
     prefetcher_alive: Arc<AtomicBool>,
+    /// The tag of the job an open of each planned file is reported under (the first
+    /// registered job that plans it): answered without the planner lock.
+    tags: std::sync::RwLock<HashMap<FileRef, u64>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -205,6 +206,7 @@ impl Jobs {
             prefetched: Mutex::new(HashMap::new()),
             instruments,
             prefetcher_alive: Arc::new(AtomicBool::new(false)),
+            tags: std::sync::RwLock::new(HashMap::new()),
         }
     }
 
@@ -213,16 +215,61 @@ impl Jobs {
         self.prefetcher_alive.load(Ordering::Acquire)
     }
 
-    /// A job opened `f`: if the prefetcher fetched it, record how long before the open it
-    /// became resident, or that the prefetch was late.
-    fn record_lead(&self, f: &FileRef) {
+    /// A job opened `f` at `at`: if the prefetcher fetched it, record how long before the
+    /// open it became resident, or that the prefetch was late.
+    fn record_lead(&self, f: &FileRef, at: Instant) {
         match lock(&self.prefetched).remove(f) {
-            Some(Prefetched::Resident(at)) => {
-                self.instruments.lead.record(at.elapsed().as_secs_f64());
+            Some(Prefetched::Resident(done)) if done <= at => {
+                self.instruments.lead.record((at - done).as_secs_f64());
             }
-            Some(Prefetched::InFlight) => self.instruments.late.increment(1),
+            Some(Prefetched::Resident(_) | Prefetched::InFlight) => {
+                self.instruments.late.increment(1);
+            }
             None => {}
         }
+    }
+
+    /// Accounts the reads the planner applied since the last call (per-job opens, lead
+    /// times).
+    fn account(&self, applied: Vec<Applied>) {
+        if applied.is_empty() {
+            return;
+        }
+        for a in &applied {
+            self.record_lead(&a.file, a.at);
+        }
+        let mut info = lock(&self.info);
+        for a in applied {
+            if let Some(j) = info.get_mut(&a.job) {
+                j.usage.opens += 1;
+                j.usage.opens_hit += a.hit as u64;
+            }
+        }
+    }
+
+    /// Applies the reads opens left for the planner, and accounts them.
+    fn settle(&self) {
+        drop(self.plans.planner());
+        self.account(self.plans.take_applied());
+    }
+
+    /// Rebuilds the tag index from the registered jobs (the first registered job that
+    /// plans a file names it).
+    fn rebuild_tags(&self) {
+        let mut jobs: Vec<(String, u64)> = lock(&self.info)
+            .iter()
+            .map(|(id, j)| (id.clone(), j.tag))
+            .collect();
+        jobs.sort_by_key(|(_, tag)| *tag);
+        let mut tags = HashMap::new();
+        for (id, tag) in jobs {
+            if let Some(files) = self.files_of(&id) {
+                for f in files.iter() {
+                    tags.entry(f.clone()).or_insert(tag);
+                }
+            }
+        }
+        *self.tags.write().unwrap_or_else(|e| e.into_inner()) = tags;
     }
 
     fn poke(&self) {
@@ -401,6 +448,7 @@ impl Jobs {
         if let Some(old) = old {
             self.release(&old);
         }
+        self.rebuild_tags();
         tracing::info!(
             job = %m.job,
             files = n,
@@ -447,6 +495,7 @@ impl Jobs {
             self.release(&old);
         }
         let found = self.plans.planner().unregister(job);
+        self.rebuild_tags();
         if found {
             tracing::info!(job, "prefetch manifest unregistered");
         }
@@ -596,7 +645,10 @@ impl Jobs {
     }
 
     /// A client opened `rel` under root `root` (`hit`: cached whole). Returns the tag of
-    /// the job whose plan the read follows (0: none).
+    /// the job whose plan names the file (0: none), under which the client reports the
+    /// read. Takes no planner lock: the read is left for the planner
+    /// ([`Deferred::Access`]), which the prefetcher (woken here) applies and accounts
+    /// before it plans again; without a running prefetcher, it is applied here.
     pub fn on_open(&self, root: usize, rel: &str, hit: bool) -> u64 {
         if !self.any() {
             return 0;
@@ -605,21 +657,24 @@ impl Jobs {
             root,
             path: rel.to_owned(),
         };
-        let job = self
-            .plans
-            .planner()
-            .on_access(&f, READ_WINDOW)
-            .map(str::to_owned);
-        self.poke();
-        let Some(job) = job else { return 0 };
-        self.record_lead(&f);
-        let mut info = lock(&self.info);
-        let Some(j) = info.get_mut(&job) else {
-            return 0;
-        };
-        j.usage.opens += 1;
-        j.usage.opens_hit += hit as u64;
-        j.tag
+        let tag = self
+            .tags
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&f)
+            .copied()
+            .unwrap_or(0);
+        self.plans.defer(Deferred::Access {
+            file: f,
+            hit,
+            at: Instant::now(),
+        });
+        if self.prefetcher_alive() {
+            self.poke();
+        } else {
+            self.settle();
+        }
+        tag
     }
 
     /// Adds what a client reported about its reads, per job tag.
@@ -687,6 +742,7 @@ impl Jobs {
         cached: &dyn Fn(usize, &str) -> bool,
         capacity: u64,
     ) -> Vec<pb::JobStatus> {
+        self.settle();
         let info: Vec<(String, usize, Usage, Option<f64>, Left)> = lock(&self.info)
             .iter()
             .map(|(k, v)| (k.clone(), v.files, v.usage, v.rate, Left::of(v)))
@@ -828,6 +884,8 @@ impl Jobs {
                 }
                 *woken = false;
             }
+            // The reads opens left for the planner, before planning on it.
+            self.settle();
             if !self.any() {
                 flights.clear();
                 ahead.clear();
@@ -922,7 +980,7 @@ impl Jobs {
             }
             let mut fetches = Vec::new();
             let mut claims: Vec<FileRef> = Vec::new();
-            {
+            let reads = {
                 let mut p = self.plans.planner();
                 let reads = p.reads();
                 ahead.retain(|_, due| reads < *due);
@@ -938,31 +996,37 @@ impl Jobs {
                         fetches.push(f);
                     }
                 }
-                while ahead.len() + fetches.len() < cfg.ahead
-                    && flights.len() + fetches.len() < cfg.concurrency
-                    && budget.as_ref().is_none_or(Budget::allows)
-                    && ops.as_ref().is_none_or(Budget::allows)
-                {
-                    let Some(fx) = prefetch::next_prefetch(&mut p, &view, pace) else {
-                        break;
-                    };
-                    let size = view.size(&fx.file);
-                    if let Some(v) = &fx.evict {
-                        view.room += view.size(v);
-                        view.evicted.insert(v.clone());
-                    }
-                    view.room = view.room.saturating_sub(size);
-                    view.busy.insert(fx.file.clone());
-                    if let Some(b) = &mut budget {
-                        b.spend(size);
-                    }
-                    if let Some(o) = &mut ops {
-                        o.spend(1);
-                    }
-                    let steps = p.steps_until(&fx.file).unwrap_or(0);
-                    ahead.insert(fx.file.clone(), reads + steps + 1);
-                    fetches.push(fx.file);
+                reads
+            };
+            while ahead.len() + fetches.len() < cfg.ahead
+                && flights.len() + fetches.len() < cfg.concurrency
+                && budget.as_ref().is_none_or(Budget::allows)
+                && ops.as_ref().is_none_or(Budget::allows)
+            {
+                // The planner lock for one decision at a time: a fill that needs it (under
+                // the store's index lock, which opens take) waits for one decision, never
+                // for the whole round.
+                let mut p = self.plans.planner();
+                let Some(fx) = prefetch::next_prefetch(&mut p, &view, pace) else {
+                    break;
+                };
+                let steps = p.steps_until(&fx.file).unwrap_or(0);
+                drop(p);
+                let size = view.size(&fx.file);
+                if let Some(v) = &fx.evict {
+                    view.room += view.size(v);
+                    view.evicted.insert(v.clone());
                 }
+                view.room = view.room.saturating_sub(size);
+                view.busy.insert(fx.file.clone());
+                if let Some(b) = &mut budget {
+                    b.spend(size);
+                }
+                if let Some(o) = &mut ops {
+                    o.spend(1);
+                }
+                ahead.insert(fx.file.clone(), reads + steps + 1);
+                fetches.push(fx.file);
             }
             drop(view);
             drop(sizes);
@@ -1086,5 +1150,81 @@ impl CacheView for Snapshot<'_> {
     }
     fn has_room(&self, f: &FileRef) -> bool {
         self.size(f) <= self.room
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+
+    use super::*;
+    use crate::backing::mem::MemBacking;
+    use crate::meta::Root;
+    use crate::stats::Stats;
+
+    fn jobs() -> Arc<Jobs> {
+        let roots = Arc::new(Roots::new(vec![Root {
+            path: "/r".into(),
+            name: "/r".into(),
+            backing: Arc::new(MemBacking::new()),
+        }]));
+        let meta = Arc::new(Meta::new(
+            roots.clone(),
+            Duration::from_secs(3600),
+            1000,
+            Arc::new(Stats::default()),
+        ));
+        let plans = Arc::new(Plans::new(roots, false));
+        let metrics = crate::metrics::Metrics::new();
+        Arc::new(Jobs::new(meta, plans, None, metrics.prefetch()))
+    }
+
+    /// Issue 13, step 4: an open never waits for the prefetcher's planning. With the
+    /// planner lock held (as the prefetcher holds it while it decides), opens of planned
+    /// files still answer, with their job's tag; the reads move the job and are counted
+    /// once the lock is free.
+    #[test]
+    fn an_open_does_not_wait_for_the_planner_lock() {
+        let jobs = jobs();
+        let files: Vec<String> = (0..8).map(|i| format!("\"f{i}\"")).collect();
+        let m = format!(
+            r#"{{"version": 1, "job": "j", "root": "/r", "files": [{}],
+                "plan": {{"kind": "shuffle", "algorithm": "pcg64-fisher-yates/v1",
+                          "seed": 3, "epochs": 2, "world_size": 1, "ranks": [0]}}}}"#,
+            files.join(",")
+        );
+        let creds = Creds {
+            pid: 1,
+            uid: 0,
+            gid: 0,
+            groups: Vec::new(),
+        };
+        jobs.register(&m, &creds, true).unwrap();
+        let order = shardcache_plan::shuffle::rank_order(8, 3, 0, 1, 0, false);
+        // As if the prefetcher ran (it applies the reads opens leave).
+        jobs.prefetcher_alive.store(true, Ordering::Release);
+        let planning = jobs.plans.planner();
+        let (tx, rx) = mpsc::channel();
+        let j = jobs.clone();
+        let first = order[0];
+        std::thread::spawn(move || {
+            let tag = j.on_open(0, &format!("f{first}"), true);
+            let _ = tx.send(tag);
+        });
+        let tag = rx
+            .recv_timeout(Duration::from_secs(5))
+            .expect("the open answered while the planner lock was held");
+        assert_ne!(tag, 0, "tagged with the job that plans the file");
+        assert_eq!(planning.position("j"), Some((0, 0)), "not applied yet");
+        drop(planning);
+        let st = jobs.status(&|_, _| false, 1 << 30);
+        assert_eq!(
+            st[0].step, 1,
+            "applied at the next lock: the job moved past it"
+        );
+        assert_eq!((st[0].opens, st[0].opens_hit), (1, 1), "and counted");
+        // A file no job plans: no tag, nothing counted.
+        assert_eq!(jobs.on_open(0, "other", false), 0);
+        assert_eq!(jobs.status(&|_, _| false, 1 << 30)[0].opens, 1);
     }
 }

@@ -9,13 +9,16 @@
 //! the cluster, and the copies a cluster placement moves between nodes may take the
 //! store over its capacity while they are exchanged ([`EvictionPolicy::overcommit`]).
 //!
-//! Called by the store with its index lock held: it takes the planner lock inside it
-//! (the lock order is store → planner) and does no I/O.
+//! Called by the store with its index lock held. What a client's open causes (a file
+//! used, cached or dropped) is deferred ([`Plans::defer`]: no planner lock on the open
+//! path); choosing a victim or admitting a fill takes the planner lock inside the index
+//! lock (the lock order is store → planner), applying the deferred updates first. No
+//! I/O.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use super::{Members, Plans, ownership::owner_of};
+use super::{Deferred, Members, Plans, ownership::owner_of};
 use crate::planner::{FileRef, Need, Planner};
 use crate::store::Key;
 use crate::store::evict::{EvictionPolicy, Lru};
@@ -59,7 +62,7 @@ impl EvictionPolicy for PlannedPolicy {
     fn insert(&mut self, key: Key, root: &str, path: &str) {
         self.lru.insert(key, root, path);
         if let Some(f) = self.plans.file_ref(root, path) {
-            self.plans.planner().set_resident(&f, true);
+            self.plans.defer(Deferred::Resident(f.clone(), true));
             self.keys.insert(f.clone(), key);
             self.files.insert(key, f);
         }
@@ -68,7 +71,7 @@ impl EvictionPolicy for PlannedPolicy {
     fn touch(&mut self, key: Key) {
         self.lru.touch(key);
         if let Some(f) = self.files.get(&key) {
-            self.plans.planner().touch(f);
+            self.plans.defer(Deferred::Touch(f.clone()));
         }
     }
 
@@ -79,8 +82,7 @@ impl EvictionPolicy for PlannedPolicy {
         {
             // (Another version of the same path may have taken its place already.)
             self.keys.remove(&f);
-
-            self.plans.planner().set_resident(&f, false);
+            self.plans.defer(Deferred::Resident(f, false));
         }
     }
 
@@ -193,5 +195,54 @@ fn choose(
         Some(f) => keys.get(&f).copied(),
         // Entries the planner cannot name (none in practice): least recently used.
         None => lru.victim(&|k| ok(&p, k)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+    use std::time::Duration;
+
+    use super::*;
+    use crate::backing::mem::MemBacking;
+    use crate::meta::{Root, Roots};
+
+    /// What an open causes in the policy (a file used; a file cached, a version dropped)
+    /// does not wait for the planner lock; the planner sees it at its next lock.
+    #[test]
+    fn an_open_does_not_wait_for_the_planner_lock() {
+        let roots = Arc::new(Roots::new(vec![Root {
+            path: "/r".into(),
+            name: "/r".into(),
+            backing: Arc::new(MemBacking::new()),
+        }]));
+        let plans = Arc::new(Plans::new(roots, false));
+        let mut policy = PlannedPolicy::new(plans.clone(), None);
+        let (k1, k2) = (Key([1; 16]), Key([2; 16]));
+        policy.insert(k1, "/r", "a");
+        let held = plans.planner();
+        let (tx, rx) = mpsc::channel();
+        let t = std::thread::spawn(move || {
+            policy.touch(k1);
+            policy.insert(k2, "/r", "b");
+            policy.remove(&k1);
+            let _ = tx.send(());
+            policy
+        });
+        rx.recv_timeout(Duration::from_secs(5))
+            .expect("answered while the planner lock was held");
+        let f = |p: &str| FileRef {
+            root: 0,
+            path: p.into(),
+        };
+        assert!(held.is_resident(&f("a")), "applied up to the lock only");
+        drop(held);
+        let p = plans.planner();
+        assert!(
+            !p.is_resident(&f("a")) && p.is_resident(&f("b")),
+            "then in order"
+        );
+        drop(p);
+        drop(t.join().unwrap());
     }
 }
