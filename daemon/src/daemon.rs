@@ -21,6 +21,7 @@ use crate::blocks::{BlockSource, Sources};
 use crate::config::{Config, MetricsListen};
 use crate::fill::Filler;
 use crate::jobs::Jobs;
+use crate::lifecycle::{Shutdown, Task};
 use crate::meta::{Meta, Root, Roots};
 use crate::metrics::Metrics;
 use crate::metrics::http::{self, Endpoint, HttpServer};
@@ -70,16 +71,15 @@ pub struct Daemon {
     peer_server: Option<PeerServer>,
     filler: Arc<Filler>,
     store: Arc<Store>,
-    scrub: Option<Scrub>,
-    jobs: Arc<Jobs>,
-    prefetch: Option<Scrub>,
+    scrub: Option<Task>,
+    prefetch: Option<Task>,
     http: Option<HttpServer>,
     /// What the probes look at; `ready` is cleared when shutdown begins.
     probes: Arc<Probes>,
 }
 
-/// The background verification after a start: its stop flag and thread.
-type Scrub = (Arc<AtomicBool>, std::thread::JoinHandle<()>);
+/// Longest shutdown waits for a task (the prefetcher, the scrub) to end.
+const TASK_STOP: Duration = Duration::from_secs(5);
 
 /// Most bytes per second the background scrub reads while clients are quiet (a fraction
 /// of an NVMe drive's read rate).
@@ -319,7 +319,6 @@ impl Daemon {
             filler,
             store,
             scrub,
-            jobs,
             prefetch,
             http,
             probes,
@@ -376,83 +375,122 @@ impl Daemon {
     /// [`SCRUB_RATE`] bytes per second while clients and peers are quiet, at most
     /// [`SCRUB_RATE_BUSY`] while they open, wait or fetch (they check what they read
     /// themselves), so that fills and readers keep the disk.
-    fn start_scrub(store: &Arc<Store>, stats: &Arc<Stats>) -> anyhow::Result<Option<Scrub>> {
+    fn start_scrub(store: &Arc<Store>, stats: &Arc<Stats>) -> anyhow::Result<Option<Task>> {
         let unverified = store.status().unverified;
         if unverified == 0 {
             return Ok(None);
         }
-        let stop = Arc::new(AtomicBool::new(false));
-        let (st, s, stats) = (store.clone(), stop.clone(), stats.clone());
-        let h = std::thread::Builder::new()
-            .name("sc-scrub".into())
-            .spawn(move || {
-                let started = Instant::now();
-                let (idle, busy) = (Bucket::new(SCRUB_RATE), Bucket::new(SCRUB_RATE_BUSY));
-                let activity = || {
-                    let c = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-                    c(&stats.opens) + c(&stats.waits) + c(&stats.peer_blocks_out)
-                };
-                let mut seen = activity();
-                let r = st.verify_unverified(&mut |bytes| {
-                    let now = activity();
-                    if now != seen {
-                        busy.take(bytes as usize);
-                    } else {
-                        idle.take(bytes as usize);
-                    }
-                    seen = now;
-                    !s.load(Ordering::Relaxed)
-                });
-                tracing::info!(
-                    checked = r.checked,
-                    corrupt = r.corrupt,
-                    bytes = r.bytes,
-                    seconds = started.elapsed().as_secs_f64(),
-                    "background verification finished"
-                );
-            })
-            .context("starting the scrub thread")?;
+        let (st, stats) = (store.clone(), stats.clone());
+        // Its end is not a failure (it ends when done): no probe reads its liveness.
+        let task = Task::spawn("sc-scrub", Arc::new(AtomicBool::new(false)), move |s| {
+            let started = Instant::now();
+            let (idle, busy) = (Bucket::new(SCRUB_RATE), Bucket::new(SCRUB_RATE_BUSY));
+            let activity = || {
+                let c = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+                c(&stats.opens) + c(&stats.waits) + c(&stats.peer_blocks_out)
+            };
+            let mut seen = activity();
+            let r = st.verify_unverified(&mut |bytes| {
+                let now = activity();
+                if now != seen {
+                    busy.take(bytes as usize);
+                } else {
+                    idle.take(bytes as usize);
+                }
+                seen = now;
+                !s.is_stopped()
+            });
+            tracing::info!(
+                checked = r.checked,
+                corrupt = r.corrupt,
+                bytes = r.bytes,
+                seconds = started.elapsed().as_secs_f64(),
+                "background verification finished"
+            );
+        })
+        .context("starting the scrub thread")?;
         tracing::info!(unverified, "background verification started");
-        Ok(Some((stop, h)))
+        Ok(Some(task))
     }
 
-    /// Orderly shutdown: clients are disconnected (they fall back to the backing store),
-    /// fills stop, the journal is flushed and the store marked clean.
+    /// Orderly shutdown, one step after the other (docs/ARCHITECTURE.md, the
+    /// concurrency table): readiness goes first; clients are disconnected (they fall
+    /// back to the backing store); the peer port closes, then the peers' client (fills
+    /// stop asking peers); the prefetcher stops (no new fills), then the fill engine
+    /// (queued fills released, stuck workers left behind) and the scrub; connection
+    /// threads are waited for; the metrics endpoint closes; last, the journal is
+    /// flushed and the store marked clean.
     pub fn close(mut self) -> anyhow::Result<()> {
-        self.probes.ready.store(false, Ordering::Release);
-        self.server.close();
-        if let Some(p) = &self.peer_server {
-            p.close();
-        }
-        if let Some(p) = &self.peers {
-            p.close();
-        }
-        if let Some((stop, h)) = self.prefetch.take() {
-            stop.store(true, Ordering::Relaxed);
-            self.jobs.stop_prefetcher();
-            let _ = h.join();
-        }
-        self.filler.close();
-        if let Some((stop, h)) = self.scrub.take() {
-            stop.store(true, Ordering::Relaxed);
-            let _ = h.join();
-        }
-        let left = self.server.drain(Duration::from_secs(5));
-        if left > 0 {
-            tracing::warn!(left, "client threads still running at shutdown");
-        }
-        if let Some(h) = &mut self.http {
-            h.close();
-        }
+        Self::shutdown().run(&mut self);
         self.store.close().context("closing the store")?;
         tracing::info!("shardcached stopped cleanly");
         Ok(())
+    }
+
+    /// The shutdown order ([`Daemon::close`]; the store's close follows it).
+    fn shutdown() -> Shutdown<Self> {
+        Shutdown::<Self>::default()
+            .then("readiness", |d| {
+                d.probes.ready.store(false, Ordering::Release)
+            })
+            .then("socket server", |d| d.server.close())
+            .then("peer server", |d| {
+                if let Some(p) = &d.peer_server {
+                    p.close();
+                }
+            })
+            .then("peers", |d| {
+                if let Some(p) = &d.peers {
+                    p.close();
+                }
+            })
+            .then("prefetcher", |d| {
+                if let Some(t) = &mut d.prefetch {
+                    t.shutdown(TASK_STOP);
+                }
+            })
+            .then("fill engine", |d| d.filler.close())
+            .then("scrub", |d| {
+                if let Some(t) = &mut d.scrub {
+                    t.shutdown(TASK_STOP);
+                }
+            })
+            .then("connection threads", |d| {
+                let left = d.server.drain(Duration::from_secs(5));
+                if left > 0 {
+                    tracing::warn!(left, "client threads still running at shutdown");
+                }
+            })
+            .then("metrics endpoint", |d| {
+                if let Some(h) = &mut d.http {
+                    h.close();
+                }
+            })
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The order docs/ARCHITECTURE.md's concurrency table gives.
+    #[test]
+    fn shutdown_goes_in_the_documented_order() {
+        assert_eq!(
+            Daemon::shutdown().names(),
+            [
+                "readiness",
+                "socket server",
+                "peer server",
+                "peers",
+                "prefetcher",
+                "fill engine",
+                "scrub",
+                "connection threads",
+                "metrics endpoint",
+            ]
+        );
+    }
 
     /// The TLS half of `config::tests::peer_tls_is_all_or_nothing_with_peers`: whether
     /// the files load is checked here (the peer layer loads them), with the key named.

@@ -17,7 +17,6 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use shardcache_plan::manifest::{Files, Item, Manifest, Plan};
@@ -26,6 +25,7 @@ use shardcache_proto::local::v1 as pb;
 use crate::access::{self, Creds, Decision};
 use crate::backing::Stat;
 use crate::fill::{Filler, Flight, Priority, Scheduled, Target};
+use crate::lifecycle::{Stop, Task};
 use crate::meta::{Hold, Meta, Roots, Voucher};
 use crate::metrics::PrefetchInstruments;
 use crate::planner::prefetch::{self, CacheView, Pace};
@@ -814,36 +814,24 @@ impl Jobs {
     }
 
     /// Starts the prefetch thread: it fetches what the planner says is needed next, as
-    /// far ahead as the planner's rules and `cfg` allow. Stop it with the returned flag.
+    /// far ahead as the planner's rules and `cfg` allow. Stopping the task wakes it.
     pub fn start_prefetcher(
         self: &Arc<Self>,
         store: Arc<Store>,
         filler: Arc<Filler>,
         meta: Arc<Meta>,
         cfg: PrefetchConfig,
-    ) -> std::io::Result<(Arc<AtomicBool>, JoinHandle<()>)> {
-        let stop = Arc::new(AtomicBool::new(false));
-        let (jobs, s) = (self.clone(), stop.clone());
-        self.prefetcher_alive.store(true, Ordering::Release);
-        let alive = crate::lifecycle::Alive::new(self.prefetcher_alive.clone());
-        let h = std::thread::Builder::new()
-            .name("sc-prefetch".into())
-            .spawn(move || {
-                let _alive = alive;
-                jobs.prefetch_loop(&store, &filler, &meta, &s, cfg);
-            });
-        match h {
-            Ok(h) => Ok((stop, h)),
-            Err(e) => {
-                self.prefetcher_alive.store(false, Ordering::Release);
-                Err(e)
+    ) -> std::io::Result<Task> {
+        let jobs = self.clone();
+        let task = Task::spawn("sc-prefetch", self.prefetcher_alive.clone(), move |stop| {
+            jobs.prefetch_loop(&store, &filler, &meta, stop, cfg);
+        })?;
+        let jobs = Arc::downgrade(self);
+        Ok(task.with_wake(move || {
+            if let Some(j) = jobs.upgrade() {
+                j.poke();
             }
-        }
-    }
-
-    /// Wakes the prefetch thread so that it sees `stop`.
-    pub fn stop_prefetcher(&self) {
-        self.poke();
+        }))
     }
 
     /// The prefetcher. Every round (a read, a registration, or 20 ms): measure rates,
@@ -857,7 +845,7 @@ impl Jobs {
         store: &Store,
         filler: &Filler,
         meta: &Meta,
-        stop: &AtomicBool,
+        stop: &Stop,
         cfg: PrefetchConfig,
     ) {
         let mut flights: HashMap<FileRef, Vec<Arc<Flight>>> = HashMap::new();
@@ -871,7 +859,7 @@ impl Jobs {
         let mut ahead: HashMap<FileRef, u64> = HashMap::new();
         let mut budget = cfg.bandwidth.map(Budget::new);
         let mut ops = cfg.ops.map(Budget::new);
-        while !stop.load(Ordering::Acquire) {
+        while !stop.is_stopped() {
             {
                 let mut woken = lock(&self.wake.0);
                 if !*woken {
