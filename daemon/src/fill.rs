@@ -35,6 +35,7 @@ use std::time::{Duration, Instant};
 
 use crate::backing::watch::file_id;
 use crate::blocks::{BlockProvider, BlockRequest, Fetched, SourceError, Sources};
+use crate::lifecycle::Gauge;
 use crate::meta::Meta;
 use crate::stats::{Stats, inc};
 use crate::store::{Key, Store, StoreError};
@@ -194,6 +195,8 @@ struct Inner {
     /// Each root's sources, in the order a fill asks them.
     sources: Sources,
     threads: Mutex<Vec<JoinHandle<()>>>,
+    /// The threads running (workers and the watchdog): what `close` waits for.
+    running: Arc<Gauge>,
     next_worker: AtomicU64,
     /// Workers that ended by a panic.
     died: AtomicUsize,
@@ -297,6 +300,7 @@ impl Filler {
             meter: Mutex::new(Meter::default()),
             sources,
             threads: Mutex::new(Vec::new()),
+            running: Arc::new(Gauge::default()),
             next_worker: AtomicU64::new(0),
             died: AtomicUsize::new(0),
         });
@@ -313,9 +317,13 @@ impl Filler {
         let watched = (0..nroots).any(|r| !filler.inner.meta.roots().watch(r).stall().is_zero());
         if watched {
             let inner = filler.inner.clone();
+            let counted = inner.running.enter();
             let h = std::thread::Builder::new()
                 .name("sc-fill-watch".into())
-                .spawn(move || watchdog(&inner));
+                .spawn(move || {
+                    let _counted = counted;
+                    watchdog(&inner);
+                });
             match h {
                 Ok(h) => lock(&filler.inner.threads).push(h),
                 Err(e) => {
@@ -431,22 +439,15 @@ impl Filler {
             cv.notify_all();
         }
         self.inner.tick.notify_all();
-        let deadline = Instant::now() + CLOSE_WAIT;
-        let mut threads = std::mem::take(&mut *lock(&self.inner.threads));
-        while !threads.is_empty() && Instant::now() < deadline {
-            let (done, running): (Vec<_>, Vec<_>) =
-                threads.into_iter().partition(JoinHandle::is_finished);
-            for h in done {
+        let stuck = self.inner.running.wait_zero(CLOSE_WAIT);
+        for h in std::mem::take(&mut *lock(&self.inner.threads)) {
+            if h.is_finished() {
                 let _ = h.join();
             }
-            threads = running;
-            if !threads.is_empty() {
-                std::thread::sleep(Duration::from_millis(5));
-            }
         }
-        if !threads.is_empty() {
+        if stuck > 0 {
             tracing::warn!(
-                stuck = threads.len(),
+                stuck,
                 "fill workers still blocked in a backing store at shutdown; leaving them behind"
             );
         }
@@ -471,9 +472,13 @@ fn refused(inner: &Inner, target: &Target) -> bool {
 fn spawn_worker(inner: &Arc<Inner>, root: usize) -> std::io::Result<()> {
     let n = inner.next_worker.fetch_add(1, Ordering::Relaxed);
     let me = inner.clone();
+    let counted = inner.running.enter();
     let spawned = std::thread::Builder::new()
         .name(format!("sc-fill-{root}-{n}"))
-        .spawn(move || worker(&me, root, n));
+        .spawn(move || {
+            let _counted = counted;
+            worker(&me, root, n);
+        });
     match spawned {
         Ok(h) => {
             let mut threads = lock(&inner.threads);
