@@ -195,7 +195,13 @@ impl Daemon {
         // With peers: the port is bound first (a taken port stops the start here), and
         // the member list exists before the store's policy, which asks it who owns what.
         let peer_cfg = match cfg.peer_listen {
-            Some(listen) => Some((Self::peer_config(cfg, listen)?, crate::peer::bind(listen)?)),
+            Some(listen) => {
+                let pc = Self::peer_config(cfg, listen)?;
+                let listener = crate::peer::bind(listen).with_context(|| {
+                    format!("peer_listen: starting the peer service on {listen}")
+                })?;
+                Some((pc, listener))
+            }
             None => None,
         };
         let membership = peer_cfg

@@ -21,7 +21,10 @@
 //! - [`server`]: the local Unix-socket API (descriptors, not bytes);
 //! - [`metrics`]: every exported metric, and the HTTP endpoint for Prometheus and the
 //!   probes;
-//! - [`config`], [`stats`], [`daemon`]: settings, counters, wiring.
+//! - [`lifecycle`]: named threads with stop, join and liveness, and the ordered shutdown;
+//! - [`config`], [`units`], [`stats`], [`daemon`]: settings, sizes and durations,
+//!   counters, wiring (every part built in one pass; imports point downward only, in
+//!   the order docs/ARCHITECTURE.md gives and `daemon/tests/layers.rs` checks).
 
 pub mod access;
 pub mod backing;
