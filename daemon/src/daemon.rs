@@ -89,6 +89,39 @@ pub const SCRUB_RATE: u64 = 256 << 20;
 /// (blocks they want are checked on first use anyway).
 pub const SCRUB_RATE_BUSY: u64 = 16 << 20;
 
+/// The parts a start has built that run threads of their own and have no `Drop` that
+/// stops them: closed, in shutdown order, when a later step of the start fails, so
+/// that a failed start leaves no fill worker or peer thread behind. (Tasks stop when
+/// dropped; the store is closed by its own drop.)
+struct Partial {
+    peer_server: Option<PeerServer>,
+    peers: Option<Arc<Peers>>,
+    filler: Option<Arc<Filler>>,
+}
+
+impl Partial {
+    /// The start succeeded: nothing is closed; the peer server goes to the daemon.
+    fn started(&mut self) -> Option<PeerServer> {
+        self.peers = None;
+        self.filler = None;
+        self.peer_server.take()
+    }
+}
+
+impl Drop for Partial {
+    fn drop(&mut self) {
+        if let Some(p) = &self.peer_server {
+            p.close();
+        }
+        if let Some(p) = &self.peers {
+            p.close();
+        }
+        if let Some(f) = &self.filler {
+            f.close();
+        }
+    }
+}
+
 /// What `/metrics`, `/healthz` and `/readyz` answer from.
 #[derive(Debug)]
 struct Probes {
@@ -225,6 +258,12 @@ impl Daemon {
             ),
             _ => None,
         };
+        // From here on, a failed step closes what was started before it.
+        let mut partial = Partial {
+            peer_server: None,
+            peers: peers.clone(),
+            filler: None,
+        };
         let mut sources = Sources::backing(&meta, &stats);
         if let Some(p) = &peers {
             let first: Arc<dyn BlockSource> = Arc::new(PeerSource::new(p.clone()));
@@ -241,14 +280,14 @@ impl Daemon {
             )
             .context("starting fill workers")?,
         );
-        let peer_server = match (peer_cfg, &peers) {
-            (Some((pc, listener)), Some(p)) => Some(
+        partial.filler = Some(filler.clone());
+        if let (Some((pc, listener)), Some(p)) = (peer_cfg, &peers) {
+            partial.peer_server = Some(
                 PeerServer::start(&pc, listener, p, meta.clone(), filler.clone()).with_context(
                     || format!("peer_listen: starting the peer service on {}", pc.listen),
                 )?,
-            ),
-            _ => None,
-        };
+            );
+        }
         let jobs = Arc::new(Jobs::new(
             meta.clone(),
             plans,
@@ -317,6 +356,7 @@ impl Daemon {
             None => None,
         };
         probes.ready.store(true, Ordering::Release);
+        let peer_server = partial.started();
         Ok(Self {
             server,
             ctx,
@@ -478,6 +518,46 @@ impl Daemon {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The names of this process's threads.
+    fn threads() -> Vec<String> {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+            .map(|c| c.trim().to_owned())
+            .collect()
+    }
+
+    /// A start that fails after the fill engine started (here: the socket path is taken
+    /// by a regular file) leaves none of its workers behind.
+    #[test]
+    fn a_failed_start_leaves_no_fill_worker_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = Config {
+            backing_roots: vec![dir.path().to_owned()],
+            cache_dir: dir.path().join("cache"),
+            // Not a socket: the server refuses to replace it.
+            socket: dir.path().join("a-file"),
+            metrics_listen: MetricsListen::Off,
+            prefetch_ahead: 0,
+            ..Config::default()
+        };
+        let roots = vec![Root {
+            path: "/r".into(),
+            name: "/r".into(),
+            backing: Arc::new(crate::backing::mem::MemBacking::new()),
+        }];
+        std::fs::write(dir.path().join("a-file"), "keep me").unwrap();
+        let Err(e) = Daemon::start_with_roots(&cfg, roots) else {
+            panic!("started over a regular file")
+        };
+        assert!(format!("{e:#}").contains("socket"), "{e:#}");
+        let left: Vec<String> = threads()
+            .into_iter()
+            .filter(|t| t.starts_with("sc-fill"))
+            .collect();
+        assert!(left.is_empty(), "still running: {left:?}");
+    }
 
     /// The order docs/ARCHITECTURE.md's concurrency table gives.
     #[test]
