@@ -248,6 +248,8 @@ mirror! {
         /// Each backing root's calls: whether it is stalled (its calls refused), in the order
         /// of backing_roots.
         backing_health: Vec<BackingHealth> as list,
+        /// The store's I/O engine running (`psync`, `uring`).
+        io_engine: String,
     }
 }
 

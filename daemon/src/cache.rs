@@ -538,7 +538,7 @@ mod tests {
         }]));
         let stats = Arc::new(Stats::default());
         let meta = Arc::new(Meta::new(
-            roots,
+            roots.clone(),
             Duration::from_secs(3600),
             1000,
             stats.clone(),
@@ -550,9 +550,17 @@ mod tests {
             block_size: BS,
         };
         let store = Arc::new(Store::open(&cfg, stats.clone()).unwrap());
-        let filler =
-            Arc::new(Filler::new(store.clone(), meta.clone(), stats.clone(), 2, 64).unwrap());
-        let jobs = Arc::new(Jobs::new(meta.clone(), Metrics::new().prefetch()));
+        let sources = crate::blocks::Sources::backing(&meta, &stats);
+        let filler = Arc::new(
+            Filler::new(store.clone(), meta.clone(), stats.clone(), sources, 2, 64).unwrap(),
+        );
+        let plans = Arc::new(crate::policy::Plans::new(roots, false));
+        let jobs = Arc::new(Jobs::new(
+            meta.clone(),
+            plans,
+            None,
+            Metrics::new().prefetch(),
+        ));
         let cache = ReadPath::new(
             meta,
             store.clone(),

@@ -10,100 +10,60 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer};
 
-pub use crate::store::io::IoEngine;
+pub use crate::units::{SizeSpec, parse_bytes, parse_duration};
 
-/// A size in bytes, or a percentage of the cache file system's size.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum SizeSpec {
-    /// An absolute number of bytes.
-    Bytes(u64),
-    /// A percentage (0–100) of the cache file system's total size.
-    Percent(f64),
+/// Which engine the store runs (configuration key `io_engine`, flag `--io-engine`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum IoEngine {
+    /// io_uring where the kernel allows it, psync otherwise.
+    #[default]
+    Auto,
+    /// `pread` / `pwrite` / `fdatasync`.
+    Psync,
+    /// io_uring; the daemon does not start without it.
+    Uring,
 }
 
-impl SizeSpec {
-    /// Resolves against a file system of `fs_size` bytes.
-    pub fn resolve(self, fs_size: u64) -> u64 {
-        match self {
-            SizeSpec::Bytes(b) => b,
-            SizeSpec::Percent(p) => (fs_size as f64 * p / 100.0) as u64,
-        }
-    }
-}
-
-impl fmt::Display for SizeSpec {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            SizeSpec::Bytes(b) => write!(f, "{b}"),
-            SizeSpec::Percent(p) => write!(f, "{p}%"),
-        }
-    }
-}
-
-/// Splits `"4.5 MiB"` into `(4.5, "MiB")`; `what` names the expected form in errors.
-fn number_and_unit<'a>(s: &'a str, what: &str) -> Result<(f64, &'a str), String> {
-    let t = s.trim();
-    let split = t
-        .find(|c: char| !c.is_ascii_digit() && c != '.')
-        .unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n = num.parse().map_err(|_| format!("`{s}` is not {what}"))?;
-    Ok((n, unit.trim()))
-}
-
-/// Parses `123`, `4KiB`, `4MiB`, `10GiB`, `1TiB`, `4MB`, `1G` (binary units either way).
-pub fn parse_bytes(s: &str) -> Result<u64, String> {
-    let (n, unit) = number_and_unit(s, "a size (expected e.g. 4MiB)")?;
-    let mult: u64 = match unit.to_ascii_lowercase().as_str() {
-        "" | "b" => 1,
-        "k" | "kb" | "kib" => 1 << 10,
-        "m" | "mb" | "mib" => 1 << 20,
-        "g" | "gb" | "gib" => 1 << 30,
-        "t" | "tb" | "tib" => 1 << 40,
-        u => {
-            return Err(format!(
-                "`{s}`: unknown size unit `{u}` (use B, KiB, MiB, GiB, TiB)"
-            ));
-        }
-    };
-    Ok((n * mult as f64) as u64)
-}
-
-/// Parses `0`, `250ms`, `1s`, `2m`, `1h`.
-pub fn parse_duration(s: &str) -> Result<Duration, String> {
-    let (n, unit) = number_and_unit(s, "a duration (expected e.g. 1s)")?;
-    let secs = match unit {
-        "us" | "µs" => n / 1e6,
-        "ms" => n / 1000.0,
-        "" | "s" => n,
-        "m" => n * 60.0,
-        "h" => n * 3600.0,
-        u => {
-            return Err(format!(
-                "`{s}`: unknown duration unit `{u}` (use ms, s, m, h)"
-            ));
-        }
-    };
-    Ok(Duration::from_secs_f64(secs))
-}
-
-impl FromStr for SizeSpec {
+impl FromStr for IoEngine {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
-        match s.trim().strip_suffix('%') {
-            Some(p) => {
-                let p: f64 = p
-                    .trim()
-                    .parse()
-                    .map_err(|_| format!("`{s}` is not a percentage"))?;
-                if !(0.0..=100.0).contains(&p) {
-                    return Err(format!("`{s}`: a percentage must be between 0 and 100"));
-                }
-                Ok(SizeSpec::Percent(p))
-            }
-            None => parse_bytes(s).map(SizeSpec::Bytes),
+        match s {
+            "auto" => Ok(Self::Auto),
+            "psync" => Ok(Self::Psync),
+            "uring" | "io_uring" => Ok(Self::Uring),
+            _ => Err(format!(
+                "io_engine: {s:?} is not one of \"auto\", \"psync\", \"uring\""
+            )),
         }
     }
+}
+
+impl fmt::Display for IoEngine {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Auto => "auto",
+            Self::Psync => "psync",
+            Self::Uring => "uring",
+        })
+    }
+}
+
+/// The name peers' certificates carry unless configured otherwise (`peer_tls_name`).
+pub const DEFAULT_TLS_NAME: &str = "shardcache-peer";
+
+/// Where a node's TLS material is, and the name every peer's certificate carries (plain
+/// data: `peer::tls` loads and checks the files).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// This node's certificate chain (PEM, the node's certificate first).
+    pub cert: PathBuf,
+    /// Its private key (PEM: PKCS#8, PKCS#1 or SEC1).
+    pub key: PathBuf,
+    /// The CA certificates that peers' certificates must chain to (PEM).
+    pub ca: PathBuf,
+    /// The DNS name every node's certificate is valid for (a subject alternative name),
+    /// checked by the connecting node.
+    pub name: String,
 }
 
 #[derive(Deserialize)]
@@ -369,7 +329,7 @@ impl Default for Config {
             peer_tls_cert: None,
             peer_tls_key: None,
             peer_tls_ca: None,
-            peer_tls_name: crate::peer::tls::DEFAULT_NAME.to_owned(),
+            peer_tls_name: DEFAULT_TLS_NAME.to_owned(),
             metrics_listen: MetricsListen::Addr(std::net::SocketAddr::from(([127, 0, 0, 1], 9477))),
         }
     }
@@ -385,9 +345,9 @@ impl Config {
     }
 
     /// The peer port's TLS files, when all three are set.
-    pub fn peer_tls(&self) -> Option<crate::peer::tls::TlsFiles> {
+    pub fn peer_tls(&self) -> Option<TlsFiles> {
         match (&self.peer_tls_cert, &self.peer_tls_key, &self.peer_tls_ca) {
-            (Some(cert), Some(key), Some(ca)) => Some(crate::peer::tls::TlsFiles {
+            (Some(cert), Some(key), Some(ca)) => Some(TlsFiles {
                 cert: cert.clone(),
                 key: key.clone(),
                 ca: ca.clone(),
@@ -505,10 +465,12 @@ impl Config {
         Ok(())
     }
 
-    /// Everything start-up refuses: [`Config::validate`], then what this machine must
-    /// offer ([`Config::check_node`]). `shardcached --check-config` and the daemon's
-    /// start both call it, so that the check passes exactly the configurations a start
-    /// accepts (bar what another process holds; see `check_node`).
+    /// What start-up refuses that plain data and this machine's files say:
+    /// [`Config::validate`], then what this machine must offer ([`Config::check_node`]).
+    /// Whether the peer TLS files load is the peer layer's to say:
+    /// `crate::daemon::check` (what `shardcached --check-config` and the daemon's start
+    /// call) runs this and then loads them, so that the check passes exactly the
+    /// configurations a start accepts (bar what another process holds; see `check_node`).
     pub fn check(&self) -> Result<(), String> {
         self.validate()?;
         self.check_node()
@@ -518,9 +480,9 @@ impl Config {
     /// backing root is a directory with a UTF-8 path; the cache directory and the
     /// socket's directory are directories this process may write (or can be created);
     /// the socket path is free or a socket; the peer secret file is readable and holds a
-    /// valid secret ([`read_peer_secret`]); the peer TLS files load (read and parse, the
-    /// key fits the certificate, the certificate verifies against the CA); the listen
-    /// addresses belong to this host.
+    /// valid secret ([`read_peer_secret`]); the listen addresses belong to this host.
+    /// (That the peer TLS files load — read and parse, the key fits the certificate, the
+    /// certificate verifies against the CA — `crate::daemon::check` adds.)
     ///
     /// Not checked, because they are not the configuration's doing and a new
     /// configuration must be checkable beside the running daemon: a port another process
@@ -561,9 +523,6 @@ impl Config {
             if let Some(f) = &self.peer_secret_file {
                 read_peer_secret(f)?;
             }
-        }
-        if let Some(files) = self.peer_tls() {
-            crate::peer::tls::Tls::load(&files)?;
         }
         Ok(())
     }
@@ -652,7 +611,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn peer_tls_is_all_or_nothing_with_peers_and_files_that_load() {
+    fn peer_tls_is_all_or_nothing_with_peers() {
         let dir = tempfile::tempdir().unwrap();
         std::fs::write(dir.path().join("secret"), "0123456789abcdef-secret").unwrap();
         let base = Config {
@@ -680,14 +639,9 @@ mod tests {
             ..partial
         };
         assert_eq!(all.peer_tls().unwrap().name, "shardcache-peer");
-        // The keys are right; whether the files load is this machine's to say.
+        // The keys are right; whether the files load is this machine's to say (see
+        // `daemon::tests::check_loads_the_peer_tls_files`).
         assert_eq!(all.validate(), Ok(()));
-        // Missing files: the key that names them.
-        let e = all.check().unwrap_err();
-        assert!(e.starts_with("peer_tls_cert:"), "{e}");
-        std::fs::write(dir.path().join("tls.crt"), "not PEM").unwrap();
-        let e = all.check().unwrap_err();
-        assert!(e.contains("no PEM certificate"), "{e}");
         let e = Config {
             peer_listen: None,
             peers: Vec::new(),

@@ -1,5 +1,12 @@
-//! Wiring: builds every part from a [`Config`], runs them, and shuts them down in
-//! order (stop clients, stop fills, then mark the store clean).
+//! Wiring: builds every part from a [`Config`] in one pass, each handed what it uses at
+//! construction (imports point downward only; nothing is set later), runs them, and
+//! shuts them down in order (stop clients, stop fills, then mark the store clean).
+//!
+//! The order of construction: the roots and the metadata cache; the member list (with
+//! peers); the plans cell ([`Plans`]: what the store's eviction policy, the peers and
+//! the jobs share); the store over the plan-aware policy; the peers' client; the fill
+//! engine over its sources (the peers, then each root's backing store); the peer port
+//! serving through the fill engine; the jobs; the socket server; the prefetcher.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -10,15 +17,20 @@ use anyhow::Context;
 use crate::backing::Backing;
 use crate::backing::posix::PosixBacking;
 use crate::backing::throttle::{Bucket, ThrottledBacking};
+use crate::blocks::{BlockSource, Sources};
 use crate::cache::{ReadPath, ReadPathConfig};
 use crate::config::{Config, MetricsListen};
 use crate::fill::Filler;
-use crate::jobs::{Jobs, PlannedPolicy};
+use crate::jobs::Jobs;
+use crate::lifecycle::{Shutdown, Task};
 use crate::meta::{Meta, Root, Roots};
 use crate::metrics::Metrics;
 use crate::metrics::http::{self, Endpoint, HttpServer};
 use crate::peer::membership::Source;
-use crate::peer::{PeerConfig, Peers};
+use crate::peer::source::PeerSource;
+use crate::peer::{PeerConfig, PeerServer, Peers};
+use crate::policy::planned::PlannedPolicy;
+use crate::policy::{Members, Plans};
 use crate::server::{self, Ctx, Server};
 use crate::stats::Stats;
 use crate::store::{Store, StoreConfig};
@@ -38,24 +50,37 @@ fn stall_bound(cfg: &Config) -> Duration {
     }
 }
 
+/// Everything start-up refuses of `cfg`: [`Config::check`] (the settings, and what this
+/// machine must offer), then that the peer TLS files load ([`crate::peer::tls::Tls::load`]:
+/// they parse, the key fits the certificate, the certificate verifies against the CA).
+/// `shardcached --check-config` and [`Daemon::start`] both call it, so that the check
+/// passes exactly the configurations a start accepts.
+pub fn check(cfg: &Config) -> Result<(), String> {
+    cfg.check()?;
+    if let Some(files) = cfg.peer_tls() {
+        crate::peer::tls::Tls::load(&files)?;
+    }
+    Ok(())
+}
+
 /// A running daemon.
 #[derive(Debug)]
 pub struct Daemon {
     server: Server,
     ctx: Arc<Ctx>,
     peers: Option<Arc<Peers>>,
+    peer_server: Option<PeerServer>,
     filler: Arc<Filler>,
     store: Arc<Store>,
-    scrub: Option<Scrub>,
-    jobs: Arc<Jobs>,
-    prefetch: Option<Scrub>,
+    scrub: Option<Task>,
+    prefetch: Option<Task>,
     http: Option<HttpServer>,
     /// What the probes look at; `ready` is cleared when shutdown begins.
     probes: Arc<Probes>,
 }
 
-/// The background verification after a start: its stop flag and thread.
-type Scrub = (Arc<AtomicBool>, std::thread::JoinHandle<()>);
+/// Longest shutdown waits for a task (the prefetcher, the scrub) to end.
+const TASK_STOP: Duration = Duration::from_secs(5);
 
 /// Most bytes per second the background scrub reads while clients are quiet (a fraction
 /// of an NVMe drive's read rate).
@@ -65,21 +90,36 @@ pub const SCRUB_RATE: u64 = 256 << 20;
 /// (blocks they want are checked on first use anyway).
 pub const SCRUB_RATE_BUSY: u64 = 16 << 20;
 
-/// Marks a long-running thread as alive for as long as it is held: its drop (the thread
-/// ending, by return or by panic) clears the flag the liveness probe reads.
-#[derive(Debug)]
-pub struct Alive(Arc<AtomicBool>);
+/// The parts a start has built that run threads of their own and have no `Drop` that
+/// stops them: closed, in shutdown order, when a later step of the start fails, so
+/// that a failed start leaves no fill worker or peer thread behind. (Tasks stop when
+/// dropped; the store is closed by its own drop.)
+struct Partial {
+    peer_server: Option<PeerServer>,
+    peers: Option<Arc<Peers>>,
+    filler: Option<Arc<Filler>>,
+}
 
-impl Alive {
-    /// Holds `flag` (already set by the caller) until dropped.
-    pub fn new(flag: Arc<AtomicBool>) -> Self {
-        Self(flag)
+impl Partial {
+    /// The start succeeded: nothing is closed; the peer server goes to the daemon.
+    fn started(&mut self) -> Option<PeerServer> {
+        self.peers = None;
+        self.filler = None;
+        self.peer_server.take()
     }
 }
 
-impl Drop for Alive {
+impl Drop for Partial {
     fn drop(&mut self) {
-        self.0.store(false, Ordering::Release);
+        if let Some(p) = &self.peer_server {
+            p.close();
+        }
+        if let Some(p) = &self.peers {
+            p.close();
+        }
+        if let Some(f) = &self.filler {
+            f.close();
+        }
     }
 }
 
@@ -134,11 +174,10 @@ impl Endpoint for Probes {
 }
 
 impl Daemon {
-    /// Checks `cfg` ([`Config::check`], as `shardcached --check-config` does), opens the
+    /// Checks `cfg` ([`check`], as `shardcached --check-config` does), opens the
     /// store, binds the socket and starts serving.
     pub fn start(cfg: &Config) -> anyhow::Result<Self> {
-        cfg.check()
-            .map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;
+        check(cfg).map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;
         let mut roots = Vec::new();
         for r in &cfg.backing_roots {
             // Directories are trusted as long as file metadata (metadata_ttl).
@@ -187,8 +226,24 @@ impl Daemon {
             min_free: cfg.min_free,
             block_size: u32::try_from(cfg.block_size).context("block_size")?,
         };
-        let jobs = Arc::new(Jobs::new(meta.clone(), metrics.prefetch()));
-        let policy = Box::new(PlannedPolicy::new(jobs.clone()));
+        // With peers: the port is bound first (a taken port stops the start here), and
+        // the member list exists before the store's policy, which asks it who owns what.
+        let peer_cfg = match cfg.peer_listen {
+            Some(listen) => {
+                let pc = Self::peer_config(cfg, listen)?;
+                let listener = crate::peer::bind(listen).with_context(|| {
+                    format!("peer_listen: starting the peer service on {listen}")
+                })?;
+                Some((pc, listener))
+            }
+            None => None,
+        };
+        let membership = peer_cfg
+            .as_ref()
+            .map(|(pc, _)| crate::peer::member_list(pc));
+        let plans = Arc::new(Plans::new(meta.roots().clone(), membership.is_some()));
+        let members = membership.clone().map(|m| m as Arc<dyn Members>);
+        let policy = Box::new(PlannedPolicy::new(plans.clone(), members));
         let store = Arc::new(
             Store::open_with(&store_cfg, stats.clone(), policy, &|dir| {
                 crate::store::io::open(cfg.io_engine, dir)
@@ -200,22 +255,49 @@ impl Daemon {
                 )
             })?,
         );
+        let peers = match (&peer_cfg, membership) {
+            (Some((pc, _)), Some(m)) => Some(
+                Peers::start(pc, m, plans.clone(), stats.clone(), store.block_size())
+                    .with_context(|| format!("peer_listen: starting the peers on {}", pc.listen))?,
+            ),
+            _ => None,
+        };
+        // From here on, a failed step closes what was started before it.
+        let mut partial = Partial {
+            peer_server: None,
+            peers: peers.clone(),
+            filler: None,
+        };
+        let mut sources = Sources::backing(&meta, &stats);
+        if let Some(p) = &peers {
+            let first: Arc<dyn BlockSource> = Arc::new(PeerSource::new(p.clone()));
+            sources = sources.ask_first(first);
+        }
         let filler = Arc::new(
             Filler::new(
                 store.clone(),
                 meta.clone(),
                 stats.clone(),
+                sources,
                 cfg.fill_workers,
                 cfg.fill_queue,
             )
             .context("starting fill workers")?,
         );
-        let peers = match cfg.peer_listen {
-            Some(listen) => Some(Self::start_peers(
-                cfg, listen, &store, &meta, &stats, &filler, &jobs,
-            )?),
-            None => None,
-        };
+        partial.filler = Some(filler.clone());
+        if let (Some((pc, listener)), Some(p)) = (peer_cfg, &peers) {
+            partial.peer_server = Some(
+                PeerServer::start(&pc, listener, p, meta.clone(), filler.clone()).with_context(
+                    || format!("peer_listen: starting the peer service on {}", pc.listen),
+                )?,
+            );
+        }
+        let jobs = Arc::new(Jobs::new(
+            meta.clone(),
+            plans,
+            peers.clone(),
+            metrics.prefetch(),
+        ));
         let listener = server::bind(&cfg.socket, cfg.socket_mode)
             .with_context(|| format!("socket: binding {}", cfg.socket.display()))?;
         let meta_for_prefetch = meta.clone();
@@ -290,14 +372,15 @@ impl Daemon {
             None => None,
         };
         probes.ready.store(true, Ordering::Release);
+        let peer_server = partial.started();
         Ok(Self {
             server,
             ctx,
             peers,
+            peer_server,
             filler,
             store,
             scrub,
-            jobs,
             prefetch,
             http,
             probes,
@@ -320,16 +403,8 @@ impl Daemon {
         &self.ctx
     }
 
-    /// Starts the peer service and lets fills ask peers.
-    fn start_peers(
-        cfg: &Config,
-        listen: std::net::SocketAddr,
-        store: &Arc<Store>,
-        meta: &Arc<Meta>,
-        stats: &Arc<Stats>,
-        filler: &Arc<Filler>,
-        jobs: &Arc<Jobs>,
-    ) -> anyhow::Result<Arc<Peers>> {
+    /// The peers' settings from `cfg` (the secret read from its file).
+    fn peer_config(cfg: &Config, listen: std::net::SocketAddr) -> anyhow::Result<PeerConfig> {
         let file = cfg
             .peer_secret_file
             .as_ref()
@@ -342,7 +417,7 @@ impl Daemon {
             }
             None => Source::Static(cfg.peers.clone()),
         };
-        let pc = PeerConfig {
+        Ok(PeerConfig {
             listen,
             advertise: cfg
                 .peer_advertise
@@ -353,13 +428,7 @@ impl Daemon {
             timeout: cfg.peer_timeout,
             refresh: cfg.peer_refresh,
             tls: cfg.peer_tls(),
-        };
-        let (peers, fill_cell) = Peers::start(&pc, store.clone(), meta.clone(), stats.clone())
-            .with_context(|| format!("peer_listen: starting the peer service on {listen}"))?;
-        let _ = fill_cell.set(filler.clone());
-        filler.use_peers(peers.clone());
-        jobs.set_peers(peers.clone());
-        Ok(peers)
+        })
     }
 
     /// After every start, checks in the background every block kept from before it
@@ -368,73 +437,193 @@ impl Daemon {
     /// [`SCRUB_RATE`] bytes per second while clients and peers are quiet, at most
     /// [`SCRUB_RATE_BUSY`] while they open, wait or fetch (they check what they read
     /// themselves), so that fills and readers keep the disk.
-    fn start_scrub(store: &Arc<Store>, stats: &Arc<Stats>) -> anyhow::Result<Option<Scrub>> {
+    fn start_scrub(store: &Arc<Store>, stats: &Arc<Stats>) -> anyhow::Result<Option<Task>> {
         let unverified = store.status().unverified;
         if unverified == 0 {
             return Ok(None);
         }
-        let stop = Arc::new(AtomicBool::new(false));
-        let (st, s, stats) = (store.clone(), stop.clone(), stats.clone());
-        let h = std::thread::Builder::new()
-            .name("sc-scrub".into())
-            .spawn(move || {
-                let started = Instant::now();
-                let (idle, busy) = (Bucket::new(SCRUB_RATE), Bucket::new(SCRUB_RATE_BUSY));
-                let activity = || {
-                    let c = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
-                    c(&stats.opens) + c(&stats.waits) + c(&stats.peer_blocks_out)
-                };
-                let mut seen = activity();
-                let r = st.verify_unverified(&mut |bytes| {
-                    let now = activity();
-                    if now != seen {
-                        busy.take(bytes as usize);
-                    } else {
-                        idle.take(bytes as usize);
-                    }
-                    seen = now;
-                    !s.load(Ordering::Relaxed)
-                });
-                tracing::info!(
-                    checked = r.checked,
-                    corrupt = r.corrupt,
-                    bytes = r.bytes,
-                    seconds = started.elapsed().as_secs_f64(),
-                    "background verification finished"
-                );
-            })
-            .context("starting the scrub thread")?;
+        let (st, stats) = (store.clone(), stats.clone());
+        // Its end is not a failure (it ends when done): no probe reads its liveness.
+        let task = Task::spawn("sc-scrub", Arc::new(AtomicBool::new(false)), move |s| {
+            let started = Instant::now();
+            let (idle, busy) = (Bucket::new(SCRUB_RATE), Bucket::new(SCRUB_RATE_BUSY));
+            let activity = || {
+                let c = |a: &std::sync::atomic::AtomicU64| a.load(Ordering::Relaxed);
+                c(&stats.opens) + c(&stats.waits) + c(&stats.peer_blocks_out)
+            };
+            let mut seen = activity();
+            let r = st.verify_unverified(&mut |bytes| {
+                let now = activity();
+                if now != seen {
+                    busy.take(bytes as usize);
+                } else {
+                    idle.take(bytes as usize);
+                }
+                seen = now;
+                !s.is_stopped()
+            });
+            tracing::info!(
+                checked = r.checked,
+                corrupt = r.corrupt,
+                bytes = r.bytes,
+                seconds = started.elapsed().as_secs_f64(),
+                "background verification finished"
+            );
+        })
+        .context("starting the scrub thread")?;
         tracing::info!(unverified, "background verification started");
-        Ok(Some((stop, h)))
+        Ok(Some(task))
     }
 
-    /// Orderly shutdown: clients are disconnected (they fall back to the backing store),
-    /// fills stop, the journal is flushed and the store marked clean.
+    /// Orderly shutdown, one step after the other (docs/ARCHITECTURE.md, the
+    /// concurrency table): readiness goes first; clients are disconnected (they fall
+    /// back to the backing store); the peer port closes, then the peers' client (fills
+    /// stop asking peers); the prefetcher stops (no new fills), then the fill engine
+    /// (queued fills released, stuck workers left behind) and the scrub; connection
+    /// threads are waited for; the metrics endpoint closes; last, the journal is
+    /// flushed and the store marked clean.
     pub fn close(mut self) -> anyhow::Result<()> {
-        self.probes.ready.store(false, Ordering::Release);
-        self.server.close();
-        if let Some(p) = &self.peers {
-            p.close();
-        }
-        if let Some((stop, h)) = self.prefetch.take() {
-            stop.store(true, Ordering::Relaxed);
-            self.jobs.stop_prefetcher();
-            let _ = h.join();
-        }
-        self.filler.close();
-        if let Some((stop, h)) = self.scrub.take() {
-            stop.store(true, Ordering::Relaxed);
-            let _ = h.join();
-        }
-        let left = self.server.drain(Duration::from_secs(5));
-        if left > 0 {
-            tracing::warn!(left, "client threads still running at shutdown");
-        }
-        if let Some(h) = &mut self.http {
-            h.close();
-        }
+        Self::shutdown().run(&mut self);
         self.store.close().context("closing the store")?;
         tracing::info!("shardcached stopped cleanly");
         Ok(())
+    }
+
+    /// The shutdown order ([`Daemon::close`]; the store's close follows it).
+    fn shutdown() -> Shutdown<Self> {
+        Shutdown::<Self>::default()
+            .then("readiness", |d| {
+                d.probes.ready.store(false, Ordering::Release)
+            })
+            .then("socket server", |d| d.server.close())
+            .then("peer server", |d| {
+                if let Some(p) = &d.peer_server {
+                    p.close();
+                }
+            })
+            .then("peers", |d| {
+                if let Some(p) = &d.peers {
+                    p.close();
+                }
+            })
+            .then("prefetcher", |d| {
+                if let Some(t) = &mut d.prefetch {
+                    t.shutdown(TASK_STOP);
+                }
+            })
+            .then("fill engine", |d| d.filler.close())
+            .then("scrub", |d| {
+                if let Some(t) = &mut d.scrub {
+                    t.shutdown(TASK_STOP);
+                }
+            })
+            .then("connection threads", |d| {
+                let left = d.server.drain(Duration::from_secs(5));
+                if left > 0 {
+                    tracing::warn!(left, "client threads still running at shutdown");
+                }
+            })
+            .then("metrics endpoint", |d| {
+                if let Some(h) = &mut d.http {
+                    h.close();
+                }
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The names of this process's threads.
+    fn threads() -> Vec<String> {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+            .map(|c| c.trim().to_owned())
+            .collect()
+    }
+
+    /// A start that fails after the fill engine started (here: the socket path is taken
+    /// by a regular file) leaves none of its workers behind.
+    #[test]
+    fn a_failed_start_leaves_no_fill_worker_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = Config {
+            backing_roots: vec![dir.path().to_owned()],
+            cache_dir: dir.path().join("cache"),
+            // Not a socket: the server refuses to replace it.
+            socket: dir.path().join("a-file"),
+            metrics_listen: MetricsListen::Off,
+            prefetch_ahead: 0,
+            ..Config::default()
+        };
+        let roots = vec![Root {
+            path: "/r".into(),
+            name: "/r".into(),
+            backing: Arc::new(crate::backing::mem::MemBacking::new()),
+        }];
+        std::fs::write(dir.path().join("a-file"), "keep me").unwrap();
+        let Err(e) = Daemon::start_with_roots(&cfg, roots) else {
+            panic!("started over a regular file")
+        };
+        assert!(format!("{e:#}").contains("socket"), "{e:#}");
+        let left: Vec<String> = threads()
+            .into_iter()
+            .filter(|t| t.starts_with("sc-fill"))
+            .collect();
+        assert!(left.is_empty(), "still running: {left:?}");
+    }
+
+    /// The order docs/ARCHITECTURE.md's concurrency table gives.
+    #[test]
+    fn shutdown_goes_in_the_documented_order() {
+        assert_eq!(
+            Daemon::shutdown().names(),
+            [
+                "readiness",
+                "socket server",
+                "peer server",
+                "peers",
+                "prefetcher",
+                "fill engine",
+                "scrub",
+                "connection threads",
+                "metrics endpoint",
+            ]
+        );
+    }
+
+    /// The TLS half of `config::tests::peer_tls_is_all_or_nothing_with_peers`: whether
+    /// the files load is checked here (the peer layer loads them), with the key named.
+    #[test]
+    fn check_loads_the_peer_tls_files() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("secret"), "0123456789abcdef-secret").unwrap();
+        let f = |n: &str| Some(dir.path().join(n));
+        let base = Config {
+            backing_roots: vec![dir.path().to_owned()],
+            cache_dir: dir.path().join("cache"),
+            socket: dir.path().join("sc.sock"),
+            metrics_listen: MetricsListen::Off,
+            peer_listen: Some("127.0.0.1:7070".parse().unwrap()),
+            peers: vec!["127.0.0.1:7071".into()],
+            peer_secret_file: f("secret"),
+            ..Config::default()
+        };
+        assert_eq!(check(&base), Ok(()));
+        let all = Config {
+            peer_tls_cert: f("tls.crt"),
+            peer_tls_key: f("tls.key"),
+            peer_tls_ca: f("ca.crt"),
+            ..base
+        };
+        assert_eq!(all.validate(), Ok(()));
+        // Missing files: the key that names them.
+        let e = check(&all).unwrap_err();
+        assert!(e.starts_with("peer_tls_cert:"), "{e}");
+        std::fs::write(dir.path().join("tls.crt"), "not PEM").unwrap();
+        let e = check(&all).unwrap_err();
+        assert!(e.contains("no PEM certificate"), "{e}");
     }
 }

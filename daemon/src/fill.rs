@@ -17,24 +17,30 @@
 //! once, until a call on it completes again. Shutdown waits a few seconds for workers,
 //! then leaves the stuck ones behind.
 //!
-//! A fill reads the block through a descriptor opened for the exact version the client
-//! was told about, and checks the version again after reading: a file changed
-//! underneath is never cached under the old version's key.
+//! A fill asks its root's sources in order ([`crate::blocks::Sources`], handed over at
+//! construction: the peers when this node shares, then the backing store), and the
+//! first that has the block supplies it; the backing store's source checks the version
+//! again after reading, so a file changed underneath is never cached under the old
+//! version's key. The engine is also what the peer server serves from
+//! ([`BlockProvider`]). It imports neither the peers nor the server.
 
 use std::cmp::Ordering as CmpOrdering;
 use std::collections::BinaryHeap;
 
 use rustc_hash::FxHashMap as HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::backing::watch::file_id;
-use crate::backing::{BackingError, BackingFile, BackingFileExt, Stat};
+use crate::blocks::{BlockProvider, BlockRequest, Fetched, SourceError, Sources};
+use crate::lifecycle::Gauge;
 use crate::meta::Meta;
-use crate::stats::{Stats, add, inc};
+use crate::stats::{Stats, inc};
 use crate::store::{Key, Store, StoreError};
+
+pub use crate::blocks::Target;
 
 /// How urgently a block is wanted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -46,22 +52,6 @@ pub enum Priority {
     Readahead = 1,
     /// A client is blocked on it.
     Demand = 2,
-}
-
-/// The file a fill is for.
-#[derive(Debug)]
-pub struct Target {
-    /// Root index (for metadata invalidation).
-    pub root: usize,
-    /// The path as the client named it, relative to the root (metadata cache key).
-    pub rel: String,
-    /// The version to fill.
-    pub stat: Arc<Stat>,
-    /// The store key of that version.
-    pub key: Key,
-    /// The block may come from a peer (false when filling for a peer: the owner reads the
-    /// backing store itself).
-    pub peer_ok: bool,
 }
 
 /// One block fill in progress; waiters block on it.
@@ -202,9 +192,11 @@ struct Inner {
     limit: usize,
     workers: usize,
     meter: Mutex<Meter>,
-    peers: OnceLock<Arc<crate::peer::Peers>>,
-    handles: moka::sync::Cache<Key, Arc<dyn BackingFile>>,
+    /// Each root's sources, in the order a fill asks them.
+    sources: Sources,
     threads: Mutex<Vec<JoinHandle<()>>>,
+    /// The threads running (workers and the watchdog): what `close` waits for.
+    running: Arc<Gauge>,
     next_worker: AtomicU64,
     /// Workers that ended by a panic.
     died: AtomicUsize,
@@ -274,15 +266,22 @@ fn declined() -> Arc<Flight> {
 
 impl Filler {
     /// Starts `workers` fill threads per backing root, with a queue of at most `limit`
-    /// read-ahead jobs.
+    /// read-ahead jobs; each root's fills ask its `sources` in order.
     pub fn new(
         store: Arc<Store>,
         meta: Arc<Meta>,
         stats: Arc<Stats>,
+        sources: Sources,
         workers: usize,
         limit: usize,
     ) -> std::io::Result<Self> {
         let nroots = meta.roots().all().len();
+        if sources.roots() != nroots {
+            return Err(std::io::Error::other(format!(
+                "fill sources for {} roots, {nroots} roots",
+                sources.roots()
+            )));
+        }
         let queue = Queue {
             heaps: (0..nroots).map(|_| BinaryHeap::new()).collect(),
             pools: (0..nroots).map(|_| Pool::default()).collect(),
@@ -299,12 +298,9 @@ impl Filler {
             limit,
             workers,
             meter: Mutex::new(Meter::default()),
-            peers: OnceLock::new(),
-            handles: moka::sync::Cache::builder()
-                .max_capacity(256)
-                .time_to_idle(std::time::Duration::from_secs(30))
-                .build(),
+            sources,
             threads: Mutex::new(Vec::new()),
+            running: Arc::new(Gauge::default()),
             next_worker: AtomicU64::new(0),
             died: AtomicUsize::new(0),
         });
@@ -321,9 +317,13 @@ impl Filler {
         let watched = (0..nroots).any(|r| !filler.inner.meta.roots().watch(r).stall().is_zero());
         if watched {
             let inner = filler.inner.clone();
+            let counted = inner.running.enter();
             let h = std::thread::Builder::new()
                 .name("sc-fill-watch".into())
-                .spawn(move || watchdog(&inner));
+                .spawn(move || {
+                    let _counted = counted;
+                    watchdog(&inner);
+                });
             match h {
                 Ok(h) => lock(&filler.inner.threads).push(h),
                 Err(e) => {
@@ -401,11 +401,6 @@ impl Filler {
         }
     }
 
-    /// Lets fills ask peers before the backing store.
-    pub fn use_peers(&self, peers: Arc<crate::peer::Peers>) {
-        let _ = self.inner.peers.set(peers);
-    }
-
     /// The backing store's measured latency and throughput, once a few reads are in.
     pub fn service(&self) -> Option<Service> {
         let m = *lock(&self.inner.meter);
@@ -444,22 +439,15 @@ impl Filler {
             cv.notify_all();
         }
         self.inner.tick.notify_all();
-        let deadline = Instant::now() + CLOSE_WAIT;
-        let mut threads = std::mem::take(&mut *lock(&self.inner.threads));
-        while !threads.is_empty() && Instant::now() < deadline {
-            let (done, running): (Vec<_>, Vec<_>) =
-                threads.into_iter().partition(JoinHandle::is_finished);
-            for h in done {
+        let stuck = self.inner.running.wait_zero(CLOSE_WAIT);
+        for h in std::mem::take(&mut *lock(&self.inner.threads)) {
+            if h.is_finished() {
                 let _ = h.join();
             }
-            threads = running;
-            if !threads.is_empty() {
-                std::thread::sleep(Duration::from_millis(5));
-            }
         }
-        if !threads.is_empty() {
+        if stuck > 0 {
             tracing::warn!(
-                stuck = threads.len(),
+                stuck,
                 "fill workers still blocked in a backing store at shutdown; leaving them behind"
             );
         }
@@ -472,7 +460,7 @@ impl Filler {
 /// Whether fills for `target` are declined at once: its root (or file) is not answering
 /// and no peer could supply the block instead.
 fn refused(inner: &Inner, target: &Target) -> bool {
-    (inner.peers.get().is_none() || !target.peer_ok)
+    (!target.peer_ok || !inner.sources.any_remote(target.root))
         && inner
             .meta
             .roots()
@@ -484,9 +472,13 @@ fn refused(inner: &Inner, target: &Target) -> bool {
 fn spawn_worker(inner: &Arc<Inner>, root: usize) -> std::io::Result<()> {
     let n = inner.next_worker.fetch_add(1, Ordering::Relaxed);
     let me = inner.clone();
+    let counted = inner.running.enter();
     let spawned = std::thread::Builder::new()
         .name(format!("sc-fill-{root}-{n}"))
-        .spawn(move || worker(&me, root, n));
+        .spawn(move || {
+            let _counted = counted;
+            worker(&me, root, n);
+        });
     match spawned {
         Ok(h) => {
             let mut threads = lock(&inner.threads);
@@ -610,7 +602,7 @@ fn watchdog(inner: &Arc<Inner>) {
                 pool.threads += 1;
                 spawn.push(r);
             }
-            if inner.peers.get().is_none() && !heap.is_empty() && watch.stalled() {
+            if !inner.sources.any_remote(r) && !heap.is_empty() && watch.stalled() {
                 for job in heap.drain() {
                     let id = (job.target.key, job.index);
                     if queued.get(&id) == Some(&job.prio) {
@@ -660,13 +652,12 @@ fn fill_and_land(
     let ok = match fill(inner, target, index, prefetch) {
         Ok(()) => true,
         Err(e) => {
-            if !matches!(
-                e,
-                FillError::Store(StoreError::NoSpace)
-                    | FillError::Store(StoreError::Gone)
-                    | FillError::Backing(BackingError::Stalled(_))
-            ) && !is_stalled_read(&e)
-            {
+            let counted = match &e {
+                FillError::Store(StoreError::NoSpace | StoreError::Gone) => false,
+                FillError::Store(_) => true,
+                FillError::Source(e) => !e.is_stall(),
+            };
+            if counted {
                 inc(&inner.stats.fill_errors);
             }
             tracing::debug!(path = %target.stat.path, block = index, error = %e, "fill failed");
@@ -677,24 +668,17 @@ fn fill_and_land(
     ok
 }
 
-/// A read the root's watch refused (not an error of the store).
-fn is_stalled_read(e: &FillError) -> bool {
-    matches!(e, FillError::Read(io) if io.get_ref().is_some_and(|i| i.is::<BackingError>()))
-}
-
 #[derive(Debug, thiserror::Error)]
 enum FillError {
     #[error(transparent)]
     Store(#[from] StoreError),
     #[error(transparent)]
-    Backing(#[from] BackingError),
-    #[error("backing read failed: {0}")]
-    Read(#[from] std::io::Error),
+    Source(#[from] SourceError),
 }
 
 thread_local! {
-    /// A fill thread's buffer for blocks from peers (one block, kept between fills).
-    static PEER_BUF: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+    /// A fill thread's block buffer (one block, kept from one fill to the next).
+    static BUF: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 fn fill(inner: &Inner, t: &Target, index: usize, prefetch: bool) -> Result<(), FillError> {
@@ -702,70 +686,77 @@ fn fill(inner: &Inner, t: &Target, index: usize, prefetch: bool) -> Result<(), F
     let Some(permit) = inner.store.begin_fill(root, &t.stat, index, prefetch)? else {
         return Ok(());
     };
-    if t.peer_ok
-        && let Some(peers) = inner.peers.get()
-    {
-        // This thread's block buffer, kept from one peer fetch to the next.
-        let mut buf = PEER_BUF.take();
-        let got = peers.fetch(root, &t.stat, index, permit.len(), true, &mut buf);
-        if let Some(xxh3) = got {
-            let r = inner.store.commit_fill_summed(permit, &buf, xxh3);
-            PEER_BUF.set(buf);
-            r?;
-            inc(&inner.stats.blocks_filled);
-            return Ok(());
-        }
-        PEER_BUF.set(buf);
-        if prefetch && peers.placed_elsewhere(root, &t.stat.path) {
-            // The cluster placement moved the file on (or dropped it) since this
-            // prefetch started: reading the backing store for it would be a read the
-            // cluster does not need.
-            inner.store.abort_fill(permit);
-            return Err(FillError::Store(StoreError::Gone));
-        }
-    }
-    let started = Instant::now();
-    match read_block(inner, t, permit.offset(), permit.len()) {
-        Ok(data) => {
-            lock(&inner.meter).add(started.elapsed().as_secs_f64(), data.len() as f64);
-            inner.store.commit_fill(permit, &data)?;
-            inc(&inner.stats.blocks_filled);
-            Ok(())
-        }
-        Err(e) => {
-            inner.store.abort_fill(permit);
-            Err(e)
-        }
-    }
+    let req = BlockRequest {
+        target: t,
+        root,
+        index,
+        offset: permit.offset(),
+        len: permit.len(),
+        prefetch,
+    };
+    let mut buf = BUF.take();
+    let r = fill_from_sources(inner, &req, permit, &mut buf);
+    BUF.set(buf);
+    r
 }
 
-fn read_block(inner: &Inner, t: &Target, offset: u64, len: usize) -> Result<Vec<u8>, FillError> {
-    let changed = |inner: &Inner| {
-        inner.meta.invalidate(t.root, &t.rel);
-        inner.handles.invalidate(&t.key);
-        FillError::Backing(BackingError::Changed(t.stat.path.clone()))
-    };
-    let file = match inner.handles.get(&t.key) {
-        Some(f) => f,
-        None => {
-            let f: Arc<dyn BackingFile> = match inner.meta.roots().get(t.root).backing.open(&t.stat)
-            {
-                Ok(f) => Arc::from(f),
-                Err(BackingError::Changed(_)) => return Err(changed(inner)),
-                Err(e) => return Err(e.into()),
-            };
-            inner.handles.insert(t.key, f.clone());
-            f
+/// Asks the root's sources in order; the first that has the block supplies it.
+fn fill_from_sources(
+    inner: &Inner,
+    req: &BlockRequest<'_>,
+    permit: crate::store::Permit,
+    buf: &mut Vec<u8>,
+) -> Result<(), FillError> {
+    for source in inner.sources.of(req.target.root) {
+        // For a peer, the owner reads the backing store itself.
+        if source.remote() && !req.target.peer_ok {
+            continue;
         }
-    };
-    let mut buf = vec![0u8; len];
-    let n = file.read_full_at(&mut buf, offset)?;
-    inc(&inner.stats.backing_reads);
-    add(&inner.stats.backing_bytes, n as u64);
-    if n != len || file.version()? != t.stat.version {
-        return Err(changed(inner));
+        let started = Instant::now();
+        match source.fetch(req, buf) {
+            Ok(Fetched::Got { xxh3 }) => {
+                if !source.remote() {
+                    // What the prefetcher paces itself by: the backing store's speed.
+                    lock(&inner.meter).add(started.elapsed().as_secs_f64(), buf.len() as f64);
+                }
+                match xxh3 {
+                    Some(sum) => inner.store.commit_fill_summed(permit, buf, sum)?,
+                    None => inner.store.commit_fill(permit, buf)?,
+                }
+                inc(&inner.stats.blocks_filled);
+                return Ok(());
+            }
+            Ok(Fetched::Miss) => {}
+            Ok(Fetched::Declined) => {
+                // The cluster placement moved the file on (or dropped it) since this
+                // prefetch started: reading the backing store for it would be a read
+                // the cluster does not need.
+                inner.store.abort_fill(permit);
+                return Err(FillError::Store(StoreError::Gone));
+            }
+            Err(e) => {
+                inner.store.abort_fill(permit);
+                return Err(e.into());
+            }
+        }
     }
-    Ok(buf)
+    // No source had it (none is configured to always answer: a misconfiguration).
+    inner.store.abort_fill(permit);
+    Err(FillError::Store(StoreError::Gone))
+}
+
+impl BlockProvider for Filler {
+    fn block_size(&self) -> u32 {
+        self.inner.store.block_size()
+    }
+
+    fn read(&self, key: &Key, index: usize, buf: &mut Vec<u8>) -> Option<u64> {
+        self.inner.store.read_block_into(key, index, buf)
+    }
+
+    fn fill(&self, target: &Arc<Target>, index: usize, deadline: Instant) -> bool {
+        self.fill_here(target, index, deadline)
+    }
 }
 
 #[cfg(test)]
@@ -774,9 +765,13 @@ mod tests {
     use crate::backing::fault::{Faults, FaultyBacking};
     use crate::backing::mem::MemBacking;
     use crate::backing::{Backing, Owner};
-    use crate::config::SizeSpec;
+    use crate::blocks::conformance::{self, ProviderFixture};
+    use crate::blocks::fault::FaultySource;
+    use crate::blocks::mem::MemSource;
+    use crate::blocks::{BlockSource, Sources};
     use crate::meta::{Root, Roots};
     use crate::store::StoreConfig;
+    use crate::units::SizeSpec;
 
     const BS: u32 = 4096;
 
@@ -791,6 +786,11 @@ mod tests {
     }
 
     fn rig() -> Rig {
+        rig_with(None)
+    }
+
+    /// A rig whose fills ask `first` (a stand-in for the peers) before the backing store.
+    fn rig_with(first: Option<Arc<dyn BlockSource>>) -> Rig {
         let dir = tempfile::tempdir().unwrap();
         let mem = Arc::new(MemBacking::new());
         let (faulty, faults) = FaultyBacking::new(mem.clone());
@@ -814,7 +814,12 @@ mod tests {
             block_size: BS,
         };
         let store = Arc::new(Store::open(&cfg, stats.clone()).unwrap());
-        let filler = Filler::new(store.clone(), meta.clone(), stats.clone(), 4, 64).unwrap();
+        let mut sources = Sources::backing(&meta, &stats);
+        if let Some(first) = first {
+            sources = sources.ask_first(first);
+        }
+        let filler =
+            Filler::new(store.clone(), meta.clone(), stats.clone(), sources, 4, 64).unwrap();
         Rig {
             _dir: dir,
             mem,
@@ -989,7 +994,15 @@ mod tests {
             block_size: BS,
         };
         let store = Arc::new(Store::open(&cfg, stats.clone()).unwrap());
-        let filler = Filler::new(store.clone(), meta.clone(), stats, 4, 64).unwrap();
+        let filler = Filler::new(
+            store.clone(),
+            meta.clone(),
+            stats.clone(),
+            Sources::backing(&meta, &stats),
+            4,
+            64,
+        )
+        .unwrap();
         TwoRoots {
             _dir: dir,
             faults,
@@ -1109,5 +1122,90 @@ mod tests {
         );
         assert_eq!(f.outcome(), Some(false), "its waiter was released");
         r.faults.release();
+    }
+
+    impl ProviderFixture for Rig {
+        fn provider(&self) -> &dyn BlockProvider {
+            &self.filler
+        }
+        fn put(&self, path: &str, data: &[u8]) -> Arc<Target> {
+            let owner = Owner {
+                mode: 0o644,
+                ..Owner::default()
+            };
+            self.mem.put(path, data.to_vec(), owner);
+            self.meta.invalidate(0, path);
+            self.target(path)
+        }
+    }
+
+    /// The fill engine is the peer server's provider: the suite its in-memory twin
+    /// passes.
+    #[test]
+    fn the_fill_engine_conforms_as_a_provider() {
+        assert_eq!(BS as usize, conformance::BS);
+        conformance::providers(&rig);
+    }
+
+    /// The order of a fill's sources: the peers first, the backing store when they miss,
+    /// nothing from either when a prefetch is declined, and never the peers for a fill
+    /// on a peer's behalf.
+    #[test]
+    fn fills_ask_their_sources_in_order() {
+        let peers = Arc::new(MemSource::new(true));
+        let (faulty, sf) = FaultySource::new(peers.clone());
+        let r = rig_with(Some(Arc::new(faulty)));
+        r.put("f", 2 * BS as usize);
+        r.put("g", BS as usize);
+        r.put("h", BS as usize);
+        let t = r.target("f");
+        let data: Vec<u8> = (0..2 * BS as usize).map(|i| (i % 251) as u8).collect();
+        peers.insert(t.key, data);
+        // The peers have it: the backing store is not read.
+        assert_eq!(r.wait(&t, 0), Some(true));
+        assert_eq!(r.faults.reads.load(Ordering::Relaxed), 0);
+        assert_eq!(sf.fetches.load(Ordering::Relaxed), 1);
+        // They miss: the backing store is.
+        let g = r.target("g");
+        assert_eq!(r.wait(&g, 0), Some(true));
+        assert_eq!(r.faults.reads.load(Ordering::Relaxed), 1);
+        assert_eq!(sf.fetches.load(Ordering::Relaxed), 2);
+        // Declined (a prefetch the placement moved away): neither supplies it.
+        sf.decline.store(true, Ordering::Relaxed);
+        let h = r.target("h");
+        let got = match r.filler.request(&h, 0, Priority::Prefetch) {
+            Scheduled::InFlight(f) => f.wait_until(Instant::now() + Duration::from_secs(20)),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(got, Some(false));
+        assert!(!r.store.is_present(&h.key, 0));
+        assert_eq!(r.faults.reads.load(Ordering::Relaxed), 1, "no backing read");
+        assert_eq!(
+            r.stats.fill_errors.load(Ordering::Relaxed),
+            0,
+            "not an error"
+        );
+        // A fill for a peer (peer_ok false) never asks the peers.
+        sf.decline.store(false, Ordering::Relaxed);
+        let asked = sf.fetches.load(Ordering::Relaxed);
+        let f = r.target("f");
+        let mine = Arc::new(Target {
+            peer_ok: false,
+            root: f.root,
+            rel: f.rel.clone(),
+            stat: f.stat.clone(),
+            key: f.key,
+        });
+        assert!(
+            r.filler
+                .fill_here(&mine, 1, Instant::now() + Duration::from_secs(20))
+        );
+        assert_eq!(
+            sf.fetches.load(Ordering::Relaxed),
+            asked,
+            "the peers not asked"
+        );
+        assert_eq!(r.faults.reads.load(Ordering::Relaxed), 2);
+        r.filler.close();
     }
 }

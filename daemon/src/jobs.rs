@@ -1,7 +1,7 @@
-//! Registered jobs: their manifests feed the [`Planner`], which then decides eviction
-//! (through [`PlannedPolicy`], the store's eviction policy) and prefetch (the thread
-//! started by [`Jobs::start_prefetcher`]). Reads move a job's position (`on_open`), and
-//! so does an explicit progress report.
+//! Registered jobs: their manifests feed the planner (in the [`Plans`] cell they share
+//! with the store's eviction policy, `crate::policy::planned`, and the peers), which
+//! then decides eviction and prefetch (the thread started by [`Jobs::start_prefetcher`]).
+//! Reads move a job's position (`on_open`), and so does an explicit progress report.
 //!
 //! A registration acts with its registrant's rights, never the daemon's: a glob lists
 //! only directories the registrant may list, the prefetcher fetches (from the backing
@@ -17,7 +17,6 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use shardcache_plan::manifest::{Files, Item, Manifest, Plan};
@@ -26,16 +25,15 @@ use shardcache_proto::local::v1 as pb;
 use crate::access::{self, Creds, Decision};
 use crate::backing::Stat;
 use crate::fill::{Filler, Flight, Priority, Scheduled, Target};
+use crate::lifecycle::{Stop, Task};
 use crate::meta::{Hold, Meta, Roots, Voucher};
 use crate::metrics::PrefetchInstruments;
 use crate::planner::prefetch::{self, CacheView, Pace};
-use crate::planner::{FileRef, Need, Planner, Source};
+use crate::planner::{FileRef, Planner, Source};
+use crate::policy::{Applied, Deferred, Plans, Slots};
 use crate::ratelimit::TokenBucket;
-use crate::store::evict::{EvictionPolicy, Lru};
 use crate::store::{Key, Store};
 
-/// How far ahead of a job's position a read may be and still count as its next read.
-const READ_WINDOW: u64 = 64;
 /// Upcoming files the prefetcher and the status look at.
 const LOOKAHEAD: usize = 256;
 /// Most files in a job's readiness window (status, `shardcache prefetch --wait`).
@@ -218,9 +216,8 @@ impl Left {
 pub struct Jobs {
     roots: Arc<Roots>,
     meta: Arc<Meta>,
-    /// Root index by root name (store entries name their root).
-    root_index: HashMap<String, usize>,
-    planner: Mutex<Planner>,
+    /// The planner and what it says, shared with the store's policy and the peers.
+    plans: Arc<Plans>,
     info: Mutex<BTreeMap<String, JobInfo>>,
     next_tag: AtomicU64,
     /// Files being prefetched now (for status).
@@ -228,9 +225,9 @@ pub struct Jobs {
     /// Sizes of planned files, as declared by manifests or stat'ed by the prefetcher
     /// and the status (bounded: cleared when it grows past a million entries).
     sizes: Mutex<HashMap<FileRef, u64>>,
-    /// The peers, when this node shares with others: eviction then keeps the files this
-    /// node owns for the cluster before its local copies of files others own.
-    peers: std::sync::OnceLock<Arc<crate::peer::Peers>>,
+    /// The peers, when this node shares with others: the cluster layouts come from
+    /// them, and claimed copies are released through them.
+    peers: Option<Arc<crate::peer::Peers>>,
     wake: (Mutex<bool>, Condvar),
     /// Files the prefetcher fetched, until their first open: the open then records the
     /// prefetch lead time (or a late prefetch).
@@ -238,17 +235,9 @@ pub struct Jobs {
     instruments: PrefetchInstruments,
     /// False once the prefetch thread has ended (for the liveness probe).
     prefetcher_alive: Arc<AtomicBool>,
-    /// Per shuffle, how many of its files this node's cache holds (told to peers for
-    /// the cluster placement): the capacity ÷ the number of shuffles ÷ the files' mean
-    /// size (over a sample), fixed when first computed; and that mean size.
-    slots: Mutex<HashMap<String, Slots>>,
-}
-
-/// A shuffle's slots on this node (see `Jobs::slots`).
-#[derive(Debug, Clone, Copy)]
-struct Slots {
-    files: u64,
-    mean_size: u64,
+    /// The tag of the job an open of each planned file is reported under (the first
+    /// registered job that plans it): answered without the planner lock.
+    tags: std::sync::RwLock<HashMap<FileRef, u64>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -256,30 +245,28 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Jobs {
-    /// No jobs yet; the prefetcher records its lead times into `instruments`.
-    pub fn new(meta: Arc<Meta>, instruments: PrefetchInstruments) -> Self {
-        let roots = meta.roots().clone();
-        let root_index = roots
-            .all()
-            .iter()
-            .enumerate()
-            .map(|(i, r)| (r.name.clone(), i))
-            .collect();
+    /// No jobs yet: they are planned in `plans`; with `peers`, cluster layouts come
+    /// from them. The prefetcher records its lead times into `instruments`.
+    pub fn new(
+        meta: Arc<Meta>,
+        plans: Arc<Plans>,
+        peers: Option<Arc<crate::peer::Peers>>,
+        instruments: PrefetchInstruments,
+    ) -> Self {
         Self {
-            roots,
+            roots: meta.roots().clone(),
             meta,
-            root_index,
-            planner: Mutex::new(Planner::new()),
+            plans,
             info: Mutex::new(BTreeMap::new()),
             next_tag: AtomicU64::new(1),
             prefetching: AtomicU64::new(0),
             sizes: Mutex::new(HashMap::new()),
-            peers: std::sync::OnceLock::new(),
+            peers,
             wake: (Mutex::new(false), Condvar::new()),
             prefetched: Mutex::new(HashMap::new()),
             instruments,
             prefetcher_alive: Arc::new(AtomicBool::new(false)),
-            slots: Mutex::new(HashMap::new()),
+            tags: std::sync::RwLock::new(HashMap::new()),
         }
     }
 
@@ -288,32 +275,61 @@ impl Jobs {
         self.prefetcher_alive.load(Ordering::Acquire)
     }
 
-    /// A job opened `f`: if the prefetcher fetched it, record how long before the open it
-    /// became resident, or that the prefetch was late.
-    fn record_lead(&self, f: &FileRef) {
+    /// A job opened `f` at `at`: if the prefetcher fetched it, record how long before the
+    /// open it became resident, or that the prefetch was late.
+    fn record_lead(&self, f: &FileRef, at: Instant) {
         match lock(&self.prefetched).remove(f) {
-            Some(Prefetched::Resident(at)) => {
-                self.instruments.lead.record(at.elapsed().as_secs_f64());
+            Some(Prefetched::Resident(done)) if done <= at => {
+                self.instruments.lead.record((at - done).as_secs_f64());
             }
-            Some(Prefetched::InFlight) => self.instruments.late.increment(1),
+            Some(Prefetched::Resident(_) | Prefetched::InFlight) => {
+                self.instruments.late.increment(1);
+            }
             None => {}
         }
     }
 
-    /// Makes eviction aware of the cluster: which files this node owns for it, and
-    /// (cluster mode, [`Planner::set_cluster`]) which files other nodes' ranks read next;
-    /// and lets the peers ask the plans who read a file last.
-    pub fn set_peers(self: &Arc<Self>, peers: Arc<crate::peer::Peers>) {
-        lock(&self.planner).set_cluster(true);
-        peers.use_plans(Arc::new(Hooks(Arc::downgrade(self))));
-        let _ = self.peers.set(peers);
+    /// Accounts the reads the planner applied since the last call (per-job opens, lead
+    /// times).
+    fn account(&self, applied: Vec<Applied>) {
+        if applied.is_empty() {
+            return;
+        }
+        for a in &applied {
+            self.record_lead(&a.file, a.at);
+        }
+        let mut info = lock(&self.info);
+        for a in applied {
+            if let Some(j) = info.get_mut(&a.job) {
+                j.usage.opens += 1;
+                j.usage.opens_hit += a.hit as u64;
+            }
+        }
     }
 
-    fn file_ref(&self, root: &str, path: &str) -> Option<FileRef> {
-        self.root_index.get(root).map(|&r| FileRef {
-            root: r,
-            path: path.to_owned(),
-        })
+    /// Applies the reads opens left for the planner, and accounts them.
+    fn settle(&self) {
+        drop(self.plans.planner());
+        self.account(self.plans.take_applied());
+    }
+
+    /// Rebuilds the tag index from the registered jobs (the first registered job that
+    /// plans a file names it).
+    fn rebuild_tags(&self) {
+        let mut jobs: Vec<(String, u64)> = lock(&self.info)
+            .iter()
+            .map(|(id, j)| (id.clone(), j.tag))
+            .collect();
+        jobs.sort_by_key(|(_, tag)| *tag);
+        let mut tags = HashMap::new();
+        for (id, tag) in jobs {
+            if let Some(files) = self.files_of(&id) {
+                for f in files.iter() {
+                    tags.entry(f.clone()).or_insert(tag);
+                }
+            }
+        }
+        *self.tags.write().unwrap_or_else(|e| e.into_inner()) = tags;
     }
 
     fn poke(&self) {
@@ -444,7 +460,8 @@ impl Jobs {
         }
         let n = files.len();
         let immutable = m.immutable.then(|| Arc::new(files.clone()));
-        lock(&self.planner)
+        self.plans
+            .planner()
             .register(&m.job, files, source)
             .map_err(JobError::Plan)?;
         let immutable = immutable.map(|f| {
@@ -467,7 +484,7 @@ impl Jobs {
             immutable_owner_only: immutable.is_some() && !operator,
         };
         let tag = self.next_tag.fetch_add(1, Ordering::Relaxed);
-        let done = lock(&self.planner).steps_done(&m.job).unwrap_or(0);
+        let done = self.plans.planner().steps_done(&m.job).unwrap_or(0);
         let old = lock(&self.info).insert(
             m.job.clone(),
             JobInfo {
@@ -486,6 +503,7 @@ impl Jobs {
         if let Some(old) = old {
             self.release(&old);
         }
+        self.rebuild_tags();
         tracing::info!(
             job = %m.job,
             files = n,
@@ -527,11 +545,12 @@ impl Jobs {
     }
 
     pub fn unregister(&self, job: &str) -> bool {
-        lock(&self.slots).remove(job);
+        self.plans.slots().remove(job);
         if let Some(old) = lock(&self.info).remove(job) {
             self.release(&old);
         }
-        let found = lock(&self.planner).unregister(job);
+        let found = self.plans.planner().unregister(job);
+        self.rebuild_tags();
         if found {
             tracing::info!(job, "prefetch manifest unregistered");
         }
@@ -542,14 +561,14 @@ impl Jobs {
     /// its cluster layout as the peers report it (none until every rank's node and
     /// every node's slots are known: eviction and fetches then go by ownership).
     fn update_layouts(&self, store: &Store) {
-        let Some(peers) = self.peers.get() else {
+        let Some(peers) = &self.peers else {
             return;
         };
-        let shuffles = lock(&self.planner).shuffles();
+        let shuffles = self.plans.planner().shuffles();
         let n = shuffles.len() as u64;
         let me = peers.view().1;
         for (job, world, _) in shuffles {
-            if !lock(&self.slots).contains_key(&job) {
+            if !self.plans.slots().contains_key(&job) {
                 let Some(files) = self.files_of(&job) else {
                     continue;
                 };
@@ -567,7 +586,7 @@ impl Jobs {
                 let mean = (sizes.iter().sum::<u64>() / sizes.len() as u64).max(1);
                 let slots = (store.capacity() / n.max(1) / mean).max(1);
                 tracing::debug!(job = %job, slots, mean, "cluster placement: this node's slots");
-                lock(&self.slots).insert(
+                self.plans.slots().insert(
                     job.clone(),
                     Slots {
                         files: slots,
@@ -576,14 +595,14 @@ impl Jobs {
                 );
             }
             let Some(layout) = peers.layout(&job, world) else {
-                lock(&self.planner).set_layout(&job, None, &me);
+                self.plans.planner().set_layout(&job, None, &me);
                 continue;
             };
-            let made = lock(&self.planner).placement_for(&job, layout, &me);
+            let made = self.plans.planner().placement_for(&job, layout, &me);
             if let Some((mut p, target)) = made {
                 // The replay from the start of the plan, without the planner lock.
                 p.advance(target);
-                lock(&self.planner).install_placement(&job, p);
+                self.plans.planner().install_placement(&job, p);
             }
         }
     }
@@ -600,7 +619,7 @@ impl Jobs {
     /// may fetch. Each job whose registrant may not read it counts it (and stops
     /// counting it once it may). `None`: no fetch.
     fn stat_for_plan(&self, meta: &Meta, f: &FileRef) -> Option<Arc<Stat>> {
-        let readers = lock(&self.planner).readers_of(f);
+        let readers = self.plans.planner().readers_of(f);
         let who: Vec<(String, u32, Creds, bool)> = {
             let info = lock(&self.info);
             readers
@@ -648,7 +667,9 @@ impl Jobs {
     /// Sets a job's position explicitly: `Ok(false)` when no such job is registered; an
     /// error when the position is not in its plan (nothing changes).
     pub fn progress(&self, job: &str, epoch: u64, step: u64) -> Result<bool, JobError> {
-        let found = lock(&self.planner)
+        let found = self
+            .plans
+            .planner()
             .set_position(job, epoch, step)
             .map_err(JobError::Position)?;
         self.poke();
@@ -662,7 +683,7 @@ impl Jobs {
 
     /// The files of job `id`, in manifest order; `None` when no such job is registered.
     pub fn files_of(&self, id: &str) -> Option<Arc<Vec<FileRef>>> {
-        lock(&self.planner).job_files(id)
+        self.plans.planner().job_files(id)
     }
 
     /// The size of `f` when a manifest declared it or the daemon stat'ed it since
@@ -673,7 +694,7 @@ impl Jobs {
 
     /// Which of `files` some registered job plans (one planner lock for all).
     pub fn planned(&self, files: &[FileRef]) -> Vec<bool> {
-        let p = lock(&self.planner);
+        let p = self.plans.planner();
         files.iter().map(|f| p.is_planned(f)).collect()
     }
 
@@ -683,7 +704,10 @@ impl Jobs {
     }
 
     /// A client opened `rel` under root `root` (`hit`: cached whole). Returns the tag of
-    /// the job whose plan the read follows (0: none).
+    /// the job whose plan names the file (0: none), under which the client reports the
+    /// read. Takes no planner lock: the read is left for the planner
+    /// ([`Deferred::Access`]), which the prefetcher (woken here) applies and accounts
+    /// before it plans again; without a running prefetcher, it is applied here.
     pub fn on_open(&self, root: usize, rel: &str, hit: bool) -> u64 {
         if !self.any() {
             return 0;
@@ -692,19 +716,24 @@ impl Jobs {
             root,
             path: rel.to_owned(),
         };
-        let job = lock(&self.planner)
-            .on_access(&f, READ_WINDOW)
-            .map(str::to_owned);
-        self.poke();
-        let Some(job) = job else { return 0 };
-        self.record_lead(&f);
-        let mut info = lock(&self.info);
-        let Some(j) = info.get_mut(&job) else {
-            return 0;
-        };
-        j.usage.opens += 1;
-        j.usage.opens_hit += hit as u64;
-        j.tag
+        let tag = self
+            .tags
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&f)
+            .copied()
+            .unwrap_or(0);
+        self.plans.defer(Deferred::Access {
+            file: f,
+            hit,
+            at: Instant::now(),
+        });
+        if self.prefetcher_alive() {
+            self.poke();
+        } else {
+            self.settle();
+        }
+        tag
     }
 
     /// Adds what a client reported about its reads, per job tag.
@@ -729,7 +758,7 @@ impl Jobs {
     /// planner, which then compares needs across jobs in seconds. A job that read
     /// nothing in a period keeps its last rate (a pause is not a slowdown).
     fn measure_rates(&self) {
-        let mut p = lock(&self.planner);
+        let mut p = self.plans.planner();
         let mut info = lock(&self.info);
         for (id, j) in info.iter_mut() {
             let (done0, at) = j.rate_mark;
@@ -772,6 +801,7 @@ impl Jobs {
         cached: &dyn Fn(usize, &str) -> bool,
         capacity: u64,
     ) -> Vec<pb::JobStatus> {
+        self.settle();
         let info: Vec<(String, usize, Usage, Option<f64>, Left)> = lock(&self.info)
             .iter()
             .map(|(k, v)| (k.clone(), v.files, v.usage, v.rate, Left::of(v)))
@@ -780,7 +810,7 @@ impl Jobs {
         let mut out = Vec::new();
         for (job, files, u, rate, left) in info {
             let (pos, len, upcoming, placed) = {
-                let mut p = lock(&self.planner);
+                let mut p = self.plans.planner();
                 let placed = p.placement_status(&job).unwrap_or_default();
                 let pos = p.position(&job).unwrap_or_default();
                 let len = p.epoch_len(&job).unwrap_or_default();
@@ -843,36 +873,24 @@ impl Jobs {
     }
 
     /// Starts the prefetch thread: it fetches what the planner says is needed next, as
-    /// far ahead as the planner's rules and `cfg` allow. Stop it with the returned flag.
+    /// far ahead as the planner's rules and `cfg` allow. Stopping the task wakes it.
     pub fn start_prefetcher(
         self: &Arc<Self>,
         store: Arc<Store>,
         filler: Arc<Filler>,
         meta: Arc<Meta>,
         cfg: PrefetchConfig,
-    ) -> std::io::Result<(Arc<AtomicBool>, JoinHandle<()>)> {
-        let stop = Arc::new(AtomicBool::new(false));
-        let (jobs, s) = (self.clone(), stop.clone());
-        self.prefetcher_alive.store(true, Ordering::Release);
-        let alive = crate::daemon::Alive::new(self.prefetcher_alive.clone());
-        let h = std::thread::Builder::new()
-            .name("sc-prefetch".into())
-            .spawn(move || {
-                let _alive = alive;
-                jobs.prefetch_loop(&store, &filler, &meta, &s, cfg);
-            });
-        match h {
-            Ok(h) => Ok((stop, h)),
-            Err(e) => {
-                self.prefetcher_alive.store(false, Ordering::Release);
-                Err(e)
+    ) -> std::io::Result<Task> {
+        let jobs = self.clone();
+        let task = Task::spawn("sc-prefetch", self.prefetcher_alive.clone(), move |stop| {
+            jobs.prefetch_loop(&store, &filler, &meta, stop, cfg);
+        })?;
+        let jobs = Arc::downgrade(self);
+        Ok(task.with_wake(move || {
+            if let Some(j) = jobs.upgrade() {
+                j.poke();
             }
-        }
-    }
-
-    /// Wakes the prefetch thread so that it sees `stop`.
-    pub fn stop_prefetcher(&self) {
-        self.poke();
+        }))
     }
 
     /// The prefetcher. Every round (a read, a registration, or 20 ms): measure rates,
@@ -886,7 +904,7 @@ impl Jobs {
         store: &Store,
         filler: &Filler,
         meta: &Meta,
-        stop: &AtomicBool,
+        stop: &Stop,
         cfg: PrefetchConfig,
     ) {
         let mut flights: HashMap<FileRef, Vec<Arc<Flight>>> = HashMap::new();
@@ -900,7 +918,7 @@ impl Jobs {
         let mut ahead: HashMap<FileRef, u64> = HashMap::new();
         let budget = cfg.bandwidth.map(prefetch_budget);
         let ops = cfg.ops.map(prefetch_budget);
-        while !stop.load(Ordering::Acquire) {
+        while !stop.is_stopped() {
             {
                 let mut woken = lock(&self.wake.0);
                 if !*woken {
@@ -913,6 +931,8 @@ impl Jobs {
                 }
                 *woken = false;
             }
+            // The reads opens left for the planner, before planning on it.
+            self.settle();
             if !self.any() {
                 flights.clear();
                 ahead.clear();
@@ -934,7 +954,7 @@ impl Jobs {
                     // soon (it was turned away while exchanges were under way: the
                     // room comes back as peers take their copies).
                     let now = Instant::now();
-                    let at = if lock(&self.planner).is_mine(f) {
+                    let at = if self.plans.planner().is_mine(f) {
                         now.checked_sub(DECLINED_BACKOFF - PLACED_BACKOFF)
                             .unwrap_or(now)
                     } else {
@@ -964,7 +984,7 @@ impl Jobs {
             }
             // Sizes of the upcoming files, looked up without the planner lock (a stat
             // may go to the backing store).
-            let upcoming = lock(&self.planner).upcoming(LOOKAHEAD);
+            let upcoming = self.plans.planner().upcoming(LOOKAHEAD);
             for (f, _) in &upcoming {
                 self.size_of(f);
             }
@@ -1004,8 +1024,8 @@ impl Jobs {
             };
             let mut fetches = Vec::new();
             let mut claims: Vec<FileRef> = Vec::new();
-            {
-                let mut p = lock(&self.planner);
+            let reads = {
+                let mut p = self.plans.planner();
                 let reads = p.reads();
                 ahead.retain(|_, due| reads < *due);
                 // First what the cluster placement moved here (the reads of the next
@@ -1020,35 +1040,41 @@ impl Jobs {
                         fetches.push(f);
                     }
                 }
-                while ahead.len() + fetches.len() < cfg.ahead
-                    && flights.len() + fetches.len() < cfg.concurrency
-                    && budget.as_ref().is_none_or(TokenBucket::allows)
-                    && ops.as_ref().is_none_or(TokenBucket::allows)
-                {
-                    let Some(fx) = prefetch::next_prefetch(&mut p, &view, pace) else {
-                        break;
-                    };
-                    let size = view.size(&fx.file);
-                    if let Some(v) = &fx.evict {
-                        view.room += view.size(v);
-                        view.evicted.insert(v.clone());
-                    }
-                    view.room = view.room.saturating_sub(size);
-                    view.busy.insert(fx.file.clone());
-                    if let Some(b) = &budget {
-                        b.charge(size);
-                    }
-                    if let Some(o) = &ops {
-                        o.charge(1);
-                    }
-                    let steps = p.steps_until(&fx.file).unwrap_or(0);
-                    ahead.insert(fx.file.clone(), reads + steps + 1);
-                    fetches.push(fx.file);
+                reads
+            };
+            while ahead.len() + fetches.len() < cfg.ahead
+                && flights.len() + fetches.len() < cfg.concurrency
+                && budget.as_ref().is_none_or(TokenBucket::allows)
+                && ops.as_ref().is_none_or(TokenBucket::allows)
+            {
+                // The planner lock for one decision at a time: a fill that needs it (under
+                // the store's index lock, which opens take) waits for one decision, never
+                // for the whole round.
+                let mut p = self.plans.planner();
+                let Some(fx) = prefetch::next_prefetch(&mut p, &view, pace) else {
+                    break;
+                };
+                let steps = p.steps_until(&fx.file).unwrap_or(0);
+                drop(p);
+                let size = view.size(&fx.file);
+                if let Some(v) = &fx.evict {
+                    view.room += view.size(v);
+                    view.evicted.insert(v.clone());
                 }
+                view.room = view.room.saturating_sub(size);
+                view.busy.insert(fx.file.clone());
+                if let Some(b) = &budget {
+                    b.charge(size);
+                }
+                if let Some(o) = &ops {
+                    o.charge(1);
+                }
+                ahead.insert(fx.file.clone(), reads + steps + 1);
+                fetches.push(fx.file);
             }
             drop(view);
             drop(sizes);
-            if let Some(peers) = self.peers.get() {
+            if let Some(peers) = &self.peers {
                 for f in claims {
                     let root = &self.roots.get(f.root).name;
                     if !store.is_cached(root, &f.path) {
@@ -1102,66 +1128,6 @@ impl Jobs {
     }
 }
 
-/// The plans as the peer layer sees them (weakly: the peers outlive nothing).
-struct Hooks(std::sync::Weak<Jobs>);
-
-impl crate::peer::PlanHooks for Hooks {
-    fn shuffles(&self) -> Vec<crate::peer::Shuffle> {
-        let Some(jobs) = self.0.upgrade() else {
-            return Vec::new();
-        };
-        let list = lock(&jobs.planner).shuffles();
-        let slots = lock(&jobs.slots);
-        list.into_iter()
-            .map(|(job, world, ranks)| crate::peer::Shuffle {
-                slots: slots.get(&job).map_or(0, |s| s.files),
-                job,
-                world,
-                ranks,
-            })
-            .collect()
-    }
-
-    fn keeps(&self, root: &str, path: &str) -> bool {
-        let Some(jobs) = self.0.upgrade() else {
-            return false;
-        };
-        jobs.file_ref(root, path)
-            .is_some_and(|f| lock(&jobs.planner).is_mine(&f))
-    }
-
-    fn placed(&self, root: &str, path: &str) -> Option<Vec<String>> {
-        let jobs = self.0.upgrade()?;
-        let f = jobs.file_ref(root, path)?;
-        lock(&jobs.planner).sources(&f)
-    }
-
-    fn holders(&self, root: &str, path: &str) -> Vec<(String, u64)> {
-        let Some(jobs) = self.0.upgrade() else {
-            return Vec::new();
-        };
-        let Some(f) = jobs.file_ref(root, path) else {
-            return Vec::new();
-        };
-        lock(&jobs.planner).holders(&f)
-    }
-
-    fn owner(&self, root: &str, path: &str, members: &[String]) -> Option<String> {
-        let jobs = self.0.upgrade()?;
-        let f = jobs.file_ref(root, path)?;
-        let p = lock(&jobs.planner);
-        owner_of(&p, &jobs.roots, &f, members).map(str::to_owned)
-    }
-
-    fn handed(&self, root: &str, path: &str) {
-        if let Some(jobs) = self.0.upgrade()
-            && let Some(f) = jobs.file_ref(root, path)
-        {
-            lock(&jobs.planner).set_handed(&f);
-        }
-    }
-}
-
 /// A prefetch budget (over bytes, or over files): prefetch may start a file while the
 /// bucket is not in debt, and the file's cost is then charged (so one large file may
 /// overdraw it). At most a tenth of a second's worth (and one unit) is saved up: bursts
@@ -1203,196 +1169,78 @@ impl CacheView for Snapshot<'_> {
     }
 }
 
-/// The store's eviction policy: the planner's choice when jobs are registered (a file
-/// no plan needs, least recently used first, else the file needed farthest in the
-/// future, from the planner's eviction index) and its admission rule; plain LRU without
-/// jobs. Every entry is reported to the planner either way, so that its index is
-/// complete when a job registers.
-#[derive(Debug)]
-pub struct PlannedPolicy {
-    lru: Lru,
-    files: HashMap<Key, FileRef>,
-    keys: HashMap<FileRef, Key>,
-    jobs: Arc<Jobs>,
-}
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
 
-impl PlannedPolicy {
-    /// A policy consulting `jobs`.
-    pub fn new(jobs: Arc<Jobs>) -> Self {
-        Self {
-            lru: Lru::default(),
-            files: HashMap::new(),
-            keys: HashMap::new(),
-            jobs,
-        }
+    use super::*;
+    use crate::backing::mem::MemBacking;
+    use crate::meta::Root;
+    use crate::stats::Stats;
+
+    fn jobs() -> Arc<Jobs> {
+        let roots = Arc::new(Roots::new(vec![Root {
+            path: "/r".into(),
+            name: "/r".into(),
+            backing: Arc::new(MemBacking::new()),
+        }]));
+        let meta = Arc::new(Meta::new(
+            roots.clone(),
+            Duration::from_secs(3600),
+            1000,
+            Arc::new(Stats::default()),
+        ));
+        let plans = Arc::new(Plans::new(roots, false));
+        let metrics = crate::metrics::Metrics::new();
+        Arc::new(Jobs::new(meta, plans, None, metrics.prefetch()))
     }
 
-    /// "This node owns the file for the cluster", when peers are on (see [`owner_of`]).
-    fn owner_test(&self) -> Option<impl Fn(&Planner, &FileRef) -> bool + use<>> {
-        let (healthy, me) = self.jobs.peers.get()?.view();
-        let roots = self.jobs.roots.clone();
-        Some(move |p: &Planner, f: &FileRef| {
-            p.protects(f)
-                .unwrap_or_else(|| owner_of(p, &roots, f, &healthy) == Some(me.as_str()))
-        })
-    }
-}
-
-/// The owner of `f` among `healthy` (sorted), as every node computes it: for a file a
-/// shuffle plans, the plan's balanced owner ([`Planner::plan_owner`]); else by
-/// rendezvous hashing.
-fn owner_of<'a>(p: &Planner, roots: &Roots, f: &FileRef, healthy: &'a [String]) -> Option<&'a str> {
-    let root = &roots.get(f.root).name;
-    let id = |f: &FileRef| crate::peer::file_id(&roots.get(f.root).name, &f.path);
-    p.plan_owner(f, healthy, &id)
-        .or_else(|| crate::peer::file_owner(healthy.iter().map(String::as_str), root, &f.path))
-}
-
-impl EvictionPolicy for PlannedPolicy {
-    fn insert(&mut self, key: Key, root: &str, path: &str) {
-        self.lru.insert(key, root, path);
-        if let Some(&r) = self.jobs.root_index.get(root) {
-            let f = FileRef {
-                root: r,
-                path: path.to_owned(),
-            };
-            lock(&self.jobs.planner).set_resident(&f, true);
-            self.keys.insert(f.clone(), key);
-            self.files.insert(key, f);
-        }
-    }
-
-    fn touch(&mut self, key: Key) {
-        self.lru.touch(key);
-        if let Some(f) = self.files.get(&key) {
-            lock(&self.jobs.planner).touch(f);
-        }
-    }
-
-    fn remove(&mut self, key: &Key) {
-        self.lru.remove(key);
-        if let Some(f) = self.files.remove(key)
-            && self.keys.get(&f) == Some(key)
-        {
-            // (Another version of the same path may have taken its place already.)
-            self.keys.remove(&f);
-
-            lock(&self.jobs.planner).set_resident(&f, false);
-        }
-    }
-
-    fn victim(&mut self, evictable: &dyn Fn(&Key) -> bool) -> Option<Key> {
-        // With peers, local copies of files other nodes own go before the files this
-        // node owns (the cluster's copy: evicting it sends a peer to the backing store).
-        let owned = self.owner_test();
-        let Self {
-            lru,
-            files,
-            keys,
-            jobs,
-        } = self;
-        if let Some(owned) = owned {
-            let local =
-                |p: &Planner, k: &Key| evictable(k) && files.get(k).is_none_or(|f| !owned(p, f));
-            if let Some(v) = choose(lru, keys, jobs, &local) {
-                if let Some(f) = files.get(&v) {
-                    tracing::trace!(path = %f.path, placement = %lock(&jobs.planner).describe_placement(f), "victim");
-                }
-                return Some(v);
-            }
-        }
-        choose(lru, keys, jobs, &|_, k| evictable(k))
-    }
-
-    fn admits(&mut self, root: &str, path: &str, victim: &Key, prefetch: bool) -> bool {
-        let (Some(&r), Some(v)) = (self.jobs.root_index.get(root), self.files.get(victim)) else {
-            return true;
+    /// Issue 13, step 4: an open never waits for the prefetcher's planning. With the
+    /// planner lock held (as the prefetcher holds it while it decides), opens of planned
+    /// files still answer, with their job's tag; the reads move the job and are counted
+    /// once the lock is free.
+    #[test]
+    fn an_open_does_not_wait_for_the_planner_lock() {
+        let jobs = jobs();
+        let files: Vec<String> = (0..8).map(|i| format!("\"f{i}\"")).collect();
+        let m = format!(
+            r#"{{"version": 1, "job": "j", "root": "/r", "files": [{}],
+                "plan": {{"kind": "shuffle", "algorithm": "pcg64-fisher-yates/v1",
+                          "seed": 3, "epochs": 2, "world_size": 1, "ranks": [0]}}}}"#,
+            files.join(",")
+        );
+        let creds = Creds {
+            pid: 1,
+            uid: 0,
+            gid: 0,
+            groups: Vec::new(),
         };
-        let f = FileRef {
-            root: r,
-            path: path.to_owned(),
-        };
-        if let Some(owned) = self.owner_test() {
-            let (incoming, victim, placed) = {
-                let p = lock(&self.jobs.planner);
-                let placed = p.protects(&f).is_some() && p.protects(v).is_some();
-                (owned(&p, &f), owned(&p, v), placed)
-            };
-            match (incoming, victim) {
-                // Under a cluster placement, its copies never displace each other (the
-                // store goes over capacity by the copies leaving, see `exchange_allowance`).
-                (true, true) if placed => return false,
-                // A local copy never displaces the cluster's copy of another file.
-                (false, true) => return false,
-                // The cluster's copy displaces a local copy; and a local copy displaces
-                // another: refetching one from its owner costs a transfer between nodes,
-                // not reading the shared file system (which is what a client turned away
-                // here would do).
-                (true, false) | (false, false) => return true,
-                (true, true) => {}
-            }
-        }
-        if !self.jobs.any() {
-            return true;
-        }
-        let mut p = lock(&self.jobs.planner);
-        let (incoming, needed) = (p.need(&f), p.need(v));
-        if incoming == Need::Never && needed == Need::Never {
-            return true; // neither is planned: least recently used goes
-        }
-        if !needed.later_than(incoming) {
-            return false; // everything cached is needed sooner: bypass
-        }
-        // A prefetch decided a moment ago is checked again against the epoch rule.
-        !prefetch || {
-            let epoch = p.use_epoch(&f);
-            p.may_evict_for_prefetch(v, epoch)
-        }
-    }
-
-    fn exchange_allowance(&mut self, root: &str, path: &str, victim: &Key) -> u64 {
-        let (Some(&r), Some(v)) = (self.jobs.root_index.get(root), self.files.get(victim)) else {
-            return 0;
-        };
-        let f = FileRef {
-            root: r,
-            path: path.to_owned(),
-        };
-        let departing = {
-            let p = lock(&self.jobs.planner);
-            if p.protects(&f) != Some(true) || p.protects(v) != Some(true) {
-                return 0;
-            }
-            p.departing()
-        };
-        let slots = lock(&self.jobs.slots);
-        departing
-            .iter()
-            .map(|(job, n)| *n as u64 * slots.get(job).map_or(0, |s| s.mean_size))
-            .sum()
-    }
-
-    fn order(&self) -> Vec<Key> {
-        self.lru.order()
-    }
-}
-
-/// The victim among files `ok` accepts: the planner's choice with jobs registered, least
-/// recently used without.
-fn choose(
-    lru: &mut Lru,
-    keys: &HashMap<FileRef, Key>,
-    jobs: &Jobs,
-    ok: &dyn Fn(&Planner, &Key) -> bool,
-) -> Option<Key> {
-    let any = jobs.any();
-    let mut p = lock(&jobs.planner);
-    if !any {
-        return lru.victim(&|k| ok(&p, k));
-    }
-    match p.victim_indexed_with(&|p, f| keys.get(f).is_some_and(|k| ok(p, k))) {
-        Some(f) => keys.get(&f).copied(),
-        // Entries the planner cannot name (none in practice): least recently used.
-        None => lru.victim(&|k| ok(&p, k)),
+        jobs.register(&m, &creds, true).unwrap();
+        let order = shardcache_plan::shuffle::rank_order(8, 3, 0, 1, 0, false);
+        // As if the prefetcher ran (it applies the reads opens leave).
+        jobs.prefetcher_alive.store(true, Ordering::Release);
+        let planning = jobs.plans.planner();
+        let (tx, rx) = mpsc::channel();
+        let j = jobs.clone();
+        let first = order[0];
+        std::thread::spawn(move || {
+            let tag = j.on_open(0, &format!("f{first}"), true);
+            let _ = tx.send(tag);
+        });
+        let tag = rx
+            .recv_timeout(Duration::from_secs(5))
+            .expect("the open answered while the planner lock was held");
+        assert_ne!(tag, 0, "tagged with the job that plans the file");
+        assert_eq!(planning.position("j"), Some((0, 0)), "not applied yet");
+        drop(planning);
+        let st = jobs.status(&|_, _| false, 1 << 30);
+        assert_eq!(
+            st[0].step, 1,
+            "applied at the next lock: the job moved past it"
+        );
+        assert_eq!((st[0].opens, st[0].opens_hit), (1, 1), "and counted");
+        // A file no job plans: no tag, nothing counted.
+        assert_eq!(jobs.on_open(0, "other", false), 0);
+        assert_eq!(jobs.status(&|_, _| false, 1 << 30)[0].opens, 1);
     }
 }

@@ -228,7 +228,7 @@ fn main() -> anyhow::Result<()> {
     if let Some(scope) = args.check_config {
         if scope == CheckScope::Node {
             // What Daemon::start checks first, with the same message.
-            cfg.check()
+            shardcache_daemon::daemon::check(&cfg)
                 .map_err(|e| anyhow::anyhow!("invalid configuration: {e}"))?;
         }
         println!(

@@ -23,6 +23,7 @@
 //! What the answers mean is the [`Endpoint`]'s business (the daemon's wiring decides
 //! what "alive" and "ready" are).
 
+use crate::lifecycle::Task;
 use std::collections::HashMap;
 use std::convert::Infallible;
 use std::io;
@@ -31,7 +32,6 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::task::{Context, Poll};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -61,6 +61,10 @@ pub trait Endpoint: Send + Sync + 'static {
     fn ready(&self) -> Result<(), String>;
 }
 
+/// Longest [`HttpServer::close`] waits for the server thread (its runtime gives open
+/// connections 1 s).
+const CLOSE_WAIT: Duration = Duration::from_secs(5);
+
 /// Binds `addr` (before anything else starts, so that a taken port stops the daemon at
 /// once).
 pub fn bind(addr: SocketAddr) -> io::Result<std::net::TcpListener> {
@@ -73,8 +77,8 @@ pub fn bind(addr: SocketAddr) -> io::Result<std::net::TcpListener> {
 #[derive(Debug)]
 pub struct HttpServer {
     addr: SocketAddr,
-    stop: tokio::sync::watch::Sender<bool>,
-    thread: Option<JoinHandle<()>>,
+    /// The server thread (stopping it tells the runtime to stop).
+    task: Task,
 }
 
 impl HttpServer {
@@ -87,23 +91,21 @@ impl HttpServer {
             .thread_name("sc-metrics-blocking")
             .build()?;
         let (stop, stopped) = tokio::sync::watch::channel(false);
-        let thread = std::thread::Builder::new()
-            .name("sc-metrics".into())
-            .spawn(move || {
-                rt.block_on(async move {
-                    match tokio::net::TcpListener::from_std(listener) {
-                        Ok(l) => serve(l, endpoint, stopped).await,
-                        Err(e) => tracing::error!(error = %e, "metrics endpoint cannot start"),
-                    }
-                });
-                // Connections still open are dropped with the runtime.
-                rt.shutdown_timeout(Duration::from_secs(1));
-            })?;
-        Ok(Self {
-            addr,
-            stop,
-            thread: Some(thread),
-        })
+        let alive = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let task = Task::spawn("sc-metrics", alive, move |_| {
+            rt.block_on(async move {
+                match tokio::net::TcpListener::from_std(listener) {
+                    Ok(l) => serve(l, endpoint, stopped).await,
+                    Err(e) => tracing::error!(error = %e, "metrics endpoint cannot start"),
+                }
+            });
+            // Connections still open are dropped with the runtime.
+            rt.shutdown_timeout(Duration::from_secs(1));
+        })?
+        .with_wake(move || {
+            let _ = stop.send(true);
+        });
+        Ok(Self { addr, task })
     }
 
     /// The bound address.
@@ -113,15 +115,12 @@ impl HttpServer {
 
     /// True while the server thread runs.
     pub fn is_alive(&self) -> bool {
-        self.thread.as_ref().is_some_and(|t| !t.is_finished())
+        self.task.alive()
     }
 
-    /// Stops accepting, drops open connections and waits for the thread.
+    /// Stops accepting, drops open connections and waits (bounded) for the thread.
     pub fn close(&mut self) {
-        let _ = self.stop.send(true);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
+        self.task.shutdown(CLOSE_WAIT);
     }
 }
 

@@ -379,14 +379,7 @@ impl DataServer {
             };
             return session.send_reply(s, &head, &[]);
         }
-        let got = serve_block(
-            &svc.store,
-            &svc.meta,
-            svc.filler.get(),
-            req,
-            svc.timeout,
-            data,
-        );
+        let got = serve_block(&*svc.provider, &svc.meta, req, svc.timeout, data);
         match got {
             Ok((sum, key)) => {
                 let head = BlockHeader {

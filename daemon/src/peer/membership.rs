@@ -153,6 +153,16 @@ impl Membership {
     }
 }
 
+impl crate::policy::Members for Membership {
+    /// The healthy members, sorted (the list every node computes owners over), and this
+    /// node's id.
+    fn view(&self) -> (Vec<String>, String) {
+        let mut healthy = self.healthy();
+        healthy.sort_unstable();
+        (healthy, self.me().to_owned())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

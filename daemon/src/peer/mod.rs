@@ -1,7 +1,7 @@
 //! Peers: daemons on other nodes share cached blocks, so that the shared file system is
 //! read about once per block per cluster.
 //!
-//! Every block has an owner among the healthy peers ([`ring`], rendezvous hashing over
+//! Every block has an owner among the healthy peers ([`crate::planner::ring`], rendezvous hashing over
 //! [`membership`]). A fill that misses locally asks the owner: the owner serves the
 //! block from its cache, or fetches it from the backing store first (its own fill
 //! engine: one backing read however many nodes ask), and the requester checks the
@@ -18,28 +18,35 @@
 //! nonce and whose replies carry a MAC bound to it ([`auth`]). Fills use the block
 //! stream: gRPC's framing and copies held a fetch to under half of what the same TCP
 //! path carries.
+//!
+//! Two halves, built in this order by the daemon: [`Peers`], the client (membership,
+//! the rank map, fetches; [`source::PeerSource`] makes it a fill's source), and
+//! [`PeerServer`], the port, serving through a [`crate::blocks::BlockProvider`] (the
+//! fill engine, built over the client). Both read the plans through the
+//! [`crate::policy::Plans`] cell they are handed; nothing here imports the fill engine,
+//! the jobs or the store.
 
 pub mod auth;
 mod data;
 pub mod membership;
-pub mod ring;
 mod service;
+pub mod source;
 pub mod tls;
 pub mod wire;
 
 use std::collections::HashMap;
 use std::io::Read;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tonic::transport::{Channel, Endpoint};
 
 use crate::backing::Stat;
-use crate::fill::Filler;
+use crate::blocks::BlockProvider;
 use crate::meta::Meta;
+use crate::policy::Plans;
 use crate::stats::{Stats, add, inc};
-use crate::store::Store;
 use membership::Membership;
 
 /// The generated gRPC code.
@@ -83,46 +90,7 @@ pub struct PeerConfig {
     pub tls: Option<tls::TlsFiles>,
 }
 
-/// Where the peer service finds the fill engine once it exists (the fill engine also
-/// uses the peers, so one of the two is handed over late).
-pub type FillerCell = Arc<OnceLock<Arc<Filler>>>;
-
-/// What the peer layer asks of this node's registered plans (the jobs, which are
-/// created after the peers and handed over through [`Peers::use_plans`]).
-/// A shuffle registered on this node, as peers are told of it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Shuffle {
-    /// Job id (the same on every node of the job).
-    pub job: String,
-    /// World size.
-    pub world: u64,
-    /// The ranks this node runs.
-    pub ranks: Vec<u64>,
-    /// How many of the job's files this node's cache holds (0: not known yet).
-    pub slots: u64,
-}
-
-pub trait PlanHooks: Send + Sync {
-    /// Every registered shuffle.
-    fn shuffles(&self) -> Vec<Shuffle>;
-    /// Where to fetch `path` under `root` from when a shuffle's cluster placement places
-    /// it: the nodes holding the cluster's copy (empty: this node reads the backing
-    /// store). `None` when no placement places it.
-    fn placed(&self, root: &str, path: &str) -> Option<Vec<String>>;
-    /// True when the cluster placement gave this node the cluster's copy of the file.
-    fn keeps(&self, root: &str, path: &str) -> bool;
-    /// The (job, rank)s likely to hold `path` under backing root `root` now, by the
-    /// plans, most likely first.
-    fn holders(&self, root: &str, path: &str) -> Vec<(String, u64)>;
-    /// Another node fetched every block of the file to keep it.
-    fn handed(&self, root: &str, path: &str);
-    /// The file's owner among `members` (healthy, sorted): by the plan that places it,
-    /// else by rendezvous hashing; `None` for a path outside the backing roots.
-    fn owner(&self, root: &str, path: &str, members: &[String]) -> Option<String>;
-}
-
-/// Where the peer layer finds the plans once they exist.
-pub type PlansCell = Arc<OnceLock<Arc<dyn PlanHooks>>>;
+pub use crate::policy::Shuffle;
 
 /// How often the rank map is checked: peers are asked again at once while a registered
 /// shuffle has ranks no node is known to run (a job starting on every node), and every
@@ -132,23 +100,7 @@ const RANKS_REFRESH: Duration = Duration::from_secs(5);
 /// Nodes asked for a block before its owner (each "not here" costs a round trip).
 const MAX_HOLDERS: usize = 3;
 
-/// The owner of file `path` under `root` among `members` (what every node computes).
-pub fn file_owner<'a>(
-    members: impl IntoIterator<Item = &'a str>,
-    root: &str,
-    path: &str,
-) -> Option<&'a str> {
-    ring::owner(members, &file_id(root, path))
-}
-
-/// A file's identity for ownership: its root and canonical path.
-pub(crate) fn file_id(root: &str, path: &str) -> Vec<u8> {
-    let mut id = Vec::with_capacity(root.len() + path.len() + 1);
-    id.extend_from_slice(root.as_bytes());
-    id.push(0);
-    id.extend_from_slice(path.as_bytes());
-    id
-}
+pub use crate::planner::ring::{file_id, file_owner};
 
 /// This node's side of sharing: the service other nodes call, and the client fills use.
 pub struct Peers {
@@ -168,9 +120,7 @@ pub struct Peers {
     idle: Mutex<HashMap<String, Vec<(Conn, Instant)>>>,
     timeout: Duration,
     stats: Arc<Stats>,
-    stop: tokio::sync::watch::Sender<bool>,
-    data: Arc<data::DataServer>,
-    plans: PlansCell,
+    plans: Arc<Plans>,
     /// (job, rank) → the node that runs it, from every healthy peer's `Ranks`.
     ranks: Mutex<HashMap<(String, u64), String>>,
     /// (job, node) → the job's files that node's cache holds.
@@ -185,63 +135,90 @@ impl std::fmt::Debug for Peers {
     }
 }
 
-impl Peers {
-    /// Binds the peer service and starts serving it, and the periodic member refresh.
-    /// The fill engine is handed over afterwards through the returned [`FillerCell`]
-    /// (it uses this object too).
+/// The peer port: the block stream and gRPC, serving through a [`BlockProvider`] on the
+/// client's runtime. Closed before the client ([`PeerServer::close`], then
+/// [`Peers::close`]).
+pub struct PeerServer {
+    stop: tokio::sync::watch::Sender<bool>,
+    data: Arc<data::DataServer>,
+}
+
+impl std::fmt::Debug for PeerServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PeerServer").finish_non_exhaustive()
+    }
+}
+
+/// Binds the peer port (before anything else of the peers starts: a taken port stops
+/// the daemon early).
+pub fn bind(listen: SocketAddr) -> anyhow::Result<std::net::TcpListener> {
+    use anyhow::Context;
+    let listener = std::net::TcpListener::bind(listen)
+        .with_context(|| format!("binding the peer service to {listen}"))?;
+    listener.set_nonblocking(true)?;
+    Ok(listener)
+}
+
+/// The member list of `cfg`, looked up once (a failure is retried by the refresh).
+pub fn member_list(cfg: &PeerConfig) -> Arc<Membership> {
+    let membership = Arc::new(Membership::new(
+        cfg.source.clone(),
+        cfg.advertise.clone(),
+        membership::HealthPolicy::default(),
+    ));
+    if let Err(e) = membership.refresh() {
+        tracing::warn!(error = %e, "peer list: first lookup failed; will retry");
+    }
+    membership
+}
+
+fn load_tls(cfg: &PeerConfig) -> anyhow::Result<Option<Arc<tls::Tls>>> {
+    match &cfg.tls {
+        Some(files) => Ok(Some(Arc::new(
+            tls::Tls::load(files).map_err(|e| anyhow::anyhow!(e))?,
+        ))),
+        None => Ok(None),
+    }
+}
+
+impl PeerServer {
+    /// Serves the peer port on `listener` (from [`bind`]) on `peers`' runtime: blocks
+    /// from `provider`, ranks from `peers`' plans.
     pub fn start(
         cfg: &PeerConfig,
-        store: Arc<Store>,
+        listener: std::net::TcpListener,
+        peers: &Peers,
         meta: Arc<Meta>,
-        stats: Arc<Stats>,
-    ) -> anyhow::Result<(Arc<Self>, FillerCell)> {
-        use anyhow::Context;
-        let tls = match &cfg.tls {
-            Some(files) => Some(Arc::new(
-                tls::Tls::load(files).map_err(|e| anyhow::anyhow!(e))?,
-            )),
-            None => None,
-        };
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("sc-peer")
-            .enable_all()
-            .build()
-            .context("starting the peer runtime")?;
-        let listener = std::net::TcpListener::bind(cfg.listen)
-            .with_context(|| format!("binding the peer service to {}", cfg.listen))?;
-        listener.set_nonblocking(true)?;
-        let membership = Arc::new(Membership::new(
-            cfg.source.clone(),
-            cfg.advertise.clone(),
-            membership::HealthPolicy::default(),
-        ));
-        if let Err(e) = membership.refresh() {
-            tracing::warn!(error = %e, "peer list: first lookup failed; will retry");
-        }
-        let filler = Arc::new(OnceLock::new());
-        let plans: PlansCell = Arc::new(OnceLock::new());
-        let svc = service::Service {
-            store: store.clone(),
-            meta: meta.clone(),
-            filler: filler.clone(),
+        provider: Arc<dyn BlockProvider>,
+    ) -> anyhow::Result<Self> {
+        let tls = peers.tls.clone();
+        let stats = peers.stats.clone();
+        let svc = Arc::new(service::Service {
+            provider,
+            meta,
             stats: stats.clone(),
             timeout: cfg.timeout,
-            plans: plans.clone(),
+            plans: peers.plans.clone(),
             handoffs: Mutex::new(HashMap::new()),
             secret: cfg.secret.as_bytes().to_vec(),
-        };
-        let svc = Arc::new(svc);
+        });
         let data = Arc::new(data::DataServer::new(
             cfg.secret.as_bytes().to_vec(),
             svc.clone(),
         ));
         let (stop, stopped) = tokio::sync::watch::channel(false);
         let expected = cfg.secret.as_bytes().to_vec();
-        let refused = stats.clone();
+        let refused = stats;
         let (grpc_tx, grpc_rx) = tokio::sync::mpsc::channel(data::MAX_CONNS);
         let (d, mut s, timeout) = (data.clone(), stopped.clone(), cfg.timeout);
         let accept_tls = tls.clone();
+        let rt = peers
+            .rt
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|rt| rt.handle().clone())
+            .ok_or_else(|| anyhow::anyhow!("the peer runtime is closed"))?;
         rt.spawn(async move {
             let listener = match tokio::net::TcpListener::from_std(listener) {
                 Ok(l) => l,
@@ -288,6 +265,37 @@ impl Peers {
                 tracing::error!(error = %e, "peer service stopped");
             }
         });
+        tracing::info!(listen = %cfg.listen, me = %cfg.advertise, tls = tls.is_some(), "peer service ready");
+        Ok(Self { stop, data })
+    }
+
+    /// Stops serving peers: the port stops accepting, and block-stream connections end
+    /// (one answering a request finishes it first).
+    pub fn close(&self) {
+        let _ = self.stop.send(true);
+        self.data.close();
+    }
+}
+
+impl Peers {
+    /// Starts the client side: the runtime it shares with the [`PeerServer`], the
+    /// periodic member refresh of `membership` (from [`member_list`]) and the rank map,
+    /// for a store of blocks of `block_size` bytes; the plans are read from `plans`.
+    pub fn start(
+        cfg: &PeerConfig,
+        membership: Arc<Membership>,
+        plans: Arc<Plans>,
+        stats: Arc<Stats>,
+        block_size: u32,
+    ) -> anyhow::Result<Arc<Self>> {
+        use anyhow::Context;
+        let tls = load_tls(cfg)?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("sc-peer")
+            .enable_all()
+            .build()
+            .context("starting the peer runtime")?;
         let m = membership.clone();
         let every = cfg.refresh;
         rt.spawn(async move {
@@ -303,18 +311,15 @@ impl Peers {
                 }
             }
         });
-        tracing::info!(listen = %cfg.listen, me = %cfg.advertise, tls = tls.is_some(), "peer service ready");
         let peers = Arc::new(Self {
             membership,
             key: cfg.secret.as_bytes().to_vec(),
             channels: Mutex::new(HashMap::new()),
-            block_size: store.block_size(),
+            block_size,
             idle: Mutex::new(HashMap::new()),
             tls,
             timeout: cfg.timeout,
             stats,
-            stop,
-            data,
             plans,
             ranks: Mutex::new(HashMap::new()),
             slots: Mutex::new(HashMap::new()),
@@ -336,21 +341,13 @@ impl Peers {
             }
         });
         *peers.rt.lock().unwrap_or_else(|e| e.into_inner()) = Some(rt);
-        Ok((peers, filler))
-    }
-
-    /// Lets the peer layer consult this node's plans (see [`PlanHooks`]).
-    pub fn use_plans(&self, plans: Arc<dyn PlanHooks>) {
-        let _ = self.plans.set(plans);
+        Ok(peers)
     }
 
     /// True when a shuffle registered here has a rank no node is known to run.
     fn ranks_incomplete(&self) -> bool {
-        let Some(plans) = self.plans.get() else {
-            return false;
-        };
         let map = self.ranks.lock().unwrap_or_else(|e| e.into_inner());
-        plans
+        self.plans
             .shuffles()
             .into_iter()
             .any(|s| (0..s.world.min(4096)).any(|r| !map.contains_key(&(s.job.clone(), r))))
@@ -358,7 +355,7 @@ impl Peers {
 
     /// Asks every healthy peer which ranks it runs, and replaces the rank map.
     async fn refresh_ranks(&self) {
-        let local = self.plans.get().map(|p| p.shuffles()).unwrap_or_default();
+        let local = self.plans.shuffles();
         if local.is_empty() {
             return; // nothing to place by plan here
         }
@@ -491,12 +488,9 @@ impl Peers {
     }
 
     /// The other healthy nodes likely to hold the file now, most likely first: those
-    /// running the ranks that read it last or read it next (see [`PlanHooks::holders`]).
+    /// running the ranks that read it last or read it next (see [`Plans::holders`]).
     fn holders(&self, root: &str, path: &str, healthy: &[String]) -> Vec<String> {
-        let Some(plans) = self.plans.get() else {
-            return Vec::new();
-        };
-        let ranks = plans.holders(root, path);
+        let ranks = self.plans.holders(root, path);
         let map = self.ranks.lock().unwrap_or_else(|e| e.into_inner());
         let mut out: Vec<String> = Vec::new();
         for key in ranks {
@@ -518,7 +512,7 @@ impl Peers {
     /// did not need to fetch it. Best effort: a node that does not answer keeps its copy
     /// a little longer.
     pub fn release(&self, root: &str, stat: &Stat) {
-        let Some(sources) = self.plans.get().and_then(|p| p.placed(root, &stat.path)) else {
+        let Some(sources) = self.plans.placed(root, &stat.path) else {
             return;
         };
         let (healthy, me) = self.view();
@@ -558,9 +552,7 @@ impl Peers {
     /// True when the cluster placement places the file and not on this node (a
     /// prefetch of it is no longer wanted).
     pub fn placed_elsewhere(&self, root: &str, path: &str) -> bool {
-        self.plans
-            .get()
-            .is_some_and(|p| p.placed(root, path).is_some() && !p.keeps(root, path))
+        self.plans.placed_elsewhere(root, path)
     }
 
     /// The members and their health.
@@ -568,12 +560,11 @@ impl Peers {
         &self.membership
     }
 
-    /// Stops serving peers, and fills stop asking them (they read the backing store).
+    /// Fills stop asking peers (they read the backing store), and the runtime (the
+    /// [`PeerServer`]'s too: close that first) stops.
     pub fn close(&self) {
         self.closed
             .store(true, std::sync::atomic::Ordering::Release);
-        let _ = self.stop.send(true);
-        self.data.close();
         self.idle.lock().unwrap_or_else(|e| e.into_inner()).clear();
         if let Some(rt) = self.rt.lock().unwrap_or_else(|e| e.into_inner()).take() {
             rt.shutdown_timeout(Duration::from_secs(2));
@@ -583,21 +574,16 @@ impl Peers {
     /// The healthy members, sorted (the list every node computes owners over), and this
     /// node's id.
     pub fn view(&self) -> (Vec<String>, String) {
-        let mut healthy = self.membership.healthy();
-        healthy.sort_unstable();
-        (healthy, self.membership.me().to_owned())
+        crate::policy::Members::view(&*self.membership)
     }
 
     /// The owner of a file among `healthy` (sorted): by the plan that places it, else by
     /// rendezvous hashing. Files, not blocks, have owners: a shard is read whole from one
     /// node, and a file keeps its owner across versions.
     fn owner(&self, root: &str, path: &str, healthy: &[String]) -> Option<String> {
-        self.plans
-            .get()
-            .and_then(|p| p.owner(root, path, healthy))
-            .or_else(|| {
-                file_owner(healthy.iter().map(String::as_str), root, path).map(str::to_owned)
-            })
+        self.plans.owner(root, path, healthy).or_else(|| {
+            file_owner(healthy.iter().map(String::as_str), root, path).map(str::to_owned)
+        })
     }
 
     /// Block `index` of the file version `stat` under `root`, from the cluster. Under a
@@ -631,10 +617,10 @@ impl Peers {
             ..self.request(root, stat, index as u64)
         };
         let (healthy, me) = self.view();
-        if let Some(sources) = self.plans.get().and_then(|p| p.placed(root, &stat.path)) {
+        if let Some(sources) = self.plans.placed(root, &stat.path) {
             // Only the node the placement gave the copy to takes it over (the sender
             // may then drop its copy); another node's copy is a local one.
-            let keep = keep && self.plans.get().is_some_and(|p| p.keeps(root, &stat.path));
+            let keep = keep && self.plans.keeps(root, &stat.path);
             let req = |fill: bool| proto::FetchRequest { keep, ..req(fill) };
             // The cluster placement says who holds it; nobody (an empty list): this
             // node reads the backing store, once for the cluster.

@@ -1,30 +1,31 @@
 //! The peer service: serves blocks this node holds (or, as a block's owner, fetches
-//! them from the backing store first), checked against their checksums before sending
-//! (on the block stream), and tells other nodes which ranks this node runs (gRPC
-//! `Ranks`, its reply MACed for the caller's nonce: see [`auth`]).
+//! them from the backing store first) through a [`BlockProvider`] handed over at
+//! construction (the fill engine), checked against their checksums before sending (on
+//! the block stream), and tells other nodes which ranks this node runs (gRPC `Ranks`,
+//! its reply MACed for the caller's nonce: see [`auth`]).
 
 use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use tonic::{Request, Response, Status};
 
+use super::auth;
 use super::proto::{self, Chunk, FetchRequest};
-use super::{PlansCell, auth};
 use crate::backing::Version;
-use crate::fill::{Filler, Target};
+use crate::blocks::{BlockProvider, Target};
 use crate::meta::Meta;
+use crate::policy::Plans;
 use crate::stats::{Stats, add, inc};
-use crate::store::{Key, Store};
+use crate::store::Key;
 
 pub(super) struct Service {
-    pub(super) store: Arc<Store>,
+    pub(super) provider: Arc<dyn BlockProvider>,
     pub(super) meta: Arc<Meta>,
-    pub(super) filler: Arc<OnceLock<Arc<Filler>>>,
     pub(super) stats: Arc<Stats>,
     pub(super) timeout: Duration,
-    pub(super) plans: PlansCell,
+    pub(super) plans: Arc<Plans>,
     /// Which blocks of each file were served to peers that keep them, until all were.
     pub(super) handoffs: Mutex<HashMap<Key, Vec<bool>>>,
     /// The shared secret (the key of reply MACs is derived from it).
@@ -63,9 +64,7 @@ impl proto::peer_server::Peer for Service {
         };
         let jobs = self
             .plans
-            .get()
-            .map(|p| p.shuffles())
-            .unwrap_or_default()
+            .shuffles()
             .into_iter()
             .map(|j| proto::JobRanks {
                 job: j.job,
@@ -101,15 +100,13 @@ impl Service {
     }
 
     /// A peer that holds the whole file keeps it as the cluster's copy: this node's copy
-    /// is handed over (see `PlanHooks::handed`).
+    /// is handed over (see [`Plans::handed`]).
     pub(super) fn released(&self, r: &FetchRequest) {
-        if let Some(p) = self.plans.get() {
-            p.handed(&r.root, &r.path);
-        }
+        self.plans.handed(&r.root, &r.path);
     }
 
     /// Counts a block served to a peer that keeps it; when it has had every block of
-    /// the file, this node's copy is handed over (see `PlanHooks::handed`).
+    /// the file, this node's copy is handed over (see [`Plans::handed`]).
     fn count_handoff(&self, key: Key, root: &str, path: &str, index: u64, nblocks: u64) {
         let done = {
             let mut h = self.handoffs.lock().unwrap_or_else(|e| e.into_inner());
@@ -128,8 +125,8 @@ impl Service {
             }
             done
         };
-        if done && let Some(p) = self.plans.get() {
-            p.handed(root, path);
+        if done {
+            self.plans.handed(root, path);
         }
     }
 }
@@ -138,17 +135,16 @@ impl Service {
 /// `buf`; its xxh3-64 (checked against the one recorded) and its file version's key.
 /// gRPC `Fetch` and the block stream serve the same way.
 pub(super) fn serve_block(
-    store: &Store,
+    provider: &dyn BlockProvider,
     meta: &Meta,
-    filler: Option<&Arc<Filler>>,
     r: &FetchRequest,
     timeout: Duration,
     buf: &mut Vec<u8>,
 ) -> Result<(u64, Key), Status> {
-    if r.block_size != store.block_size() {
+    if r.block_size != provider.block_size() {
         return Err(Status::failed_precondition(format!(
             "block size {} here, {} there: peers must use the same block_size",
-            store.block_size(),
+            provider.block_size(),
             r.block_size
         )));
     }
@@ -171,13 +167,12 @@ pub(super) fn serve_block(
         return Err(Status::invalid_argument("no such block"));
     }
     let key = Key::of(&r.root, &r.path, &version);
-    if let Some(sum) = store.read_block_into(&key, index, buf) {
+    if let Some(sum) = provider.read(&key, index, buf) {
         return Ok((sum, key));
     }
     if !r.fill {
         return Err(Status::not_found("not cached here"));
     }
-    let filler = filler.ok_or_else(|| Status::unavailable("starting up"))?;
     // Fill only the version the peer named, found by this node's own lookup.
     let stat = meta
         .stat(root, &r.path)
@@ -194,9 +189,9 @@ pub(super) fn serve_block(
         key,
         peer_ok: false,
     });
-    filler.fill_here(&target, index, Instant::now() + timeout);
-    store
-        .read_block_into(&key, index, buf)
+    provider.fill(&target, index, Instant::now() + timeout);
+    provider
+        .read(&key, index, buf)
         .map(|sum| (sum, key))
         .ok_or_else(|| Status::not_found("could not cache it here"))
 }

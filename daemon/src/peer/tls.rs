@@ -16,7 +16,7 @@
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 
 use rustls::client::danger::ServerCertVerifier as _;
@@ -27,22 +27,7 @@ use rustls::{
     ClientConfig, ClientConnection, RootCertStore, ServerConfig, ServerConnection, StreamOwned,
 };
 
-/// The name peers' certificates carry unless configured otherwise.
-pub const DEFAULT_NAME: &str = "shardcache-peer";
-
-/// Where a node's TLS material is, and the name every peer's certificate carries.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TlsFiles {
-    /// This node's certificate chain (PEM, the node's certificate first).
-    pub cert: PathBuf,
-    /// Its private key (PEM: PKCS#8, PKCS#1 or SEC1).
-    pub key: PathBuf,
-    /// The CA certificates that peers' certificates must chain to (PEM).
-    pub ca: PathBuf,
-    /// The DNS name every node's certificate is valid for (a subject alternative name),
-    /// checked by the connecting node.
-    pub name: String,
-}
+pub use crate::config::{DEFAULT_TLS_NAME as DEFAULT_NAME, TlsFiles};
 
 /// Loaded TLS settings: one for serving, one for connecting.
 pub struct Tls {

@@ -32,6 +32,7 @@ use shardcache_plan::shuffle;
 
 pub mod placement;
 pub mod prefetch;
+pub mod ring;
 
 /// A file the planner knows: (root index, path relative to the root).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -708,7 +709,7 @@ impl Planner {
 
     /// The owner of `f` among `members` (the healthy nodes, sorted) when a shuffle plans
     /// it: the job's files are spread over the members with balanced loads
-    /// ([`crate::peer::ring::balanced`], over `id` of each file), so that every node owns
+    /// ([`ring::balanced`], over `id` of each file), so that every node owns
     /// its share of the dataset to within one file. `None` for files no shuffle plans
     /// (plain rendezvous hashing decides those).
     pub fn plan_owner<'a>(
@@ -729,10 +730,7 @@ impl Planner {
                 Some((m, o)) if m == members => o.clone(),
                 _ => {
                     let peers: Vec<&str> = members.iter().map(String::as_str).collect();
-                    let o = Arc::new(crate::peer::ring::balanced(
-                        &peers,
-                        job.files.iter().map(id),
-                    ));
+                    let o = Arc::new(ring::balanced(&peers, job.files.iter().map(id)));
                     *cache = Some((members.to_vec(), o.clone()));
                     o
                 }
@@ -959,6 +957,11 @@ impl Planner {
                 .map(|&(j, i)| (self.jobs[j].id.clone(), i))
                 .collect()
         })
+    }
+
+    /// True when some job is registered.
+    pub fn has_jobs(&self) -> bool {
+        !self.jobs.is_empty()
     }
 
     /// True when some registered job reads `f`.

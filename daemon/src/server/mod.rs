@@ -23,7 +23,6 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
@@ -38,10 +37,13 @@ use crate::backing::Version;
 use crate::cache::{self, MAX_PATH, MAX_WAIT_BLOCKS, Opened, ReadPath, Refusal, WaitFor, Waited};
 use crate::fill::Filler;
 use crate::jobs::JobError;
+use crate::lifecycle::{Gauge, Task};
 use crate::meta::Meta;
 use crate::stats::{Stats, inc};
 use crate::store::Store;
 
+/// Longest [`Server::close`] waits for the accept loop.
+const ACCEPT_STOP: Duration = Duration::from_secs(5);
 /// Longest a reply may wait for its client to read it.
 const REPLY_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -79,13 +81,12 @@ pub struct Ctx {
 #[derive(Debug)]
 pub struct Server {
     path: PathBuf,
-    listener: Arc<UnixListener>,
-    stop: Arc<AtomicBool>,
     conns: Conns,
     /// Connection threads running (those of connections closed to make room included,
     /// until they end).
-    active: Arc<AtomicUsize>,
-    accept: Option<JoinHandle<()>>,
+    active: Arc<Gauge>,
+    /// The accept loop (stopped by shutting the listener down and connecting once).
+    accept: Task,
     /// False once the accept thread has ended.
     accepting: Arc<AtomicBool>,
 }
@@ -135,46 +136,43 @@ impl Server {
         limits: Limits,
     ) -> io::Result<Self> {
         let listener = Arc::new(listener);
-        let stop = Arc::new(AtomicBool::new(false));
         let conns: Conns = Arc::new(Mutex::new(Table::new(limits)));
-        let active = Arc::new(AtomicUsize::new(0));
-        let accepting = Arc::new(AtomicBool::new(true));
+        let active = Arc::new(Gauge::default());
+        let accepting = Arc::new(AtomicBool::new(false));
         let accept = {
-            let (listener, stop, conns, active) = (
-                listener.clone(),
-                stop.clone(),
-                conns.clone(),
-                active.clone(),
-            );
-            let alive = crate::daemon::Alive::new(accepting.clone());
-            std::thread::Builder::new()
-                .name("sc-accept".into())
-                .spawn(move || {
-                    let _alive = alive;
-                    let mut accept_errors = Throttle::default();
-                    for conn in listener.incoming() {
-                        if stop.load(Ordering::Acquire) {
-                            break;
-                        }
-                        match conn {
-                            Ok(c) => admit_one(c, &conns, &active, &ctx, limits),
-                            Err(e) => {
-                                if let Some(n) = accept_errors.hit() {
-                                    tracing::warn!(error = %e, count = n, "accept failed");
-                                }
-                                std::thread::sleep(Duration::from_millis(10));
+            let (l, conns, active) = (listener.clone(), conns.clone(), active.clone());
+            Task::spawn("sc-accept", accepting.clone(), move |stop| {
+                let mut accept_errors = Throttle::default();
+                for conn in l.incoming() {
+                    if stop.is_stopped() {
+                        break;
+                    }
+                    match conn {
+                        Ok(c) => admit_one(c, &conns, &active, &ctx, limits),
+                        Err(e) => {
+                            if let Some(n) = accept_errors.hit() {
+                                tracing::warn!(error = %e, count = n, "accept failed");
                             }
+                            std::thread::sleep(Duration::from_millis(10));
                         }
                     }
-                })?
+                }
+            })?
+            // `accept` does not see the stop: the listener is shut down, and, in case
+            // that does not wake it, connected to once.
+            .with_wake({
+                let (listener, path) = (listener.clone(), path.clone());
+                move || {
+                    let _ = rustix::net::shutdown(listener.as_fd(), rustix::net::Shutdown::Both);
+                    let _ = UnixStream::connect(&path);
+                }
+            })
         };
         Ok(Self {
             path,
-            listener,
-            stop,
             conns,
             active,
-            accept: Some(accept),
+            accept,
             accepting,
         })
     }
@@ -187,13 +185,7 @@ impl Server {
     /// Stops accepting, disconnects every client and waits (bounded) for their threads.
     /// Clients then read the backing store. Call before closing the filler.
     pub fn close(&mut self) {
-        self.stop.store(true, Ordering::Release);
-        let _ = rustix::net::shutdown(self.listener.as_fd(), rustix::net::Shutdown::Both);
-        // Wake the accept loop in case shutdown did not.
-        let _ = UnixStream::connect(&self.path);
-        if let Some(h) = self.accept.take() {
-            let _ = h.join();
-        }
+        self.accept.shutdown(ACCEPT_STOP);
         for c in self.conns.lock().handles() {
             let _ = c.shutdown(std::net::Shutdown::Both);
         }
@@ -202,11 +194,7 @@ impl Server {
 
     /// Waits up to `limit` for connection threads to end; returns how many remain.
     pub fn drain(&self, limit: Duration) -> usize {
-        let deadline = Instant::now() + limit;
-        while self.active.load(Ordering::Acquire) > 0 && Instant::now() < deadline {
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        self.active.load(Ordering::Acquire)
+        self.active.wait_zero(limit)
     }
 }
 
@@ -218,13 +206,7 @@ static REFUSED_LOG: Mutex<Throttle> = Mutex::new(Throttle::new());
 static CLOSED_LOG: Mutex<Throttle> = Mutex::new(Throttle::new());
 
 /// Admits, or refuses, a connection just accepted (on the accept thread).
-fn admit_one(
-    conn: UnixStream,
-    conns: &Conns,
-    active: &Arc<AtomicUsize>,
-    ctx: &Arc<Ctx>,
-    limits: Limits,
-) {
+fn admit_one(conn: UnixStream, conns: &Conns, active: &Arc<Gauge>, ctx: &Arc<Ctx>, limits: Limits) {
     let stats = &ctx.stats;
     let creds = match creds::peer(&conn) {
         Ok(c) => c,
@@ -292,7 +274,7 @@ fn admit_one(
     // Threads of closed connections end at once; should they lag behind a uid that
     // connects faster, the threads are still bounded.
     let threads = 2 * (limits.max + limits.reserve);
-    let handle = if active.load(Ordering::Acquire) >= threads {
+    let handle = if active.get() >= threads {
         Err(io::Error::other(format!(
             "{threads} connection threads running"
         )))
@@ -318,8 +300,8 @@ fn admit_one(
         .connections
         .store(table.len() as u64, Ordering::Relaxed);
     drop(table);
-    active.fetch_add(1, Ordering::AcqRel);
-    let (ctx2, conns2, active2) = (ctx.clone(), conns.clone(), active.clone());
+    let counted = active.enter();
+    let (ctx2, conns2) = (ctx.clone(), conns.clone());
     let spawned = std::thread::Builder::new()
         .name("sc-conn".into())
         .stack_size(512 << 10)
@@ -335,7 +317,7 @@ fn admit_one(
                 .connections
                 .store(t.len() as u64, Ordering::Relaxed);
             drop(t);
-            active2.fetch_sub(1, Ordering::AcqRel);
+            drop(counted);
         });
     if let Err(e) = spawned {
         tracing::warn!(error = %e, "cannot start a connection thread");
@@ -344,7 +326,6 @@ fn admit_one(
         t.remove(id);
         stats.connections.store(t.len() as u64, Ordering::Relaxed);
         drop(t);
-        active.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

@@ -2,8 +2,8 @@
 //!
 //! The store asks an [`EvictionPolicy`] for victims and tells it about inserts, uses and
 //! removals; it never orders entries itself. [`Lru`] is the policy for data without a
-//! plan. The plan-aware policy (evict what is needed farthest in the future) implements
-//! the trait outside the store and is handed to [`super::Store::open_with_policy`].
+//! plan. The plan-aware policy (evict what is needed farthest in the future) is
+//! `crate::policy::planned`; this module knows no plans, peers or clients.
 //!
 //! A policy sees keys and (root, path) names only, and is called under the index lock:
 //! it must not call back into the store, and touches no data file, journal or index
@@ -33,11 +33,11 @@ pub trait EvictionPolicy: Send + fmt::Debug {
         true
     }
 
-    /// How far a fill of `path` under `root` may go over the capacity instead of
-    /// evicting `victim`, in bytes (0: not at all): when both are copies the cluster
-    /// keeps here, the victim only until another node has taken it, by the copies this
-    /// node keeps for other nodes (see `crate::planner::placement`). The default: 0.
-    fn exchange_allowance(&mut self, _root: &str, _path: &str, _victim: &Key) -> u64 {
+    /// How far a fill of `path` under `root` may take the store over its capacity
+    /// instead of evicting `victim`, in bytes (0: not at all; never past the free-space
+    /// floor). A policy that lets two caches swap files uses it: each needs the room
+    /// before the other lets go. The default: 0.
+    fn overcommit(&mut self, _root: &str, _path: &str, _victim: &Key) -> u64 {
         0
     }
 

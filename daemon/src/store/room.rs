@@ -68,9 +68,7 @@ pub(super) fn make_room(
         // before the other lets go of its copy: the cache may go over its
         // capacity by the copies it keeps until other nodes take them (a
         // bounded number, for a bounded time), never past the free-space floor.
-        if short == 0
-            && wanted <= space.capacity + policy.exchange_allowance(w.root, w.path, &victim)
-        {
+        if short == 0 && wanted <= space.capacity + policy.overcommit(w.root, w.path, &victim) {
             tracing::debug!(path = %w.path, over = wanted - space.capacity, "over capacity for an exchange");
             break;
         }

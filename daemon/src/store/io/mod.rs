@@ -22,7 +22,6 @@
 use std::fmt;
 use std::io;
 use std::path::Path;
-use std::str::FromStr;
 use std::sync::Arc;
 
 #[cfg(test)]
@@ -65,41 +64,7 @@ pub trait BlockIo: Send + Sync + fmt::Debug {
     fn exists(&self, name: &str) -> bool;
 }
 
-/// Which engine the store runs (configuration key `io_engine`, flag `--io-engine`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum IoEngine {
-    /// io_uring where the kernel allows it, psync otherwise.
-    #[default]
-    Auto,
-    /// `pread` / `pwrite` / `fdatasync`.
-    Psync,
-    /// io_uring; the daemon does not start without it.
-    Uring,
-}
-
-impl FromStr for IoEngine {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "auto" => Ok(Self::Auto),
-            "psync" => Ok(Self::Psync),
-            "uring" | "io_uring" => Ok(Self::Uring),
-            _ => Err(format!(
-                "io_engine: {s:?} is not one of \"auto\", \"psync\", \"uring\""
-            )),
-        }
-    }
-}
-
-impl fmt::Display for IoEngine {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Auto => "auto",
-            Self::Psync => "psync",
-            Self::Uring => "uring",
-        })
-    }
-}
+pub use crate::config::IoEngine;
 
 /// The engine `choice` asks for over the data directory `data_dir`: `auto` probes
 /// io_uring and falls back to psync on any setup failure (ENOSYS from an old kernel,

@@ -2,6 +2,10 @@
 //! healthy peers, every node computes the same owner from the same peer list, and a
 //! change of membership moves only the blocks whose owner joined or left — no
 //! coordination, no consensus, no virtual nodes to tune.
+//!
+//! Pure functions of ids and member lists, so they sit in the planner next to
+//! [`super::placement`]: the planner spreads a shuffle's files with [`balanced`], the
+//! peers ask [`file_owner`] for everything else. Nothing here knows of connections.
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
@@ -65,6 +69,24 @@ pub fn balanced(peers: &[&PeerId], items: impl IntoIterator<Item = Vec<u8>>) -> 
         out.push(pick as u16);
     }
     out
+}
+
+/// The owner of file `path` under `root` among `members` (what every node computes).
+pub fn file_owner<'a>(
+    members: impl IntoIterator<Item = &'a str>,
+    root: &str,
+    path: &str,
+) -> Option<&'a str> {
+    owner(members, &file_id(root, path))
+}
+
+/// A file's identity for ownership: its root and canonical path.
+pub fn file_id(root: &str, path: &str) -> Vec<u8> {
+    let mut id = Vec::with_capacity(root.len() + path.len() + 1);
+    id.extend_from_slice(root.as_bytes());
+    id.push(0);
+    id.extend_from_slice(path.as_bytes());
+    id
 }
 
 #[cfg(test)]

@@ -1,0 +1,200 @@
+//! The peers as a fill's [`BlockSource`]: a block from the node the plans or the ring say
+//! holds it (see [`Peers::fetch`]), its MAC and xxh3 checked on the way in; "not here"
+//! from every peer asked is a miss (the next source, the backing store, is asked); a
+//! prefetch of a file the cluster placement moved to another node is declined.
+
+use std::sync::Arc;
+
+use super::Peers;
+use crate::blocks::{BlockRequest, BlockSource, Fetched, SourceError};
+
+/// See the module doc.
+#[derive(Debug, Clone)]
+pub struct PeerSource(Arc<Peers>);
+
+impl PeerSource {
+    /// Fills ask `peers`.
+    pub fn new(peers: Arc<Peers>) -> Self {
+        Self(peers)
+    }
+}
+
+impl BlockSource for PeerSource {
+    fn name(&self) -> &'static str {
+        "peers"
+    }
+
+    fn remote(&self) -> bool {
+        true
+    }
+
+    fn fetch(&self, req: &BlockRequest<'_>, buf: &mut Vec<u8>) -> Result<Fetched, SourceError> {
+        let stat = &req.target.stat;
+        // The fill keeps the block (the sender's copy may then go).
+        if let Some(xxh3) = self.0.fetch(req.root, stat, req.index, req.len, true, buf) {
+            return Ok(Fetched::Got { xxh3: Some(xxh3) });
+        }
+        if req.prefetch && self.0.placed_elsewhere(req.root, &stat.path) {
+            return Ok(Fetched::Declined);
+        }
+        Ok(Fetched::Miss)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::backing::Owner;
+    use crate::backing::mem::MemBacking;
+    use crate::blocks::conformance::{self, BS, SourceFixture};
+    use crate::blocks::mem::MemProvider;
+    use crate::blocks::{BlockProvider, Target};
+    use crate::meta::{Meta, Root, Roots};
+    use crate::peer::membership::Source;
+    use crate::peer::{PeerConfig, PeerServer, bind, member_list};
+    use crate::planner::ring::file_owner;
+    use crate::policy::Plans;
+    use crate::stats::Stats;
+    use crate::store::Key;
+
+    const SECRET: &str = "peer source conformance secret";
+    /// The paths the conformance suite uses: node B must own them all.
+    const PATHS: [&str; 3] = ["d/f", "f", "never-put"];
+
+    /// Node A's peer client (the source under test) and node B, whose peer server
+    /// serves a [`MemProvider`] over an in-memory backing store, over real sockets.
+    struct Fx {
+        source: PeerSource,
+        mem: Arc<MemBacking>,
+        meta: Arc<Meta>,
+        provider: Arc<MemProvider>,
+        a: Arc<Peers>,
+        b: Arc<Peers>,
+        server: PeerServer,
+    }
+
+    impl Drop for Fx {
+        fn drop(&mut self) {
+            self.server.close();
+            self.b.close();
+            self.a.close();
+        }
+    }
+
+    fn config(listen: std::net::SocketAddr, me: &str, others: Vec<String>) -> PeerConfig {
+        PeerConfig {
+            listen,
+            advertise: me.to_owned(),
+            source: Source::Static(others),
+            secret: SECRET.to_owned(),
+            timeout: Duration::from_secs(5),
+            refresh: Duration::from_secs(60),
+            tls: None,
+        }
+    }
+
+    fn fx() -> Fx {
+        let mem = Arc::new(MemBacking::new());
+        let roots = Arc::new(Roots::new(vec![Root {
+            path: "/r".into(),
+            name: "/r".into(),
+            backing: mem.clone(),
+        }]));
+        let stats = Arc::new(Stats::default());
+        let meta = Arc::new(Meta::new(
+            roots.clone(),
+            Duration::from_secs(3600),
+            1000,
+            stats.clone(),
+        ));
+        let listener = bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let b_name = addr.to_string();
+        // A name for node A under which node B owns every path the suite uses (A's own
+        // port is never dialled).
+        let a_name = (1..10_000)
+            .map(|p| format!("127.0.0.2:{p}"))
+            .find(|a| {
+                PATHS.iter().all(|p| {
+                    file_owner([a.as_str(), b_name.as_str()], "/r", p) == Some(b_name.as_str())
+                })
+            })
+            .unwrap();
+        let provider = Arc::new(MemProvider::new(BS as u32));
+        let b_cfg = config(addr, &b_name, Vec::new());
+        let b = Peers::start(
+            &b_cfg,
+            member_list(&b_cfg),
+            Arc::new(Plans::new(roots.clone(), true)),
+            stats.clone(),
+            BS as u32,
+        )
+        .unwrap();
+        let server = PeerServer::start(
+            &b_cfg,
+            listener,
+            &b,
+            meta.clone(),
+            provider.clone() as Arc<dyn BlockProvider>,
+        )
+        .unwrap();
+        let a_cfg = config(
+            "127.0.0.2:1".parse().unwrap(),
+            &a_name,
+            vec![b_name.clone()],
+        );
+        let a = Peers::start(
+            &a_cfg,
+            member_list(&a_cfg),
+            Arc::new(Plans::new(roots, true)),
+            stats,
+            BS as u32,
+        )
+        .unwrap();
+        Fx {
+            source: PeerSource::new(a.clone()),
+            mem,
+            meta,
+            provider,
+            a,
+            b,
+            server,
+        }
+    }
+
+    impl SourceFixture for Fx {
+        fn source(&self) -> &dyn BlockSource {
+            &self.source
+        }
+        fn root(&self) -> &str {
+            "/r"
+        }
+        fn put(&self, path: &str, data: &[u8]) -> Arc<Target> {
+            let owner = Owner {
+                mode: 0o644,
+                ..Owner::default()
+            };
+            self.mem.put(path, data.to_vec(), owner);
+            self.meta.invalidate(0, path);
+            let stat = self.meta.stat(0, path).unwrap();
+            let key = Key::of("/r", &stat.path, &stat.version);
+            self.provider.put_backing(0, path, key, data.to_vec());
+            Arc::new(Target {
+                root: 0,
+                rel: path.to_owned(),
+                stat,
+                key,
+                peer_ok: true,
+            })
+        }
+    }
+
+    /// The peers as a fill's source, end to end over the block stream (handshake, MAC
+    /// per request and block, the receiver's xxh3): the suite the in-memory twin passes.
+    #[test]
+    fn the_peer_client_conforms_as_a_source() {
+        conformance::sources(&fx);
+    }
+}
