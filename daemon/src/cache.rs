@@ -39,8 +39,8 @@ pub const MAX_PATH: usize = shardcache_proto::wire::MAX_PATH;
 /// How long a file stays pinned after a reader was told it is being filled (see
 /// [`Store::pin`]); each wait of that reader (each slice of it) renews it.
 const PIN: Duration = Duration::from_secs(2);
-/// Generations of transient copies (see [`ReadPath::transient`]): never those of a data
-/// file.
+/// Generations of transient copies (blocks of a file this node declined, fetched from
+/// the peer that owns it into an unlinked file): never those of a data file.
 pub const TRANSIENT_GEN: u64 = 1 << 63;
 
 /// Why the cache cannot serve a read: the client then reads the backing store itself.
