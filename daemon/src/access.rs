@@ -16,6 +16,11 @@
 //!   not evaluate ACLs.
 //!
 //! See docs/SEMANTICS.md for the trade-off against passing the client's own descriptor.
+//!
+//! Every access decision of the daemon is here: reads ([`check`]), listing a directory
+//! for a glob ([`may_walk`]), who is an operator ([`is_operator`]) and who may change a
+//! job ([`may_change_job`]). Callers (the read path, the jobs, the admin requests) apply
+//! the answers; none decides on its own.
 
 use crate::backing::{Owner, Stat};
 
@@ -103,6 +108,18 @@ fn may(o: &Owner, c: &Creds, want: u32) -> Decision {
     } else {
         Decision::Deny
     }
+}
+
+/// True for the operators: root and the daemon's own user. They may evict, list and
+/// verify everything, change any job, and vouch for any file of an `immutable` manifest.
+pub fn is_operator(creds: &Creds) -> bool {
+    creds.uid == 0 || creds.uid == rustix::process::geteuid().as_raw()
+}
+
+/// Whether user `uid` (`operator`: see [`is_operator`]) may replace, unregister or move
+/// a job that `registrant` registered: its registrant and operators may.
+pub fn may_change_job(registrant: u32, uid: u32, operator: bool) -> bool {
+    registrant == uid || operator
 }
 
 #[cfg(test)]

@@ -536,10 +536,12 @@ impl Jobs {
     /// registered by anyone. The error says who may.
     pub fn may_change(&self, job: &str, uid: u32, operator: bool) -> Result<(), JobError> {
         match lock(&self.info).get(job) {
-            Some(j) if j.creds.uid != uid && !operator => Err(JobError::NotYours {
-                job: job.to_owned(),
-                owner: j.creds.uid,
-            }),
+            Some(j) if !access::may_change_job(j.creds.uid, uid, operator) => {
+                Err(JobError::NotYours {
+                    job: job.to_owned(),
+                    owner: j.creds.uid,
+                })
+            }
             _ => Ok(()),
         }
     }

@@ -67,11 +67,7 @@ impl Page {
     }
 }
 
-/// True for the callers that may evict and see every listing: root and the daemon's
-/// own user.
-pub fn is_operator(creds: &Creds) -> bool {
-    creds.uid == 0 || creds.uid == rustix::process::geteuid().as_raw()
-}
+pub use crate::access::is_operator;
 
 /// A refusal. Handlers return it as their error (it is small; a whole reply is not) and
 /// it becomes the reply at the top.
