@@ -404,7 +404,7 @@ impl ReadPath {
                     timed_out = true;
                     break;
                 }
-                Some(ok) => declined |= !ok,
+                Some(outcome) => declined |= !outcome.landed(),
             }
         }
         if timed_out && !w.more {

@@ -54,25 +54,59 @@ pub enum Priority {
     Demand = 2,
 }
 
+/// How a block fill ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FillOutcome {
+    /// The block is in the store (it landed, or was there already).
+    Landed,
+    /// Not filled, for a reason that is no fault: the reader reads the backing store
+    /// (or a peer) itself.
+    Declined(Declined),
+    /// A source or the store failed (counted in `fill_errors`).
+    Failed,
+}
+
+/// Why a fill was declined.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Declined {
+    /// No room worth making (the store would evict something needed sooner).
+    NoSpace,
+    /// The file's entry went away meanwhile, or the cluster placement moved the file
+    /// elsewhere while a prefetch of it ran.
+    Moved,
+    /// The backing root has stopped answering (its waiters released by the watchdog,
+    /// or the call refused at once).
+    Stalled,
+    /// The fill engine is shutting down.
+    Closed,
+}
+
+impl FillOutcome {
+    /// True when the block landed.
+    pub fn landed(self) -> bool {
+        self == Self::Landed
+    }
+}
+
 /// One block fill in progress; waiters block on it.
 #[derive(Debug, Default)]
 pub struct Flight {
-    done: Mutex<Option<bool>>,
+    done: Mutex<Option<FillOutcome>>,
     cv: Condvar,
 }
 
 impl Flight {
-    /// `Some(ok)` once the fill ended, without waiting.
-    pub fn outcome(&self) -> Option<bool> {
+    /// How the fill ended, once it has, without waiting.
+    pub fn outcome(&self) -> Option<FillOutcome> {
         *self.done.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Waits until the fill ends or `deadline`; `Some(ok)` when it ended.
-    pub fn wait_until(&self, deadline: Instant) -> Option<bool> {
+    /// Waits until the fill ends or `deadline`; its outcome when it ended.
+    pub fn wait_until(&self, deadline: Instant) -> Option<FillOutcome> {
         let mut g = self.done.lock().unwrap_or_else(|e| e.into_inner());
         loop {
-            if let Some(ok) = *g {
-                return Some(ok);
+            if let Some(o) = *g {
+                return Some(o);
             }
             let now = Instant::now();
             if now >= deadline {
@@ -86,8 +120,8 @@ impl Flight {
         }
     }
 
-    fn finish(&self, ok: bool) {
-        *self.done.lock().unwrap_or_else(|e| e.into_inner()) = Some(ok);
+    fn finish(&self, outcome: FillOutcome) {
+        *self.done.lock().unwrap_or_else(|e| e.into_inner()) = Some(outcome);
         self.cv.notify_all();
     }
 }
@@ -260,7 +294,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// A flight that has already ended without the block (for a root that is not answering).
 fn declined() -> Arc<Flight> {
     let f = Arc::new(Flight::default());
-    f.finish(false);
+    f.finish(FillOutcome::Declined(Declined::Stalled));
     f
 }
 
@@ -395,9 +429,9 @@ impl Filler {
             }
         };
         if theirs {
-            flight.wait_until(deadline).unwrap_or(false)
+            flight.wait_until(deadline).is_some_and(FillOutcome::landed)
         } else {
-            fill_and_land(inner, target, index, false, &flight)
+            fill_and_land(inner, target, index, false, &flight).landed()
         }
     }
 
@@ -452,7 +486,7 @@ impl Filler {
             );
         }
         for (_, f) in lock(&self.inner.flights).drain() {
-            f.finish(false);
+            f.finish(FillOutcome::Declined(Declined::Closed));
         }
     }
 }
@@ -617,7 +651,7 @@ fn watchdog(inner: &Arc<Inner>) {
         }
         drop(q);
         for (id, f) in release {
-            end_flight(inner, id, &f, false);
+            end_flight(inner, id, &f, FillOutcome::Declined(Declined::Stalled));
         }
         for r in spawn {
             if let Err(e) = spawn_worker(inner, r) {
@@ -628,44 +662,46 @@ fn watchdog(inner: &Arc<Inner>) {
     }
 }
 
-/// Ends flight `f` of block `id` with `ok` (releasing its waiters), and forgets it if it
-/// is still the block's flight (a later request may have started another).
-fn end_flight(inner: &Inner, id: (Key, usize), f: &Arc<Flight>, ok: bool) {
+/// Ends flight `f` of block `id` with `outcome` (releasing its waiters), and forgets it
+/// if it is still the block's flight (a later request may have started another).
+fn end_flight(inner: &Inner, id: (Key, usize), f: &Arc<Flight>, outcome: FillOutcome) {
     {
         let mut flights = lock(&inner.flights);
         if flights.get(&id).is_some_and(|g| Arc::ptr_eq(g, f)) {
             flights.remove(&id);
         }
     }
-    f.finish(ok);
+    f.finish(outcome);
 }
 
 /// Fills one block whose flight `flight` is registered, counts a failure, and ends the
-/// flight (releasing its waiters). True when the block landed.
+/// flight (releasing its waiters) with the outcome it returns.
 fn fill_and_land(
     inner: &Inner,
     target: &Target,
     index: usize,
     prefetch: bool,
     flight: &Arc<Flight>,
-) -> bool {
-    let ok = match fill(inner, target, index, prefetch) {
-        Ok(()) => true,
+) -> FillOutcome {
+    let outcome = match fill(inner, target, index, prefetch) {
+        Ok(()) => FillOutcome::Landed,
         Err(e) => {
-            let counted = match &e {
-                FillError::Store(StoreError::NoSpace | StoreError::Gone) => false,
-                FillError::Store(_) => true,
-                FillError::Source(e) => !e.is_stall(),
+            let outcome = match &e {
+                FillError::Store(StoreError::NoSpace) => FillOutcome::Declined(Declined::NoSpace),
+                FillError::Store(StoreError::Gone) => FillOutcome::Declined(Declined::Moved),
+                FillError::Store(StoreError::Io(_)) => FillOutcome::Failed,
+                FillError::Source(e) if e.is_stall() => FillOutcome::Declined(Declined::Stalled),
+                FillError::Source(_) => FillOutcome::Failed,
             };
-            if counted {
+            if outcome == FillOutcome::Failed {
                 inc(&inner.stats.fill_errors);
             }
-            tracing::debug!(path = %target.stat.path, block = index, error = %e, "fill failed");
-            false
+            tracing::debug!(path = %target.stat.path, block = index, error = %e, ?outcome, "fill not landed");
+            outcome
         }
     };
-    end_flight(inner, (target.key, index), flight, ok);
-    ok
+    end_flight(inner, (target.key, index), flight, outcome);
+    outcome
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -859,7 +895,9 @@ mod tests {
         fn wait(&self, t: &Arc<Target>, i: usize) -> Option<bool> {
             match self.filler.request(t, i, Priority::Demand) {
                 Scheduled::Present => Some(true),
-                Scheduled::InFlight(f) => f.wait_until(Instant::now() + Duration::from_secs(20)),
+                Scheduled::InFlight(f) => f
+                    .wait_until(Instant::now() + Duration::from_secs(20))
+                    .map(FillOutcome::landed),
                 Scheduled::Shed => None,
             }
         }
@@ -1027,10 +1065,39 @@ mod tests {
         }
     }
 
+    #[test]
+    fn a_failing_backing_read_is_a_counted_failure_and_the_next_fill_lands() {
+        let r = rig();
+        r.put("f", 2 * BS as usize);
+        let t = r.target("f");
+        r.faults.fail_reads.store(true, Ordering::SeqCst);
+        let got = match r.filler.request(&t, 0, Priority::Demand) {
+            Scheduled::InFlight(f) => f.wait_until(Instant::now() + Duration::from_secs(20)),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(
+            got,
+            Some(FillOutcome::Failed),
+            "a backing error is a failure"
+        );
+        assert_eq!(
+            r.stats.fill_errors.load(Ordering::Relaxed),
+            1,
+            "and counted"
+        );
+        r.faults.fail_reads.store(false, Ordering::SeqCst);
+        let got = match r.filler.request(&t, 0, Priority::Demand) {
+            Scheduled::InFlight(f) => f.wait_until(Instant::now() + Duration::from_secs(20)),
+            other => panic!("{other:?}"),
+        };
+        assert_eq!(got, Some(FillOutcome::Landed));
+        assert!(r.store.is_present(&t.key, 0));
+    }
+
     fn outcome(s: Scheduled, deadline: Instant) -> Option<bool> {
         match s {
             Scheduled::Present => Some(true),
-            Scheduled::InFlight(f) => f.wait_until(deadline),
+            Scheduled::InFlight(f) => f.wait_until(deadline).map(FillOutcome::landed),
             Scheduled::Shed => None,
         }
     }
@@ -1076,7 +1143,11 @@ mod tests {
         );
         // Waiters on the hung root are released, declined, within about the bound.
         for f in &waiting {
-            assert_eq!(f.wait_until(t0 + 10 * STALL), Some(false), "released");
+            assert_eq!(
+                f.wait_until(t0 + 10 * STALL),
+                Some(FillOutcome::Declined(Declined::Stalled)),
+                "released, declined as stalled"
+            );
         }
         eprintln!(
             "healthy fills: {took:?} for 32 blocks; hung waiters released after {:?}",
@@ -1120,7 +1191,11 @@ mod tests {
             "close took {:?}",
             started.elapsed()
         );
-        assert_eq!(f.outcome(), Some(false), "its waiter was released");
+        assert!(
+            matches!(f.outcome(), Some(FillOutcome::Declined(_))),
+            "its waiter was released: {:?}",
+            f.outcome()
+        );
         r.faults.release();
     }
 
@@ -1177,7 +1252,7 @@ mod tests {
             Scheduled::InFlight(f) => f.wait_until(Instant::now() + Duration::from_secs(20)),
             other => panic!("{other:?}"),
         };
-        assert_eq!(got, Some(false));
+        assert_eq!(got, Some(FillOutcome::Declined(Declined::Moved)));
         assert!(!r.store.is_present(&h.key, 0));
         assert_eq!(r.faults.reads.load(Ordering::Relaxed), 1, "no backing read");
         assert_eq!(

@@ -24,7 +24,7 @@ use shardcache_proto::local::v1 as pb;
 
 use crate::access::{self, Creds, Decision};
 use crate::backing::Stat;
-use crate::fill::{Filler, Flight, Priority, Scheduled, Target};
+use crate::fill::{FillOutcome, Filler, Flight, Priority, Scheduled, Target};
 use crate::lifecycle::{Stop, Task};
 use crate::meta::{Hold, Meta, Roots, Voucher};
 use crate::metrics::PrefetchInstruments;
@@ -946,12 +946,14 @@ impl Jobs {
             self.measure_rates();
             self.update_layouts(store);
             flights.retain(|f, fl| {
-                let outcomes: Vec<Option<bool>> = fl.iter().map(|x| x.outcome()).collect();
+                let outcomes: Vec<Option<FillOutcome>> = fl.iter().map(|x| x.outcome()).collect();
                 if outcomes.iter().any(Option::is_none) {
                     return true;
                 }
                 let mut prefetched = lock(&self.prefetched);
-                if outcomes.contains(&Some(false)) {
+                // Declined (no room worth making, moved, stalled) or failed: backed off
+                // alike, and asked for again later.
+                if outcomes.iter().flatten().any(|o| !o.landed()) {
                     // A copy the cluster placement gives this node is asked for again
                     // soon (it was turned away while exchanges were under way: the
                     // room comes back as peers take their copies).
