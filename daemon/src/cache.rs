@@ -551,8 +551,18 @@ mod tests {
         };
         let store = Arc::new(Store::open(&cfg, stats.clone()).unwrap());
         let sources = crate::blocks::Sources::backing(&meta, &stats);
+        let wake = Arc::new(crate::lifecycle::Wake::default());
         let filler = Arc::new(
-            Filler::new(store.clone(), meta.clone(), stats.clone(), sources, 2, 64).unwrap(),
+            Filler::new(
+                store.clone(),
+                meta.clone(),
+                stats.clone(),
+                sources,
+                2,
+                64,
+                wake.clone(),
+            )
+            .unwrap(),
         );
         let plans = Arc::new(crate::policy::Plans::new(roots, false));
         let jobs = Arc::new(Jobs::new(
@@ -560,6 +570,7 @@ mod tests {
             plans,
             None,
             Metrics::new().prefetch(),
+            wake,
         ));
         let cache = ReadPath::new(
             meta,

@@ -22,7 +22,7 @@ use crate::cache::{ReadPath, ReadPathConfig};
 use crate::config::{Config, MetricsListen};
 use crate::fill::Filler;
 use crate::jobs::Jobs;
-use crate::lifecycle::{Shutdown, Task};
+use crate::lifecycle::{Shutdown, Task, Wake};
 use crate::meta::{Meta, Root, Roots};
 use crate::metrics::Metrics;
 use crate::metrics::http::{self, Endpoint, HttpServer};
@@ -273,6 +273,9 @@ impl Daemon {
             let first: Arc<dyn BlockSource> = Arc::new(PeerSource::new(p.clone()));
             sources = sources.ask_first(first);
         }
+        // What the prefetcher sleeps on: created before the fill engine, which wakes it
+        // when a fetch it asked for ends.
+        let prefetch_wake = Arc::new(Wake::default());
         let filler = Arc::new(
             Filler::new(
                 store.clone(),
@@ -281,6 +284,7 @@ impl Daemon {
                 sources,
                 cfg.fill_workers,
                 cfg.fill_queue,
+                prefetch_wake.clone(),
             )
             .context("starting fill workers")?,
         );
@@ -297,6 +301,7 @@ impl Daemon {
             plans,
             peers.clone(),
             metrics.prefetch(),
+            prefetch_wake,
         ));
         let listener = server::bind(&cfg.socket, cfg.socket_mode)
             .with_context(|| format!("socket: binding {}", cfg.socket.display()))?;

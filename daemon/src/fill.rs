@@ -28,14 +28,14 @@ use std::cmp::Ordering as CmpOrdering;
 use std::collections::BinaryHeap;
 
 use rustc_hash::FxHashMap as HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use crate::backing::watch::file_id;
 use crate::blocks::{BlockProvider, BlockRequest, Fetched, SourceError, Sources};
-use crate::lifecycle::Gauge;
+use crate::lifecycle::{Gauge, Wake};
 use crate::meta::Meta;
 use crate::stats::{Stats, inc};
 use crate::store::{Key, Store, StoreError};
@@ -93,6 +93,8 @@ impl FillOutcome {
 pub struct Flight {
     done: Mutex<Option<FillOutcome>>,
     cv: Condvar,
+    /// The prefetcher waits on it: its end wakes the prefetcher.
+    prefetch: AtomicBool,
 }
 
 impl Flight {
@@ -229,6 +231,8 @@ struct Inner {
     /// Each root's sources, in the order a fill asks them.
     sources: Sources,
     threads: Mutex<Vec<JoinHandle<()>>>,
+    /// What the prefetcher sleeps on: the end of a flight it asked for wakes it.
+    prefetch_wake: Arc<Wake>,
     /// The threads running (workers and the watchdog): what `close` waits for.
     running: Arc<Gauge>,
     next_worker: AtomicU64,
@@ -300,7 +304,8 @@ fn declined() -> Arc<Flight> {
 
 impl Filler {
     /// Starts `workers` fill threads per backing root, with a queue of at most `limit`
-    /// read-ahead jobs; each root's fills ask its `sources` in order.
+    /// read-ahead jobs; each root's fills ask its `sources` in order. The end of every
+    /// fill the prefetcher asked for notifies `prefetch_wake`.
     pub fn new(
         store: Arc<Store>,
         meta: Arc<Meta>,
@@ -308,6 +313,7 @@ impl Filler {
         sources: Sources,
         workers: usize,
         limit: usize,
+        prefetch_wake: Arc<Wake>,
     ) -> std::io::Result<Self> {
         let nroots = meta.roots().all().len();
         if sources.roots() != nroots {
@@ -333,6 +339,7 @@ impl Filler {
             workers,
             meter: Mutex::new(Meter::default()),
             sources,
+            prefetch_wake,
             threads: Mutex::new(Vec::new()),
             running: Arc::new(Gauge::default()),
             next_worker: AtomicU64::new(0),
@@ -386,6 +393,9 @@ impl Filler {
             return Scheduled::Shed;
         }
         if let Some(f) = flights.get(&id) {
+            if prio == Priority::Prefetch {
+                f.prefetch.store(true, Ordering::Release);
+            }
             // Raise a queued read-ahead to demand.
             if q.queued.get(&id).is_some_and(|queued| *queued < prio) {
                 q.enqueue(target, index, prio, f);
@@ -402,6 +412,8 @@ impl Filler {
             return Scheduled::Shed;
         }
         let f = Arc::new(Flight::default());
+        f.prefetch
+            .store(prio == Priority::Prefetch, Ordering::Release);
         flights.insert(id, f.clone());
         q.enqueue(target, index, prio, &f);
         inner.cvs[target.root].notify_one();
@@ -672,6 +684,9 @@ fn end_flight(inner: &Inner, id: (Key, usize), f: &Arc<Flight>, outcome: FillOut
         }
     }
     f.finish(outcome);
+    if f.prefetch.load(Ordering::Acquire) {
+        inner.prefetch_wake.notify();
+    }
 }
 
 /// Fills one block whose flight `flight` is registered, counts a failure, and ends the
@@ -854,8 +869,16 @@ mod tests {
         if let Some(first) = first {
             sources = sources.ask_first(first);
         }
-        let filler =
-            Filler::new(store.clone(), meta.clone(), stats.clone(), sources, 4, 64).unwrap();
+        let filler = Filler::new(
+            store.clone(),
+            meta.clone(),
+            stats.clone(),
+            sources,
+            4,
+            64,
+            Arc::new(Wake::default()),
+        )
+        .unwrap();
         Rig {
             _dir: dir,
             mem,
@@ -1039,6 +1062,7 @@ mod tests {
             Sources::backing(&meta, &stats),
             4,
             64,
+            Arc::new(Wake::default()),
         )
         .unwrap();
         TwoRoots {

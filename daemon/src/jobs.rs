@@ -16,7 +16,7 @@
 
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use shardcache_plan::manifest::{Files, Item, Manifest, Plan};
@@ -25,7 +25,7 @@ use shardcache_proto::local::v1 as pb;
 use crate::access::{self, Creds, Decision};
 use crate::backing::Stat;
 use crate::fill::{FillOutcome, Filler, Flight, Priority, Scheduled, Target};
-use crate::lifecycle::{Stop, Task};
+use crate::lifecycle::{Stop, Task, Wake};
 use crate::meta::{Hold, Meta, Roots, Voucher};
 use crate::metrics::PrefetchInstruments;
 use crate::planner::prefetch::{self, CacheView, Pace};
@@ -50,6 +50,10 @@ const MAX_PREFETCHED: usize = 1 << 16;
 /// How long a file no registrant of a job reading it may read is not looked at again
 /// (a chmod that grants access is noticed this late by prefetch; reads are unaffected).
 const DENIED_BACKOFF: Duration = Duration::from_secs(10);
+/// Longest the prefetcher sleeps without an event (a read, a registration, the end of
+/// a fetch it started, a backoff or budget running out): a heartbeat for what has no
+/// event of its own (the peers' layouts, pins expiring, free space coming back).
+const HEARTBEAT: Duration = Duration::from_millis(250);
 
 /// A prefetched file not yet opened by its job.
 #[derive(Debug, Clone, Copy)]
@@ -228,7 +232,7 @@ pub struct Jobs {
     /// The peers, when this node shares with others: the cluster layouts come from
     /// them, and claimed copies are released through them.
     peers: Option<Arc<crate::peer::Peers>>,
-    wake: (Mutex<bool>, Condvar),
+    wake: Arc<Wake>,
     /// Files the prefetcher fetched, until their first open: the open then records the
     /// prefetch lead time (or a late prefetch).
     prefetched: Mutex<HashMap<FileRef, Prefetched>>,
@@ -246,12 +250,15 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Jobs {
     /// No jobs yet: they are planned in `plans`; with `peers`, cluster layouts come
-    /// from them. The prefetcher records its lead times into `instruments`.
+    /// from them. The prefetcher records its lead times into `instruments`, and sleeps
+    /// on `wake` between events (the fill engine notifies it when a fetch it asked for
+    /// ends).
     pub fn new(
         meta: Arc<Meta>,
         plans: Arc<Plans>,
         peers: Option<Arc<crate::peer::Peers>>,
         instruments: PrefetchInstruments,
+        wake: Arc<Wake>,
     ) -> Self {
         Self {
             roots: meta.roots().clone(),
@@ -262,7 +269,7 @@ impl Jobs {
             prefetching: AtomicU64::new(0),
             sizes: Mutex::new(HashMap::new()),
             peers,
-            wake: (Mutex::new(false), Condvar::new()),
+            wake,
             prefetched: Mutex::new(HashMap::new()),
             instruments,
             prefetcher_alive: Arc::new(AtomicBool::new(false)),
@@ -333,8 +340,7 @@ impl Jobs {
     }
 
     fn poke(&self) {
-        *lock(&self.wake.0) = true;
-        self.wake.1.notify_all();
+        self.wake.notify();
     }
 
     /// Registers a manifest for the user `creds` (`operator`: root or the daemon's
@@ -895,7 +901,9 @@ impl Jobs {
         }))
     }
 
-    /// The prefetcher. Every round (a read, a registration, or 20 ms): measure rates,
+    /// The prefetcher. Every round (woken by a read, a registration, the end of a fetch
+    /// it started, or a backoff or budget running out; at the latest after
+    /// [`HEARTBEAT`]): measure rates,
     /// collect finished fetches, then start fetches the planner asks for
     /// ([`prefetch::next_prefetch`]) while under the concurrency, lead and bandwidth
     /// bounds. Pacing: once the consumption rates and the backing store's throughput are
@@ -921,17 +929,25 @@ impl Jobs {
         let budget = cfg.bandwidth.map(prefetch_budget);
         let ops = cfg.ops.map(prefetch_budget);
         while !stop.is_stopped() {
-            {
-                let mut woken = lock(&self.wake.0);
-                if !*woken {
-                    woken = self
-                        .wake
-                        .1
-                        .wait_timeout(woken, Duration::from_millis(20))
-                        .unwrap_or_else(|e| e.into_inner())
-                        .0;
+            // Sleep until an event: a read or registration (`poke`), the end of a fetch
+            // started here (the fill engine), or the first backoff or budget that runs
+            // out; a fetch that already ended (declined at once) is collected now.
+            if !flights.values().flatten().any(|f| f.outcome().is_some()) {
+                let mut sleep = HEARTBEAT;
+                for at in declined.values() {
+                    sleep = sleep.min(DECLINED_BACKOFF.saturating_sub(at.elapsed()));
                 }
-                *woken = false;
+                for at in denied.values() {
+                    sleep = sleep.min(DENIED_BACKOFF.saturating_sub(at.elapsed()));
+                }
+                for b in [&budget, &ops].into_iter().flatten() {
+                    sleep = sleep.min(b.until_allowed());
+                }
+                if sleep.is_zero() {
+                    // Something is due now: collect it, but never spin.
+                    sleep = Duration::from_millis(1);
+                }
+                self.wake.wait(sleep);
             }
             // The reads opens left for the planner, before planning on it.
             self.settle();
@@ -967,9 +983,9 @@ impl Jobs {
                     declined.insert(f.clone(), at);
                     prefetched.remove(f);
                 } else if let Some(p) = prefetched.get_mut(f) {
-                    // Resident now (seen within a round, 20 ms at most, of the last
-                    // block landing). Not when the job already opened it: that open
-                    // counted a late prefetch.
+                    // Resident now (the fill engine woke this round as the last block
+                    // landed). Not when the job already opened it: that open counted a
+                    // late prefetch.
                     *p = Prefetched::Resident(Instant::now());
                 }
                 false
@@ -1196,7 +1212,13 @@ mod tests {
         ));
         let plans = Arc::new(Plans::new(roots, false));
         let metrics = crate::metrics::Metrics::new();
-        Arc::new(Jobs::new(meta, plans, None, metrics.prefetch()))
+        Arc::new(Jobs::new(
+            meta,
+            plans,
+            None,
+            metrics.prefetch(),
+            Arc::new(Wake::default()),
+        ))
     }
 
     /// Issue 13, step 4: an open never waits for the prefetcher's planning. With the

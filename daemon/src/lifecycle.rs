@@ -76,14 +76,14 @@ impl Stop {
     }
 }
 
-type Wake = Box<dyn Fn() + Send + Sync>;
+type WakeFn = Box<dyn Fn() + Send + Sync>;
 
 /// A named thread with a stop signal, a liveness flag and a bounded join.
 pub struct Task {
     name: String,
     stop: Arc<Stop>,
     alive: Arc<AtomicBool>,
-    wake: Option<Wake>,
+    wake: Option<WakeFn>,
     handle: Option<JoinHandle<()>>,
 }
 
@@ -193,6 +193,42 @@ impl Drop for Task {
         if self.handle.is_some() {
             self.stop();
         }
+    }
+}
+
+/// A wake-up a task sleeps on between events: `notify` from any thread, `wait` up to a
+/// timeout (a notification that came while the task was busy is not lost).
+#[derive(Debug, Default)]
+pub struct Wake {
+    woken: Mutex<bool>,
+    cv: Condvar,
+}
+
+impl Wake {
+    /// Wakes the waiter (or the next `wait`, if none is waiting now).
+    pub fn notify(&self) {
+        *lock(&self.woken) = true;
+        self.cv.notify_all();
+    }
+
+    /// Waits until notified or `timeout` passed; true when notified. Clears the
+    /// notification.
+    pub fn wait(&self, timeout: Duration) -> bool {
+        let deadline = Instant::now() + timeout;
+        let mut woken = lock(&self.woken);
+        while !*woken {
+            let now = Instant::now();
+            if now >= deadline {
+                return false;
+            }
+            woken = self
+                .cv
+                .wait_timeout(woken, deadline - now)
+                .unwrap_or_else(|e| e.into_inner())
+                .0;
+        }
+        *woken = false;
+        true
     }
 }
 

@@ -65,6 +65,17 @@ impl TokenBucket {
         self.refilled(&mut s) >= 0.0
     }
 
+    /// How long until the bucket is out of debt (zero when it is not in debt).
+    pub fn until_allowed(&self) -> Duration {
+        let mut s = self.state.lock();
+        let tokens = self.refilled(&mut s);
+        if tokens >= 0.0 {
+            Duration::ZERO
+        } else {
+            Duration::from_secs_f64(-tokens / self.rate)
+        }
+    }
+
     /// Charges `n` tokens now, whatever the balance (it may go into debt), and says how
     /// long until the debt is paid back (zero when there is none).
     pub fn charge(&self, n: u64) -> Duration {
@@ -132,6 +143,7 @@ mod tests {
         assert!(!b.allows());
         clock.advance(Duration::from_millis(9_990));
         assert!(!b.allows());
+        assert_eq!(b.until_allowed(), Duration::from_millis(10));
         clock.advance(Duration::from_millis(10));
         assert!(b.allows());
     }
