@@ -505,13 +505,12 @@ mod tests {
     use std::os::unix::fs::FileExt;
 
     use super::*;
+    use crate::backing::Owner;
     use crate::backing::fault::{Faults, FaultyBacking};
     use crate::backing::mem::MemBacking;
-    use crate::backing::{Backing, Owner};
-    use crate::config::SizeSpec;
-    use crate::meta::{Root, Roots};
+    use crate::meta::test_support::one_root;
     use crate::metrics::Metrics;
-    use crate::store::StoreConfig;
+    use crate::store::test_config;
 
     const BS: u32 = 4096;
 
@@ -530,25 +529,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mem = Arc::new(MemBacking::new());
         let (faulty, faults) = FaultyBacking::new(mem.clone());
-        let backing: Arc<dyn Backing> = Arc::new(faulty);
-        let roots = Arc::new(Roots::new(vec![Root {
-            path: "/r".into(),
-            name: "/r".into(),
-            backing,
-        }]));
-        let stats = Arc::new(Stats::default());
-        let meta = Arc::new(Meta::new(
-            roots.clone(),
-            Duration::from_secs(3600),
-            1000,
-            stats.clone(),
-        ));
-        let cfg = StoreConfig {
-            dir: dir.path().to_owned(),
-            capacity: SizeSpec::Bytes(capacity),
-            min_free: SizeSpec::Bytes(0),
-            block_size: BS,
-        };
+        let (meta, stats) = one_root(Arc::new(faulty));
+        let cfg = test_config(dir.path(), capacity, BS);
         let store = Arc::new(Store::open(&cfg, stats.clone()).unwrap());
         let sources = crate::blocks::Sources::backing(&meta, &stats);
         let wake = Arc::new(crate::lifecycle::Wake::default());
@@ -564,7 +546,7 @@ mod tests {
             )
             .unwrap(),
         );
-        let plans = Arc::new(crate::policy::Plans::new(roots, false));
+        let plans = Arc::new(crate::policy::Plans::new(meta.roots().clone(), false));
         let jobs = Arc::new(Jobs::new(
             meta.clone(),
             plans,

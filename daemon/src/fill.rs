@@ -813,16 +813,16 @@ impl BlockProvider for Filler {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backing::Owner;
     use crate::backing::fault::{Faults, FaultyBacking};
     use crate::backing::mem::MemBacking;
-    use crate::backing::{Backing, Owner};
     use crate::blocks::conformance::{self, ProviderFixture};
     use crate::blocks::fault::FaultySource;
     use crate::blocks::mem::MemSource;
     use crate::blocks::{BlockSource, Sources};
+    use crate::meta::test_support::one_root;
     use crate::meta::{Root, Roots};
-    use crate::store::StoreConfig;
-    use crate::units::SizeSpec;
+    use crate::store::test_config;
 
     const BS: u32 = 4096;
 
@@ -845,25 +845,8 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let mem = Arc::new(MemBacking::new());
         let (faulty, faults) = FaultyBacking::new(mem.clone());
-        let backing: Arc<dyn Backing> = Arc::new(faulty);
-        let roots = Arc::new(Roots::new(vec![Root {
-            path: "/r".into(),
-            name: "/r".into(),
-            backing,
-        }]));
-        let stats = Arc::new(Stats::default());
-        let meta = Arc::new(Meta::new(
-            roots,
-            Duration::from_secs(3600),
-            1000,
-            stats.clone(),
-        ));
-        let cfg = StoreConfig {
-            dir: dir.path().to_owned(),
-            capacity: SizeSpec::Bytes(1 << 30),
-            min_free: SizeSpec::Bytes(0),
-            block_size: BS,
-        };
+        let (meta, stats) = one_root(Arc::new(faulty));
+        let cfg = test_config(dir.path(), 1 << 30, BS);
         let store = Arc::new(Store::open(&cfg, stats.clone()).unwrap());
         let mut sources = Sources::backing(&meta, &stats);
         if let Some(first) = first {
@@ -1048,12 +1031,7 @@ mod tests {
             1000,
             stats.clone(),
         ));
-        let cfg = StoreConfig {
-            dir: dir.path().to_owned(),
-            capacity: SizeSpec::Bytes(1 << 30),
-            min_free: SizeSpec::Bytes(0),
-            block_size: BS,
-        };
+        let cfg = test_config(dir.path(), 1 << 30, BS);
         let store = Arc::new(Store::open(&cfg, stats.clone()).unwrap());
         let filler = Filler::new(
             store.clone(),

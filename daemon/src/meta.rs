@@ -439,6 +439,30 @@ impl Meta {
     }
 }
 
+/// What the daemon's unit tests build their parts over.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use super::*;
+
+    /// One backing root, mounted and named `/r`, over `backing`, its metadata trusted
+    /// for an hour; and the counters it reports to.
+    pub(crate) fn one_root(backing: Arc<dyn Backing>) -> (Arc<Meta>, Arc<Stats>) {
+        let roots = Arc::new(Roots::new(vec![Root {
+            path: "/r".into(),
+            name: "/r".into(),
+            backing,
+        }]));
+        let stats = Arc::new(Stats::default());
+        let meta = Arc::new(Meta::new(
+            roots,
+            Duration::from_secs(3600),
+            1000,
+            stats.clone(),
+        ));
+        (meta, stats)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -98,7 +98,7 @@ mod tests {
     use crate::backing::mem::MemBacking;
     use crate::blocks::Target;
     use crate::blocks::conformance::{self, SourceFixture};
-    use crate::meta::{Root, Roots};
+    use crate::meta::test_support::one_root;
 
     struct Fx {
         mem: Arc<MemBacking>,
@@ -108,18 +108,7 @@ mod tests {
 
     fn fx() -> Fx {
         let mem = Arc::new(MemBacking::new());
-        let roots = Arc::new(Roots::new(vec![Root {
-            path: "/r".into(),
-            name: "/r".into(),
-            backing: mem.clone(),
-        }]));
-        let stats = Arc::new(Stats::default());
-        let meta = Arc::new(Meta::new(
-            roots,
-            Duration::from_secs(3600),
-            1000,
-            stats.clone(),
-        ));
+        let (meta, stats) = one_root(mem.clone());
         Fx {
             source: BackingSource::new(meta.clone(), 0, stats),
             mem,

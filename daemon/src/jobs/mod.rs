@@ -863,22 +863,11 @@ mod tests {
 
     use super::*;
     use crate::backing::mem::MemBacking;
-    use crate::meta::Root;
-    use crate::stats::Stats;
+    use crate::meta::test_support::one_root;
 
     fn jobs() -> Arc<Jobs> {
-        let roots = Arc::new(Roots::new(vec![Root {
-            path: "/r".into(),
-            name: "/r".into(),
-            backing: Arc::new(MemBacking::new()),
-        }]));
-        let meta = Arc::new(Meta::new(
-            roots.clone(),
-            Duration::from_secs(3600),
-            1000,
-            Arc::new(Stats::default()),
-        ));
-        let plans = Arc::new(Plans::new(roots, false));
+        let (meta, _) = one_root(Arc::new(MemBacking::new()));
+        let plans = Arc::new(Plans::new(meta.roots().clone(), false));
         let metrics = crate::metrics::Metrics::new();
         Arc::new(Jobs::new(
             meta,

@@ -51,12 +51,12 @@ mod tests {
     use crate::blocks::conformance::{self, BS, SourceFixture};
     use crate::blocks::mem::MemProvider;
     use crate::blocks::{BlockProvider, Target};
-    use crate::meta::{Meta, Root, Roots};
+    use crate::meta::Meta;
+    use crate::meta::test_support::one_root;
     use crate::peer::membership::Source;
     use crate::peer::{PeerConfig, PeerServer, bind, member_list};
     use crate::planner::ring::file_owner;
     use crate::policy::Plans;
-    use crate::stats::Stats;
     use crate::store::Key;
 
     const SECRET: &str = "peer source conformance secret";
@@ -97,18 +97,8 @@ mod tests {
 
     fn fx() -> Fx {
         let mem = Arc::new(MemBacking::new());
-        let roots = Arc::new(Roots::new(vec![Root {
-            path: "/r".into(),
-            name: "/r".into(),
-            backing: mem.clone(),
-        }]));
-        let stats = Arc::new(Stats::default());
-        let meta = Arc::new(Meta::new(
-            roots.clone(),
-            Duration::from_secs(3600),
-            1000,
-            stats.clone(),
-        ));
+        let (meta, stats) = one_root(mem.clone());
+        let roots = meta.roots().clone();
         let listener = bind("127.0.0.1:0".parse().unwrap()).unwrap();
         let addr = listener.local_addr().unwrap();
         let b_name = addr.to_string();

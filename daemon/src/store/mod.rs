@@ -821,5 +821,17 @@ impl Store {
     }
 }
 
+/// A store in `dir` of `capacity` bytes with `block_size` blocks and no free-space
+/// floor: what the daemon's unit tests open.
+#[cfg(test)]
+pub(crate) fn test_config(dir: &std::path::Path, capacity: u64, block_size: u32) -> StoreConfig {
+    StoreConfig {
+        dir: dir.to_owned(),
+        capacity: SizeSpec::Bytes(capacity),
+        min_free: SizeSpec::Bytes(0),
+        block_size,
+    }
+}
+
 #[cfg(test)]
 mod tests;

@@ -9,12 +9,7 @@ use std::path::Path;
 const BS: u32 = 4096;
 
 fn cfg(dir: &Path, capacity: u64) -> StoreConfig {
-    StoreConfig {
-        dir: dir.to_owned(),
-        capacity: SizeSpec::Bytes(capacity),
-        min_free: SizeSpec::Bytes(0),
-        block_size: BS,
-    }
+    test_config(dir, capacity, BS)
 }
 
 fn stat(path: &str, size: u64, mtime: i64) -> Stat {
