@@ -22,7 +22,7 @@ use shardcache_proto::local::v1 as pb;
 use shardcache_proto::local::v1::response;
 
 use super::{Ctx, MAX_PATH};
-use crate::access::{self, Creds, Decision};
+use crate::access::{self, Creds, Decision, is_operator};
 use crate::backing::{BackingError, EntryKind, Stat};
 use crate::planner::FileRef;
 use crate::store::Store;
@@ -66,8 +66,6 @@ impl Page {
         }
     }
 }
-
-pub use crate::access::is_operator;
 
 /// A refusal. Handlers return it as their error (it is small; a whole reply is not) and
 /// it becomes the reply at the top.

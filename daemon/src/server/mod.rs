@@ -32,7 +32,7 @@ use shardcache_proto::wire::{self, FrameReader, WireError};
 
 pub use self::admit::Limits;
 use self::admit::{Activity, Table, Verdict, Why};
-use crate::access::Creds;
+use crate::access::{self, Creds};
 use crate::backing::Version;
 use crate::cache::{self, MAX_PATH, MAX_WAIT_BLOCKS, Opened, ReadPath, Refusal, WaitFor, Waited};
 use crate::fill::Filler;
@@ -218,7 +218,7 @@ fn admit_one(conn: UnixStream, conns: &Conns, active: &Arc<Gauge>, ctx: &Arc<Ctx
     };
     let uid = creds.uid;
     let mut table = conns.lock();
-    match table.decide(uid, admin::is_operator(&creds)) {
+    match table.decide(uid, access::is_operator(&creds)) {
         Verdict::Admit => {}
         Verdict::Evict { victim, why } => {
             if let Some(s) = table.remove(victim) {
@@ -592,7 +592,7 @@ fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::K
         }
         Some(request::Kind::Status(_)) => (response::Kind::Status(status(ctx)), Vec::new()),
         Some(request::Kind::Register(r)) => {
-            let operator = admin::is_operator(creds);
+            let operator = access::is_operator(creds);
             let kind = match ctx.jobs.register(&r.manifest_json, creds, operator) {
                 Ok(r) => response::Kind::Register(pb::RegisterReply {
                     job: r.job,
@@ -609,7 +609,7 @@ fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::K
         Some(request::Kind::Unregister(u)) => {
             let kind = match ctx
                 .jobs
-                .may_change(&u.job, creds.uid, admin::is_operator(creds))
+                .may_change(&u.job, creds.uid, access::is_operator(creds))
             {
                 Ok(()) => response::Kind::Unregister(pb::UnregisterReply {
                     found: ctx.jobs.unregister(&u.job),
@@ -621,7 +621,7 @@ fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::K
         Some(request::Kind::Progress(p)) => {
             let kind = match ctx
                 .jobs
-                .may_change(&p.job, creds.uid, admin::is_operator(creds))
+                .may_change(&p.job, creds.uid, access::is_operator(creds))
                 .and_then(|()| ctx.jobs.progress(&p.job, p.epoch, p.step))
             {
                 Ok(found) => response::Kind::Progress(pb::ProgressReply { found }),
@@ -629,7 +629,7 @@ fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::K
             };
             (kind, Vec::new())
         }
-        Some(request::Kind::Verify(_)) if !admin::is_operator(creds) => (
+        Some(request::Kind::Verify(_)) if !access::is_operator(creds) => (
             error_reply(
                 format!(
                     "verify: only root or the daemon's user (uid {}) may re-check the whole cache, not uid {}; run it as one of them (e.g. sudo)",
