@@ -115,7 +115,7 @@ impl Jobs {
                 flights.clear();
                 ahead.clear();
                 denied.clear();
-                lock(&self.prefetched).clear();
+                self.prefetched.lock().clear();
                 self.prefetching.store(0, Ordering::Relaxed);
                 continue;
             }
@@ -126,7 +126,7 @@ impl Jobs {
                 if outcomes.iter().any(Option::is_none) {
                     return true;
                 }
-                let mut prefetched = lock(&self.prefetched);
+                let mut prefetched = self.prefetched.lock();
                 // Declined (no room worth making, moved, stalled) or failed: backed off
                 // alike, and asked for again later.
                 if outcomes.iter().flatten().any(|o| !o.landed()) {
@@ -169,7 +169,7 @@ impl Jobs {
                 self.size_of(f);
             }
             let room = store.room();
-            let sizes = lock(&self.sizes);
+            let sizes = self.sizes.lock();
             let mut view = Snapshot {
                 evicted: HashSet::new(),
                 busy: flights
@@ -295,7 +295,7 @@ impl Jobs {
                     }
                 }
                 if !fl.is_empty() {
-                    let mut prefetched = lock(&self.prefetched);
+                    let mut prefetched = self.prefetched.lock();
                     if prefetched.len() >= MAX_PREFETCHED {
                         prefetched.clear();
                     }

@@ -1,0 +1,221 @@
+//! What jobs read: opens and client reports attributed to jobs, prefetch lead times,
+//! explicit positions, consumption rates, and each job's status (position, readiness
+//! window, usage, what its registrant's rights left out).
+
+use super::*;
+
+/// What a job's registrant's rights left out of it (for status).
+#[derive(Debug, Clone, Copy)]
+struct Left {
+    files_denied: u64,
+    dirs_denied: u64,
+    immutable_not_owned: u64,
+    immutable_over_limit: u64,
+}
+
+impl Left {
+    fn of(j: &JobInfo) -> Self {
+        let (not_owned, over) = j.immutable.as_ref().map_or((0, 0), |(f, held, hold)| {
+            (hold.not_owned(), (f.len() - held) as u64)
+        });
+        Self {
+            files_denied: j.denied.len() as u64,
+            dirs_denied: j.dirs_denied,
+            immutable_not_owned: not_owned,
+            immutable_over_limit: over,
+        }
+    }
+}
+
+impl Jobs {
+    /// A job opened `f` at `at`: if the prefetcher fetched it, record how long before the
+    /// open it became resident, or that the prefetch was late.
+    fn record_lead(&self, f: &FileRef, at: Instant) {
+        match self.prefetched.lock().remove(f) {
+            Some(Prefetched::Resident(done)) if done <= at => {
+                self.instruments.lead.record((at - done).as_secs_f64());
+            }
+            Some(Prefetched::Resident(_) | Prefetched::InFlight) => {
+                self.instruments.late.increment(1);
+            }
+            None => {}
+        }
+    }
+
+    /// Accounts the reads the planner applied since the last call (per-job opens, lead
+    /// times).
+    pub(super) fn account(&self, applied: Vec<Applied>) {
+        if applied.is_empty() {
+            return;
+        }
+        for a in &applied {
+            self.record_lead(&a.file, a.at);
+        }
+        let mut info = self.info.lock();
+        for a in applied {
+            if let Some(j) = info.get_mut(&a.job) {
+                j.usage.opens += 1;
+                j.usage.opens_hit += a.hit as u64;
+            }
+        }
+    }
+    /// Sets a job's position explicitly: `Ok(false)` when no such job is registered; an
+    /// error when the position is not in its plan (nothing changes).
+    pub fn progress(&self, job: &str, epoch: u64, step: u64) -> Result<bool, JobError> {
+        let found = self
+            .plans
+            .planner()
+            .set_position(job, epoch, step)
+            .map_err(JobError::Position)?;
+        self.poke();
+        Ok(found)
+    }
+    /// A client opened `rel` under root `root` (`hit`: cached whole). Returns the tag of
+    /// the job whose plan names the file (0: none), under which the client reports the
+    /// read. Takes no planner lock: the read is left for the planner
+    /// ([`Deferred::Access`]), which the prefetcher (woken here) applies and accounts
+    /// before it plans again; without a running prefetcher, it is applied here.
+    pub fn on_open(&self, root: usize, rel: &str, hit: bool) -> u64 {
+        if !self.any() {
+            return 0;
+        }
+        let f = FileRef {
+            root,
+            path: rel.to_owned(),
+        };
+        let tag = self.tags.read().get(&f).copied().unwrap_or(0);
+        self.plans.defer(Deferred::Access {
+            file: f,
+            hit,
+            at: Instant::now(),
+        });
+        if self.prefetcher_alive() {
+            self.poke();
+        } else {
+            self.settle();
+        }
+        tag
+    }
+
+    /// Adds what a client reported about its reads, per job tag.
+    pub fn add_usage(&self, reports: &[pb::JobUsage]) {
+        if reports.is_empty() {
+            return;
+        }
+        let mut info = self.info.lock();
+        for r in reports {
+            if let Some(j) = info.values_mut().find(|j| j.tag == r.job_tag) {
+                let u = &mut j.usage;
+                u.hit_bytes += r.hit_bytes;
+                u.filled_bytes += r.filled_bytes;
+                u.fallback_bytes += r.fallback_bytes;
+                u.wait_ns += r.wait_ns;
+                u.fallback_ns += r.fallback_ns;
+            }
+        }
+    }
+
+    /// Measures every job's consumption rate (steps per second) and hands it to the
+    /// planner, which then compares needs across jobs in seconds. A job that read
+    /// nothing in a period keeps its last rate (a pause is not a slowdown).
+    pub(super) fn measure_rates(&self) {
+        let mut p = self.plans.planner();
+        let mut info = self.info.lock();
+        for (id, j) in info.iter_mut() {
+            let (done0, at) = j.rate_mark;
+            let dt = at.elapsed();
+            if dt < RATE_PERIOD {
+                continue;
+            }
+            let done = p.steps_done(id).unwrap_or(done0);
+            if done > done0 {
+                let r = (done - done0) as f64 / dt.as_secs_f64();
+                let r = j.rate.map_or(r, |old| old + 0.5 * (r - old));
+                j.rate = Some(r);
+                p.set_rate(id, r);
+            }
+            j.rate_mark = (done, Instant::now());
+        }
+    }
+    /// Status of every job; `cached(root, path)` says whether a file is cached whole and
+    /// `capacity` is the cache's. A job's readiness window is what it reads next, to the
+    /// end of its current epoch (the next epoch, at a job's start), as far as the cache
+    /// can hold it, at most 4096 files.
+    pub fn status(
+        &self,
+        cached: &dyn Fn(usize, &str) -> bool,
+        capacity: u64,
+    ) -> Vec<pb::JobStatus> {
+        self.settle();
+        let info: Vec<(String, usize, Usage, Option<f64>, Left)> = self
+            .info
+            .lock()
+            .iter()
+            .map(|(k, v)| (k.clone(), v.files, v.usage, v.rate, Left::of(v)))
+            .collect();
+        let prefetching = self.prefetching.load(Ordering::Relaxed);
+        let mut out = Vec::new();
+        for (job, files, u, rate, left) in info {
+            let (pos, len, upcoming, placed) = {
+                let mut p = self.plans.planner();
+                let placed = p.placement_status(&job).unwrap_or_default();
+                let pos = p.position(&job).unwrap_or_default();
+                let len = p.epoch_len(&job).unwrap_or_default();
+                let left = (len as u64).saturating_sub(pos.1).max(1) as usize;
+                (
+                    pos,
+                    len,
+                    p.upcoming_of(&job, left.min(STATUS_WINDOW)),
+                    placed,
+                )
+            };
+            let (mut window, mut window_bytes, mut resident, mut resident_bytes) = (0, 0, 0, 0);
+            for f in &upcoming {
+                let size = self.size_of(f).unwrap_or(0);
+                if window > 0 && window_bytes + size > capacity {
+                    break;
+                }
+                window += 1;
+                window_bytes += size;
+                if cached(f.root, &f.path) {
+                    resident += 1;
+                    resident_bytes += size;
+                }
+            }
+            out.push(pb::JobStatus {
+                job,
+                epoch: pos.0,
+                step: pos.1,
+                epoch_len: len as u64,
+                files: files as u64,
+                window,
+                window_resident: resident,
+                window_bytes,
+                window_resident_bytes: resident_bytes,
+                hit_bytes: u.hit_bytes,
+                filled_bytes: u.filled_bytes,
+                fallback_bytes: u.fallback_bytes,
+                opens: u.opens,
+                opens_hit: u.opens_hit,
+                wait_seconds: u.wait_ns as f64 / 1e9,
+                fallback_seconds: u.fallback_ns as f64 / 1e9,
+                rate: rate.unwrap_or(0.0),
+                prefetching,
+                placement_nodes: placed.0,
+                placement_slots: placed.1,
+                placement_here: placed.2,
+                placement_departing: placed.3,
+                files_denied: left.files_denied,
+                dirs_denied: left.dirs_denied,
+                immutable_not_owned: left.immutable_not_owned,
+                immutable_over_limit: left.immutable_over_limit,
+            });
+        }
+        out
+    }
+
+    /// True when every registered job's rate has been measured.
+    pub(super) fn rates_known(&self) -> bool {
+        self.info.lock().values().all(|j| j.rate.is_some())
+    }
+}
