@@ -28,14 +28,15 @@ use std::cmp::Ordering as CmpOrdering;
 use std::collections::BinaryHeap;
 
 use rustc_hash::FxHashMap as HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
+
+use parking_lot::{Condvar, Mutex};
 
 use crate::backing::watch::file_id;
 use crate::blocks::{BlockProvider, BlockRequest, Fetched, SourceError, Sources};
-use crate::lifecycle::{Gauge, Wake};
+use crate::lifecycle::{Task, Wake};
 use crate::meta::Meta;
 use crate::stats::{Stats, inc};
 use crate::store::{Key, Store, StoreError};
@@ -100,30 +101,24 @@ pub struct Flight {
 impl Flight {
     /// How the fill ended, once it has, without waiting.
     pub fn outcome(&self) -> Option<FillOutcome> {
-        *self.done.lock().unwrap_or_else(|e| e.into_inner())
+        *self.done.lock()
     }
 
     /// Waits until the fill ends or `deadline`; its outcome when it ended.
     pub fn wait_until(&self, deadline: Instant) -> Option<FillOutcome> {
-        let mut g = self.done.lock().unwrap_or_else(|e| e.into_inner());
+        let mut g = self.done.lock();
         loop {
             if let Some(o) = *g {
                 return Some(o);
             }
-            let now = Instant::now();
-            if now >= deadline {
-                return None;
+            if self.cv.wait_until(&mut g, deadline).timed_out() {
+                return *g;
             }
-            g = self
-                .cv
-                .wait_timeout(g, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
         }
     }
 
     fn finish(&self, outcome: FillOutcome) {
-        *self.done.lock().unwrap_or_else(|e| e.into_inner()) = Some(outcome);
+        *self.done.lock() = Some(outcome);
         self.cv.notify_all();
     }
 }
@@ -230,11 +225,11 @@ struct Inner {
     meter: Mutex<Meter>,
     /// Each root's sources, in the order a fill asks them.
     sources: Sources,
-    threads: Mutex<Vec<JoinHandle<()>>>,
+    /// The workers and the watchdog, each a [`Task`] (their stop signal is the queue's
+    /// `closed`, which one notification reaches): what `close` joins.
+    tasks: Mutex<Vec<Task>>,
     /// What the prefetcher sleeps on: the end of a flight it asked for wakes it.
     prefetch_wake: Arc<Wake>,
-    /// The threads running (workers and the watchdog): what `close` waits for.
-    running: Arc<Gauge>,
     next_worker: AtomicU64,
     /// Workers that ended by a panic.
     died: AtomicUsize,
@@ -291,10 +286,6 @@ impl std::fmt::Debug for Filler {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 /// A flight that has already ended without the block (for a root that is not answering).
 fn declined() -> Arc<Flight> {
     let f = Arc::new(Flight::default());
@@ -340,15 +331,14 @@ impl Filler {
             meter: Mutex::new(Meter::default()),
             sources,
             prefetch_wake,
-            threads: Mutex::new(Vec::new()),
-            running: Arc::new(Gauge::default()),
+            tasks: Mutex::new(Vec::new()),
             next_worker: AtomicU64::new(0),
             died: AtomicUsize::new(0),
         });
         let filler = Self { inner };
         for root in 0..nroots {
             for _ in 0..workers {
-                lock(&filler.inner.queue).pools[root].threads += 1;
+                filler.inner.queue.lock().pools[root].threads += 1;
                 if let Err(e) = spawn_worker(&filler.inner, root) {
                     filler.close();
                     return Err(e);
@@ -358,15 +348,13 @@ impl Filler {
         let watched = (0..nroots).any(|r| !filler.inner.meta.roots().watch(r).stall().is_zero());
         if watched {
             let inner = filler.inner.clone();
-            let counted = inner.running.enter();
-            let h = std::thread::Builder::new()
-                .name("sc-fill-watch".into())
-                .spawn(move || {
-                    let _counted = counted;
-                    watchdog(&inner);
-                });
-            match h {
-                Ok(h) => lock(&filler.inner.threads).push(h),
+            let task = Task::spawn(
+                "sc-fill-watch",
+                Arc::new(AtomicBool::new(false)),
+                move |_| watchdog(&inner),
+            );
+            match task {
+                Ok(t) => filler.inner.tasks.lock().push(t),
                 Err(e) => {
                     filler.close();
                     return Err(e);
@@ -386,9 +374,9 @@ impl Filler {
         if refused(inner, target) {
             return Scheduled::InFlight(declined());
         }
-        let mut flights = lock(&inner.flights);
+        let mut flights = inner.flights.lock();
         let id = (target.key, index);
-        let mut q = lock(&inner.queue);
+        let mut q = inner.queue.lock();
         if q.closed {
             return Scheduled::Shed;
         }
@@ -430,7 +418,7 @@ impl Filler {
             return true;
         }
         let (flight, theirs) = {
-            let mut flights = lock(&inner.flights);
+            let mut flights = inner.flights.lock();
             match flights.get(&(target.key, index)) {
                 Some(f) => (f.clone(), true),
                 None => {
@@ -449,7 +437,7 @@ impl Filler {
 
     /// The backing store's measured latency and throughput, once a few reads are in.
     pub fn service(&self) -> Option<Service> {
-        let m = *lock(&self.inner.meter);
+        let m = *self.inner.meter.lock();
         (m.n >= 4 && m.secs > 0.0).then(|| Service {
             latency: m.secs,
             throughput: self.inner.workers as f64 * m.bytes / m.secs,
@@ -474,7 +462,7 @@ impl Filler {
     /// the process exits without it).
     pub fn close(&self) {
         {
-            let mut q = lock(&self.inner.queue);
+            let mut q = self.inner.queue.lock();
             q.closed = true;
             for h in &mut q.heaps {
                 h.clear();
@@ -485,10 +473,16 @@ impl Filler {
             cv.notify_all();
         }
         self.inner.tick.notify_all();
-        let stuck = self.inner.running.wait_zero(CLOSE_WAIT);
-        for h in std::mem::take(&mut *lock(&self.inner.threads)) {
-            if h.is_finished() {
-                let _ = h.join();
+        // Each task ends after its current fill; one stuck in a backing store is left
+        // behind (and logged) once the shared deadline passed. A stand-in the watchdog
+        // started meanwhile is taken in the second pass.
+        let deadline = Instant::now() + CLOSE_WAIT;
+        let mut stuck = 0;
+        for _ in 0..2 {
+            for mut t in std::mem::take(&mut *self.inner.tasks.lock()) {
+                if !t.join(deadline.saturating_duration_since(Instant::now())) {
+                    stuck += 1;
+                }
             }
         }
         if stuck > 0 {
@@ -497,7 +491,7 @@ impl Filler {
                 "fill workers still blocked in a backing store at shutdown; leaving them behind"
             );
         }
-        for (_, f) in lock(&self.inner.flights).drain() {
+        for (_, f) in self.inner.flights.lock().drain() {
             f.finish(FillOutcome::Declined(Declined::Closed));
         }
     }
@@ -518,22 +512,22 @@ fn refused(inner: &Inner, target: &Target) -> bool {
 fn spawn_worker(inner: &Arc<Inner>, root: usize) -> std::io::Result<()> {
     let n = inner.next_worker.fetch_add(1, Ordering::Relaxed);
     let me = inner.clone();
-    let counted = inner.running.enter();
-    let spawned = std::thread::Builder::new()
-        .name(format!("sc-fill-{root}-{n}"))
-        .spawn(move || {
-            let _counted = counted;
-            worker(&me, root, n);
-        });
-    match spawned {
-        Ok(h) => {
-            let mut threads = lock(&inner.threads);
-            threads.retain(|h| !h.is_finished());
-            threads.push(h);
+    let task = Task::spawn(
+        &format!("sc-fill-{root}-{n}"),
+        Arc::new(AtomicBool::new(false)),
+        move |_| worker(&me, root, n),
+    );
+    match task {
+        Ok(t) => {
+            let mut tasks = inner.tasks.lock();
+            // Stand-ins that retired (and workers that died) have ended their body:
+            // nothing is left to wait for.
+            tasks.retain(Task::alive);
+            tasks.push(t);
             Ok(())
         }
         Err(e) => {
-            lock(&inner.queue).pools[root].threads -= 1;
+            inner.queue.lock().pools[root].threads -= 1;
             Err(e)
         }
     }
@@ -554,7 +548,7 @@ fn worker(inner: &Inner, root: usize, me: u64) {
     let _died = Died(inner);
     loop {
         let job = {
-            let mut q = lock(&inner.queue);
+            let mut q = inner.queue.lock();
             loop {
                 let pool = &q.pools[root];
                 // Closing, or a stand-in no longer needed (a stuck worker came back).
@@ -579,7 +573,7 @@ fn worker(inner: &Inner, root: usize, me: u64) {
                         });
                         break job;
                     }
-                    None => q = inner.cvs[root].wait(q).unwrap_or_else(|e| e.into_inner()),
+                    None => inner.cvs[root].wait(&mut q),
                 }
             }
         };
@@ -590,7 +584,7 @@ fn worker(inner: &Inner, root: usize, me: u64) {
             job.prio == Priority::Prefetch,
             &job.flight,
         );
-        let mut q = lock(&inner.queue);
+        let mut q = inner.queue.lock();
         let pool = &mut q.pools[root];
         if let Some(i) = pool.busy.iter().position(|b| b.worker == me)
             && pool.busy.swap_remove(i).stuck
@@ -613,13 +607,9 @@ fn watchdog(inner: &Arc<Inner>) {
         .map_or(Duration::from_millis(100), |s| {
             (s / 4).clamp(Duration::from_millis(10), Duration::from_millis(100))
         });
-    let mut q = lock(&inner.queue);
+    let mut q = inner.queue.lock();
     loop {
-        q = inner
-            .tick
-            .wait_timeout(q, tick)
-            .unwrap_or_else(|e| e.into_inner())
-            .0;
+        inner.tick.wait_for(&mut q, tick);
         if q.closed {
             return;
         }
@@ -670,7 +660,7 @@ fn watchdog(inner: &Arc<Inner>) {
                 tracing::warn!(error = %e, "cannot start a fill worker to stand in for a stuck one");
             }
         }
-        q = lock(&inner.queue);
+        q = inner.queue.lock();
     }
 }
 
@@ -678,7 +668,7 @@ fn watchdog(inner: &Arc<Inner>) {
 /// if it is still the block's flight (a later request may have started another).
 fn end_flight(inner: &Inner, id: (Key, usize), f: &Arc<Flight>, outcome: FillOutcome) {
     {
-        let mut flights = lock(&inner.flights);
+        let mut flights = inner.flights.lock();
         if flights.get(&id).is_some_and(|g| Arc::ptr_eq(g, f)) {
             flights.remove(&id);
         }
@@ -768,7 +758,10 @@ fn fill_from_sources(
             Ok(Fetched::Got { xxh3 }) => {
                 if !source.remote() {
                     // What the prefetcher paces itself by: the backing store's speed.
-                    lock(&inner.meter).add(started.elapsed().as_secs_f64(), buf.len() as f64);
+                    inner
+                        .meter
+                        .lock()
+                        .add(started.elapsed().as_secs_f64(), buf.len() as f64);
                 }
                 match xxh3 {
                     Some(sum) => inner.store.commit_fill_summed(permit, buf, sum)?,
