@@ -17,6 +17,11 @@
 //! once, until a call on it completes again. Shutdown waits a few seconds for workers,
 //! then leaves the stuck ones behind.
 //!
+//! Read-ahead and prefetch fills of one file land in batches: a worker takes the
+//! file's next queued blocks along with the one it popped (up to 8 MiB, 16 blocks) and
+//! lands them with one `fdatasync` and one journal group ([`Store::commit_fills`]); a
+//! block a client waits on is filled alone, at once.
+//!
 //! A fill asks its root's sources in order ([`crate::blocks::Sources`], handed over at
 //! construction: the peers when this node shares, then the backing store), and the
 //! first that has the block supplies it; the backing store's source checks the version
@@ -161,12 +166,12 @@ impl Ord for Job {
     }
 }
 
-/// A fill a worker is running.
+/// A fill a worker is running: blocks of one file, with their flights.
 struct Busy {
     worker: u64,
     started: Instant,
-    id: (Key, usize),
-    flight: Arc<Flight>,
+    key: Key,
+    blocks: Vec<(usize, Arc<Flight>)>,
     /// Running for longer than the root's stall bound (its waiters were released and a
     /// replacement worker started).
     stuck: bool,
@@ -186,8 +191,10 @@ struct Pool {
 struct Queue {
     /// One heap of jobs per root: each root's workers serve only its own.
     heaps: Vec<BinaryHeap<Job>>,
-    /// Blocks queued and not yet taken by a worker, with their current priority.
-    queued: HashMap<(Key, usize), Priority>,
+    /// Blocks queued and not yet taken by a worker, with their current priority and
+    /// flight (a worker taking the blocks after one it popped, for one batch, finds
+    /// their flights here).
+    queued: HashMap<(Key, usize), (Priority, Arc<Flight>)>,
     pools: Vec<Pool>,
     seq: u64,
     closed: bool,
@@ -197,7 +204,7 @@ impl Queue {
     /// Queues block `index` of `target` at `prio` (a block queued again at a higher
     /// priority leaves a stale heap entry that workers skip).
     fn enqueue(&mut self, target: &Arc<Target>, index: usize, prio: Priority, f: &Arc<Flight>) {
-        self.queued.insert((target.key, index), prio);
+        self.queued.insert((target.key, index), (prio, f.clone()));
         self.seq += 1;
         let seq = self.seq;
         self.heaps[target.root].push(Job {
@@ -385,7 +392,7 @@ impl Filler {
                 f.prefetch.store(true, Ordering::Release);
             }
             // Raise a queued read-ahead to demand.
-            if q.queued.get(&id).is_some_and(|queued| *queued < prio) {
+            if q.queued.get(&id).is_some_and(|(queued, _)| *queued < prio) {
                 q.enqueue(target, index, prio, f);
                 inner.cvs[target.root].notify_one();
             }
@@ -547,7 +554,7 @@ impl Drop for Died<'_> {
 fn worker(inner: &Inner, root: usize, me: u64) {
     let _died = Died(inner);
     loop {
-        let job = {
+        let (job, blocks) = {
             let mut q = inner.queue.lock();
             loop {
                 let pool = &q.pools[root];
@@ -560,30 +567,56 @@ fn worker(inner: &Inner, root: usize, me: u64) {
                     Some(job) => {
                         let id = (job.target.key, job.index);
                         // A stale duplicate (raised to demand, or already taken).
-                        if q.queued.get(&id) != Some(&job.prio) {
+                        if q.queued.get(&id).map(|(p, _)| *p) != Some(job.prio) {
                             continue;
                         }
                         q.queued.remove(&id);
+                        let mut blocks = vec![(job.index, job.flight.clone())];
+                        // Read-ahead and prefetch take the file's next queued blocks
+                        // along, to land them as one durable batch; a client waiting on
+                        // a block gets that block alone, at once.
+                        if job.prio != Priority::Demand {
+                            let max = batch_blocks(inner.store.block_size());
+                            let n = job
+                                .target
+                                .stat
+                                .version
+                                .size
+                                .div_ceil(u64::from(inner.store.block_size()))
+                                as usize;
+                            let mut next = job.index + 1;
+                            while blocks.len() < max && next < n {
+                                let id = (job.target.key, next);
+                                // Up to a block some client waits on: it goes alone.
+                                match q.queued.get(&id) {
+                                    Some((p, _)) if *p != Priority::Demand => {}
+                                    _ => break,
+                                }
+                                if let Some((_, f)) = q.queued.remove(&id) {
+                                    blocks.push((next, f));
+                                }
+                                next += 1;
+                            }
+                        }
                         q.pools[root].busy.push(Busy {
                             worker: me,
                             started: Instant::now(),
-                            id,
-                            flight: job.flight.clone(),
+                            key: job.target.key,
+                            blocks: blocks.clone(),
                             stuck: false,
                         });
-                        break job;
+                        break (job, blocks);
                     }
                     None => inner.cvs[root].wait(&mut q),
                 }
             }
         };
-        fill_and_land(
-            inner,
-            &job.target,
-            job.index,
-            job.prio == Priority::Prefetch,
-            &job.flight,
-        );
+        let prefetch = job.prio == Priority::Prefetch;
+        if let [(index, flight)] = &blocks[..] {
+            fill_and_land(inner, &job.target, *index, prefetch, flight);
+        } else {
+            fill_batch_and_land(inner, &job.target, &blocks, prefetch);
+        }
         let mut q = inner.queue.lock();
         let pool = &mut q.pools[root];
         if let Some(i) = pool.busy.iter().position(|b| b.worker == me)
@@ -631,7 +664,9 @@ fn watchdog(inner: &Arc<Inner>) {
                 if !b.stuck && now.duration_since(b.started) >= stall {
                     b.stuck = true;
                     pool.stuck += 1;
-                    release.push((b.id, b.flight.clone()));
+                    for (i, f) in &b.blocks {
+                        release.push(((b.key, *i), f.clone()));
+                    }
                 }
             }
             while pool.threads - pool.stuck < inner.workers && pool.stuck <= inner.workers {
@@ -641,7 +676,7 @@ fn watchdog(inner: &Arc<Inner>) {
             if !inner.sources.any_remote(r) && !heap.is_empty() && watch.stalled() {
                 for job in heap.drain() {
                     let id = (job.target.key, job.index);
-                    if queued.get(&id) == Some(&job.prio) {
+                    if queued.get(&id).map(|(p, _)| *p) == Some(job.prio) {
                         queued.remove(&id);
                         release.push((id, job.flight));
                     }
@@ -679,6 +714,32 @@ fn end_flight(inner: &Inner, id: (Key, usize), f: &Arc<Flight>, outcome: FillOut
     }
 }
 
+/// Most bytes one worker reads before landing them as one durable batch.
+const BATCH_BYTES: u64 = 8 << 20;
+/// Most blocks in one batch.
+const BATCH_BLOCKS: usize = 16;
+
+/// How many blocks of `block_size` one batch takes at most.
+fn batch_blocks(block_size: u32) -> usize {
+    ((BATCH_BYTES / u64::from(block_size.max(1))) as usize).clamp(1, BATCH_BLOCKS)
+}
+
+/// What a fill that did not land means for its waiters (a failure is counted).
+fn outcome_of(inner: &Inner, t: &Target, index: usize, e: &FillError) -> FillOutcome {
+    let outcome = match e {
+        FillError::Store(StoreError::NoSpace) => FillOutcome::Declined(Declined::NoSpace),
+        FillError::Store(StoreError::Gone) => FillOutcome::Declined(Declined::Moved),
+        FillError::Store(StoreError::Io(_)) => FillOutcome::Failed,
+        FillError::Source(e) if e.is_stall() => FillOutcome::Declined(Declined::Stalled),
+        FillError::Source(_) => FillOutcome::Failed,
+    };
+    if outcome == FillOutcome::Failed {
+        inc(&inner.stats.fill_errors);
+    }
+    tracing::debug!(path = %t.stat.path, block = index, error = %e, ?outcome, "fill not landed");
+    outcome
+}
+
 /// Fills one block whose flight `flight` is registered, counts a failure, and ends the
 /// flight (releasing its waiters) with the outcome it returns.
 fn fill_and_land(
@@ -690,23 +751,95 @@ fn fill_and_land(
 ) -> FillOutcome {
     let outcome = match fill(inner, target, index, prefetch) {
         Ok(()) => FillOutcome::Landed,
-        Err(e) => {
-            let outcome = match &e {
-                FillError::Store(StoreError::NoSpace) => FillOutcome::Declined(Declined::NoSpace),
-                FillError::Store(StoreError::Gone) => FillOutcome::Declined(Declined::Moved),
-                FillError::Store(StoreError::Io(_)) => FillOutcome::Failed,
-                FillError::Source(e) if e.is_stall() => FillOutcome::Declined(Declined::Stalled),
-                FillError::Source(_) => FillOutcome::Failed,
-            };
-            if outcome == FillOutcome::Failed {
-                inc(&inner.stats.fill_errors);
-            }
-            tracing::debug!(path = %target.stat.path, block = index, error = %e, ?outcome, "fill not landed");
-            outcome
-        }
+        Err(e) => outcome_of(inner, target, index, &e),
     };
     end_flight(inner, (target.key, index), flight, outcome);
     outcome
+}
+
+/// Fills blocks of one file, each with its registered flight, as one durable batch
+/// (their bytes, one `fdatasync`, one journal group: [`Store::commit_fills`]), and ends
+/// each flight with its outcome. The blocks read before a block that could not be read
+/// (or given room) land together; that block ends with its own outcome, and the blocks
+/// after it are filled one by one, so that each waiter gets its own block's outcome.
+fn fill_batch_and_land(inner: &Inner, t: &Target, blocks: &[(usize, Arc<Flight>)], prefetch: bool) {
+    let root = &inner.meta.roots().get(t.root).name;
+    let mut outcomes: Vec<Option<FillOutcome>> = vec![None; blocks.len()];
+    let mut permits = Vec::new();
+    let mut read: Vec<usize> = Vec::new();
+    let mut bufs = BUFS.take();
+    let mut used: Vec<Vec<u8>> = Vec::new();
+    let mut stopped = blocks.len();
+    for (pos, (index, _)) in blocks.iter().enumerate() {
+        let permit = match inner.store.begin_fill(root, &t.stat, *index, prefetch) {
+            Ok(None) => {
+                outcomes[pos] = Some(FillOutcome::Landed);
+                continue;
+            }
+            Ok(Some(p)) => p,
+            Err(e) => {
+                outcomes[pos] = Some(outcome_of(inner, t, *index, &e.into()));
+                stopped = pos + 1;
+                break;
+            }
+        };
+        let req = BlockRequest {
+            target: t,
+            root,
+            index: *index,
+            offset: permit.offset(),
+            len: permit.len(),
+            prefetch,
+        };
+        let mut buf = bufs.pop().unwrap_or_default();
+        match read_from_sources(inner, &req, &mut buf) {
+            Ok(_) => {
+                permits.push(permit);
+                used.push(buf);
+                read.push(pos);
+            }
+            Err(e) => {
+                inner.store.abort_fill(permit);
+                bufs.push(buf);
+                outcomes[pos] = Some(outcome_of(inner, t, *index, &e));
+                stopped = pos + 1;
+                break;
+            }
+        }
+    }
+    if !read.is_empty() {
+        let batch = permits
+            .into_iter()
+            .zip(used.iter().map(Vec::as_slice))
+            .collect();
+        match inner.store.commit_fills(batch) {
+            Ok(()) => {
+                for pos in read {
+                    inc(&inner.stats.blocks_filled);
+                    outcomes[pos] = Some(FillOutcome::Landed);
+                }
+            }
+            Err(e) => {
+                // Each block's waiters see (and each block counts) the batch's failure.
+                let e = FillError::Store(e);
+                for pos in read {
+                    outcomes[pos] = Some(outcome_of(inner, t, blocks[pos].0, &e));
+                }
+            }
+        }
+    }
+    bufs.extend(used);
+    BUFS.set(bufs);
+    for (pos, (index, flight)) in blocks.iter().enumerate() {
+        match outcomes[pos] {
+            Some(o) => end_flight(inner, (t.key, *index), flight, o),
+            // After a block that stopped the batch: on its own.
+            None if pos >= stopped => {
+                fill_and_land(inner, t, *index, prefetch, flight);
+            }
+            None => unreachable!("every block before the stop has an outcome"),
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -718,8 +851,9 @@ enum FillError {
 }
 
 thread_local! {
-    /// A fill thread's block buffer (one block, kept from one fill to the next).
-    static BUF: std::cell::Cell<Vec<u8>> = const { std::cell::Cell::new(Vec::new()) };
+    /// A fill thread's block buffers (one per block of a batch, kept from one fill to
+    /// the next).
+    static BUFS: std::cell::Cell<Vec<Vec<u8>>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
 fn fill(inner: &Inner, t: &Target, index: usize, prefetch: bool) -> Result<(), FillError> {
@@ -735,19 +869,37 @@ fn fill(inner: &Inner, t: &Target, index: usize, prefetch: bool) -> Result<(), F
         len: permit.len(),
         prefetch,
     };
-    let mut buf = BUF.take();
-    let r = fill_from_sources(inner, &req, permit, &mut buf);
-    BUF.set(buf);
+    let mut bufs = BUFS.take();
+    let mut buf = bufs.pop().unwrap_or_default();
+    let r = match read_from_sources(inner, &req, &mut buf) {
+        Ok(xxh3) => {
+            let r = match xxh3 {
+                Some(sum) => inner.store.commit_fill_summed(permit, &buf, sum),
+                None => inner.store.commit_fill(permit, &buf),
+            };
+            if r.is_ok() {
+                inc(&inner.stats.blocks_filled);
+            }
+            r.map_err(FillError::from)
+        }
+        Err(e) => {
+            inner.store.abort_fill(permit);
+            Err(e)
+        }
+    };
+    bufs.push(buf);
+    BUFS.set(bufs);
     r
 }
 
-/// Asks the root's sources in order; the first that has the block supplies it.
-fn fill_from_sources(
+/// Reads the block `req` names into `buf`, asking the root's sources in order: the
+/// first that has the block supplies it. `Ok(Some(xxh3))`: a peer's block with its
+/// checksum, which the sender checked its bytes against.
+fn read_from_sources(
     inner: &Inner,
     req: &BlockRequest<'_>,
-    permit: crate::store::Permit,
     buf: &mut Vec<u8>,
-) -> Result<(), FillError> {
+) -> Result<Option<u64>, FillError> {
     for source in inner.sources.of(req.target.root) {
         // For a peer, the owner reads the backing store itself.
         if source.remote() && !req.target.peer_ok {
@@ -763,29 +915,17 @@ fn fill_from_sources(
                         .lock()
                         .add(started.elapsed().as_secs_f64(), buf.len() as f64);
                 }
-                match xxh3 {
-                    Some(sum) => inner.store.commit_fill_summed(permit, buf, sum)?,
-                    None => inner.store.commit_fill(permit, buf)?,
-                }
-                inc(&inner.stats.blocks_filled);
-                return Ok(());
+                return Ok(xxh3);
             }
             Ok(Fetched::Miss) => {}
-            Ok(Fetched::Declined) => {
-                // The cluster placement moved the file on (or dropped it) since this
-                // prefetch started: reading the backing store for it would be a read
-                // the cluster does not need.
-                inner.store.abort_fill(permit);
-                return Err(FillError::Store(StoreError::Gone));
-            }
-            Err(e) => {
-                inner.store.abort_fill(permit);
-                return Err(e.into());
-            }
+            // The cluster placement moved the file on (or dropped it) since this
+            // prefetch started: reading the backing store for it would be a read the
+            // cluster does not need.
+            Ok(Fetched::Declined) => return Err(FillError::Store(StoreError::Gone)),
+            Err(e) => return Err(e.into()),
         }
     }
     // No source had it (none is configured to always answer: a misconfiguration).
-    inner.store.abort_fill(permit);
     Err(FillError::Store(StoreError::Gone))
 }
 
@@ -815,6 +955,9 @@ mod tests {
     use crate::blocks::{BlockSource, Sources};
     use crate::meta::test_support::one_root;
     use crate::meta::{Root, Roots};
+    use crate::store::evict::Lru;
+    use crate::store::io::failing::{FailingIo, Fault, IoFaults};
+    use crate::store::io::psync::Psync;
     use crate::store::test_config;
 
     const BS: u32 = 4096;
@@ -826,6 +969,8 @@ mod tests {
         meta: Arc<Meta>,
         store: Arc<Store>,
         stats: Arc<Stats>,
+        /// The store's I/O, observed and failed on demand.
+        io: Arc<IoFaults>,
         filler: Filler,
     }
 
@@ -835,12 +980,28 @@ mod tests {
 
     /// A rig whose fills ask `first` (a stand-in for the peers) before the backing store.
     fn rig_with(first: Option<Arc<dyn BlockSource>>) -> Rig {
+        rig_full(first, 4)
+    }
+
+    /// A rig with `workers` fill workers whose fills ask `first`, if given, before the
+    /// backing store; the store writes through a [`FailingIo`] over psync.
+    fn rig_full(first: Option<Arc<dyn BlockSource>>, workers: usize) -> Rig {
         let dir = tempfile::tempdir().unwrap();
         let mem = Arc::new(MemBacking::new());
         let (faulty, faults) = FaultyBacking::new(mem.clone());
         let (meta, stats) = one_root(Arc::new(faulty));
         let cfg = test_config(dir.path(), 1 << 30, BS);
-        let store = Arc::new(Store::open(&cfg, stats.clone()).unwrap());
+        let io = Arc::new(IoFaults::default());
+        let engine_faults = io.clone();
+        let store = Arc::new(
+            Store::open_with(&cfg, stats.clone(), Box::new(Lru::default()), &|d| {
+                Ok(Arc::new(FailingIo::with(
+                    Arc::new(Psync::new(d)),
+                    engine_faults.clone(),
+                )))
+            })
+            .unwrap(),
+        );
         let mut sources = Sources::backing(&meta, &stats);
         if let Some(first) = first {
             sources = sources.ask_first(first);
@@ -850,7 +1011,7 @@ mod tests {
             meta.clone(),
             stats.clone(),
             sources,
-            4,
+            workers,
             64,
             Arc::new(Wake::default()),
         )
@@ -862,6 +1023,7 @@ mod tests {
             meta,
             store,
             stats,
+            io,
             filler,
         }
     }
@@ -967,6 +1129,95 @@ mod tests {
             matches!(r.filler.request(&t, 0, Priority::Demand), Scheduled::Shed),
             "closed: nothing scheduled"
         );
+    }
+
+    /// Fills `path`'s `blocks` blocks at prefetch priority queued behind one fill that
+    /// hangs in the backing store (the one worker is busy: they are all queued when it
+    /// comes back), and returns their outcomes.
+    fn queued_behind_a_hung_fill(r: &Rig, path: &str, blocks: usize) -> Vec<FillOutcome> {
+        r.put("first", BS as usize);
+        r.put(path, blocks * BS as usize);
+        let (first, t) = (r.target("first"), r.target(path));
+        r.faults.hang();
+        let Scheduled::InFlight(f0) = r.filler.request(&first, 0, Priority::Prefetch) else {
+            panic!("queued")
+        };
+        until(
+            Duration::from_secs(10),
+            "the worker hangs in a read",
+            || r.faults.hung.load(Ordering::Relaxed) >= 1,
+        );
+        let flights: Vec<Arc<Flight>> = (0..blocks)
+            .map(|i| match r.filler.request(&t, i, Priority::Prefetch) {
+                Scheduled::InFlight(f) => f,
+                other => panic!("block {i}: {other:?}"),
+            })
+            .collect();
+        r.faults.release();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        f0.wait_until(deadline).expect("the first fill ended");
+        flights
+            .iter()
+            .map(|f| f.wait_until(deadline).expect("a batch fill ended"))
+            .collect()
+    }
+
+    /// Blocks of one file queued together land as one durable batch: one `fdatasync`
+    /// (one `write_durable`) for them all, each waiter released with its block present.
+    #[test]
+    fn blocks_of_one_file_queued_together_land_as_one_durable_batch() {
+        let r = rig_full(None, 1);
+        let outcomes = queued_behind_a_hung_fill(&r, "f", 8);
+        assert_eq!(outcomes, vec![FillOutcome::Landed; 8]);
+        let t = r.target("f");
+        assert!((0..8).all(|i| r.store.is_present(&t.key, i)));
+        assert_eq!(
+            r.io.durable_writes.load(Ordering::Relaxed),
+            2,
+            "one for the first file, one for the batch of 8"
+        );
+        assert_eq!(r.stats.blocks_filled.load(Ordering::Relaxed), 9);
+        // What landed reads back right.
+        let mut buf = Vec::new();
+        for i in 0..8 {
+            r.store.read_block_into(&t.key, i, &mut buf).unwrap();
+            let want: Vec<u8> = (i * BS as usize..(i + 1) * BS as usize)
+                .map(|x| (x % 251) as u8)
+                .collect();
+            assert_eq!(buf, want, "block {i}");
+        }
+        r.filler.close();
+    }
+
+    /// A batch whose `fdatasync` fails lands none of its blocks: every waiter gets a
+    /// failure, nothing is visible or reserved, each failure is counted; the next fill
+    /// of the file lands.
+    #[test]
+    fn a_batch_whose_sync_fails_lands_nothing_and_fails_every_waiter() {
+        let r = rig_full(None, 1);
+        r.io.arm(Fault::SyncEio); // the first file's fill
+        r.io.arm(Fault::SyncEio); // the batch
+        let outcomes = queued_behind_a_hung_fill(&r, "f", 4);
+        assert_eq!(outcomes, vec![FillOutcome::Failed; 4]);
+        let t = r.target("f");
+        assert!((0..4).all(|i| !r.store.is_present(&t.key, i)));
+        assert_eq!(r.store.status().used, 0, "every reservation was returned");
+        assert_eq!(r.stats.fill_errors.load(Ordering::Relaxed), 5);
+        assert_eq!(r.wait(&t, 0), Some(true), "a later fill lands");
+        r.filler.close();
+    }
+
+    /// A batch whose backing reads fail: every block ends failed (the first in the
+    /// batch, the rest one by one), nothing is left reserved.
+    #[test]
+    fn a_batch_whose_reads_fail_fails_each_block_and_leaves_nothing() {
+        let r = rig_full(None, 1);
+        r.faults.fail_reads.store(true, Ordering::Relaxed);
+        let outcomes = queued_behind_a_hung_fill(&r, "f", 4);
+        assert_eq!(outcomes, vec![FillOutcome::Failed; 4]);
+        assert_eq!(r.store.status().used, 0);
+        assert_eq!(r.io.durable_writes.load(Ordering::Relaxed), 0);
+        r.filler.close();
     }
 
     /// Waits (bounded) until `cond` holds.

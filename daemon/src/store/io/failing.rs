@@ -40,6 +40,8 @@ pub struct IoFaults {
     armed: Mutex<VecDeque<Fault>>,
     /// Faults injected so far.
     pub injected: AtomicU64,
+    /// `write_durable` calls (each one batch of writes and one `fdatasync`) made so far.
+    pub durable_writes: AtomicU64,
     /// `(name, offset)` of every read failed by [`Fault::ReadEio`].
     pub failed_reads: Mutex<Vec<(String, u64)>>,
 }
@@ -106,6 +108,7 @@ impl BlockIo for FailingIo {
     }
 
     fn write_durable(&self, name: &str, writes: &[Write<'_>]) -> io::Result<()> {
+        self.faults.durable_writes.fetch_add(1, Ordering::Relaxed);
         match self
             .faults
             .take(&[Fault::SyncEio, Fault::Enospc, Fault::ShortWrite])
