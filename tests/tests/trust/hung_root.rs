@@ -135,15 +135,42 @@ impl HangFs {
             .any(|l| l.contains(&want) && l.contains(" - fuse"))
     }
 
-    /// Hangs every call into the mount (the server stops answering).
+    /// Hangs every call into the mount (the server stops answering). Returns once every
+    /// thread of the server is stopped: `kill` returns before a busy process has taken
+    /// the signal, and a request sent in that moment would still be answered (under
+    /// load this made an open of a never-opened file succeed "while hung").
     fn hang(&self) {
-        signal(self.child.id() as i32, libc::SIGSTOP);
+        let pid = self.child.id();
+        signal(pid as i32, libc::SIGSTOP);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while !all_threads_stopped(pid) {
+            assert!(
+                Instant::now() < deadline,
+                "the FUSE server (pid {pid}) did not stop within 10 s of SIGSTOP"
+            );
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     /// Lets the server answer again.
     fn release(&self) {
         signal(self.child.id() as i32, libc::SIGCONT);
     }
+}
+
+/// True when every thread of `pid` is in the stopped state (`T` in its `stat`).
+fn all_threads_stopped(pid: u32) -> bool {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return false;
+    };
+    tasks.flatten().all(|t| {
+        std::fs::read_to_string(t.path().join("stat")).is_ok_and(|st| {
+            // The state follows the command name, which is in parentheses.
+            st.rsplit_once(')')
+                .and_then(|(_, rest)| rest.split_whitespace().next())
+                .is_some_and(|state| state == "T" || state == "t")
+        })
+    })
 }
 
 impl Drop for HangFs {
