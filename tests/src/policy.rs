@@ -59,6 +59,37 @@ pub fn planned(
     seed: u64,
     window: usize,
 ) -> Outcome {
+    planned_with(n, c, r, b, epochs, seed, window, None)
+}
+
+/// How a PyTorch DataLoader reads: files per batch, workers, batches each worker runs
+/// ahead (`prefetch_factor`), and the seed of their uneven per-file times.
+#[derive(Debug, Clone, Copy)]
+pub struct Loader {
+    /// Files per batch.
+    pub batch: usize,
+    /// Worker processes.
+    pub workers: usize,
+    /// Batches each worker reads ahead of the loop.
+    pub prefetch: usize,
+    /// Seed of the workers' uneven timing.
+    pub seed: u64,
+}
+
+/// [`planned`], the files of each epoch read in the order `loader`'s workers read them
+/// (one read at a time at the consumer's rate: the workers together read `r` files per
+/// second), when given; else in plan order.
+#[allow(clippy::too_many_arguments)]
+pub fn planned_with(
+    n: usize,
+    c: usize,
+    r: f64,
+    b: f64,
+    epochs: u64,
+    seed: u64,
+    window: usize,
+    loader: Option<Loader>,
+) -> Outcome {
     let mut p = Planner::new();
     let src = Source::Shuffle {
         seed,
@@ -73,10 +104,24 @@ pub fn planned(
     p.set_rate("job", r);
     let orders: Vec<Vec<u32>> = (0..epochs)
         .map(|e| {
-            shardcache_plan::shuffle::node_order(n as u64, seed, e, 1, &[0], false)
+            let plan: Vec<u32> =
+                shardcache_plan::shuffle::node_order(n as u64, seed, e, 1, &[0], false)
+                    .into_iter()
+                    .map(|x| x as u32)
+                    .collect();
+            match loader {
+                None => plan,
+                Some(l) => shardcache_plan::loader::read_order(
+                    n,
+                    l.batch,
+                    l.workers,
+                    l.prefetch,
+                    shardcache_plan::loader::uneven(l.seed ^ e),
+                )
                 .into_iter()
-                .map(|x| x as u32)
-                .collect()
+                .map(|pos| plan[pos])
+                .collect(),
+            }
         })
         .collect();
     let mut cache = Cache {
@@ -164,7 +209,7 @@ pub fn planned(
             t = read_done;
             span[e].1 = t;
             ahead.retain(|x| *x != want);
-            p.on_access(&want, 8);
+            p.on_access(&want, shardcache_daemon::planner::READ_WINDOW);
             if demand {
                 let next = p.need(&want);
                 match prefetch::admit_demand(&mut p, &cache, &want, next) {

@@ -4,7 +4,7 @@
 //! 1 − C/N per epoch; LRU does much worse.
 #![allow(clippy::unwrap_used)]
 
-use shardcache_tests::policy::{lru, planned, stall_floor};
+use shardcache_tests::policy::{Loader, lru, planned, planned_with, stall_floor};
 
 #[test]
 fn the_planner_reaches_the_floors_and_lru_does_not() {
@@ -22,6 +22,39 @@ fn the_planner_reaches_the_floors_and_lru_does_not() {
                 base.hit_rate < ours.hit_rate && base.stall >= ours.stall,
                 "LRU better? {at}"
             );
+        }
+    }
+}
+
+/// Issue 14: readers that read as a PyTorch DataLoader's workers do — out of order, far
+/// ahead of the slowest — are followed by their reads: at every cache size and rate the
+/// planner holds the hit ceiling C/N (within 3 %; within 2 % at C/N = 0.5, the issue's
+/// bound) and reads the backing store within 2 % of its floor 1 − C/N. The simulation
+/// serialises the workers' reads (the next read in the interleaved order waits for its
+/// file), which overstates stall against a real loop that waits only for the batch it
+/// consumes: the stall bound here (floor + 0.3) only guards against losing the readers'
+/// window again (before it was kept, stall ran to 0.46 above the floor); the real stall
+/// is the torch benchmark's to show.
+#[test]
+fn the_planner_reaches_the_floors_with_dataloader_readers() {
+    let n = 400;
+    for (workers, batch) in [(4, 4), (4, 16), (8, 16)] {
+        let loader = Loader {
+            batch,
+            workers,
+            prefetch: 2,
+            seed: 7,
+        };
+        for cn in [0.25, 0.5, 0.75] {
+            for rb in [0.5, 2.0, 4.0] {
+                let c = (n as f64 * cn) as usize;
+                let ours = planned_with(n, c, rb, 1.0, 4, 7, c, Some(loader));
+                let at = format!("{loader:?}, C/N {cn}, R/B {rb}: {ours:?}");
+                let ceiling = if cn == 0.5 { 0.98 } else { 0.97 };
+                assert!(ours.hit_rate >= ceiling * cn, "hit rate: {at}");
+                assert!(ours.backing_per_epoch <= (1.0 - cn) * 1.02, "backing: {at}");
+                assert!(ours.stall <= stall_floor(cn, rb, 1.0) + 0.3, "stall: {at}");
+            }
         }
     }
 }

@@ -45,6 +45,9 @@ use crate::store::{Key, Store};
 const LOOKAHEAD: usize = 256;
 /// Most files in a job's readiness window (status, `shardcache prefetch --wait`).
 const STATUS_WINDOW: usize = 4096;
+/// Most read files noted for the prefetcher between two of its rounds (past it, the
+/// notes are dropped: the files then count as ahead until the watermark passes them).
+const MAX_READ_NOTES: usize = 1 << 16;
 /// How often consumption rates are measured.
 const RATE_PERIOD: Duration = Duration::from_millis(500);
 
@@ -116,6 +119,9 @@ pub struct Jobs {
     /// prefetch lead time (or a late prefetch).
     prefetched: Mutex<HashMap<FileRef, Prefetched>>,
     instruments: PrefetchInstruments,
+    /// Files read since the prefetcher last looked (it stops counting them as fetched
+    /// ahead of their readers, who read out of order, ahead of the job's watermark).
+    read: Mutex<Vec<FileRef>>,
     /// False once the prefetch thread has ended (for the liveness probe).
     prefetcher_alive: Arc<AtomicBool>,
     /// The tag of the job an open of each planned file is reported under (the first
@@ -146,6 +152,7 @@ impl Jobs {
             peers,
             wake,
             prefetched: Mutex::new(HashMap::new()),
+            read: Mutex::new(Vec::new()),
             instruments,
             prefetcher_alive: Arc::new(AtomicBool::new(false)),
             tags: RwLock::new(HashMap::new()),

@@ -206,6 +206,10 @@ impl Jobs {
         };
         let mut fetches = Vec::new();
         let mut claims: Vec<FileRef> = Vec::new();
+        // Read (in any order), or passed by the job's watermark: no longer ahead.
+        for f in std::mem::take(&mut *self.read.lock()) {
+            r.ahead.remove(&f);
+        }
         let reads = {
             let mut p = self.plans.planner();
             let reads = p.reads();

@@ -51,6 +51,14 @@ impl Jobs {
         for a in &applied {
             self.record_lead(&a.file, a.at);
         }
+        if self.prefetcher_alive() {
+            // For the prefetcher: these files are read, whatever the watermark says.
+            let mut read = self.read.lock();
+            if read.len() + applied.len() > MAX_READ_NOTES {
+                read.clear();
+            }
+            read.extend(applied.iter().map(|a| a.file.clone()));
+        }
         let mut info = self.info.lock();
         for a in applied {
             if let Some(j) = info.get_mut(&a.job) {

@@ -133,7 +133,16 @@ struct Job {
     files: Arc<Vec<FileRef>>,
     source: Source,
     epoch: u64,
+    /// The low watermark: every position of the current epoch before it was read (or
+    /// skipped as a hole, see [`MAX_READ_AHEAD`]).
     step: u64,
+    /// Positions of the current epoch after `step` already read: readers read out of
+    /// order and far ahead of the slowest (a DataLoader's workers each read their own
+    /// batch, `prefetch_factor` batches ahead). At most [`MAX_READ_AHEAD`].
+    consumed: BTreeSet<u64>,
+    /// The widest the readers have spread past the watermark so far (the fastest read's
+    /// distance from it): the readers' window, which a prefetch must stay ahead of.
+    spread: u64,
     /// Steps per second (1.0 until measured).
     rate: f64,
     /// Steps read so far (every epoch).
@@ -163,6 +172,18 @@ struct Job {
     /// room are known ([`Planner::set_layout`]).
     placement: Option<placement::Placement>,
 }
+
+/// Most reads a job records ahead of its low watermark. Past it, the positions before
+/// the first read ahead are taken as holes (a read never reported, a reader that died)
+/// and the watermark moves over them: twice the largest in-flight window of a
+/// DataLoader (8 workers × 256-file batches × 2 batches each), so that a loader's
+/// legitimate out-of-order reads never count as holes.
+pub const MAX_READ_AHEAD: usize = 8192;
+
+/// How far past a job's low watermark a read may be and still count as one of its reads:
+/// twice [`MAX_READ_AHEAD`], so that reads past a hole can pile up beyond the allowance
+/// and pass it.
+pub const READ_WINDOW: u64 = 2 * MAX_READ_AHEAD as u64;
 
 /// Rounds the cluster placement runs ahead of the job's position, at most: the moves it
 /// decides for a round start this many rounds before the round is read.
@@ -446,11 +467,99 @@ impl Job {
         }
     }
 
+    /// The first position of `f` in the current epoch (`cur`) at or after `from`, at
+    /// most `window` after the watermark, that was not read yet.
+    fn unread(&self, cur: &EpochIndex, f: u32, from: u64, window: u64) -> Option<u64> {
+        cur.from(f, from)
+            .take_while(|&p| p - self.step <= window)
+            .find(|p| !self.consumed.contains(p))
+    }
+
+    /// Records a read of file `f` at its first unread position within `window` of the
+    /// watermark, in any order: the watermark moves over every position read since; a
+    /// read of the next epoch while only the last reads of this one (at most
+    /// [`MAX_READ_AHEAD`]) are missing ends this one. `None` when the read is no read
+    /// of this plan's current or next epoch within the window; else the steps the
+    /// watermark moved.
+    fn on_read(&mut self, f: u32, window: u64) -> Option<u64> {
+        let mut cur = self.index(self.epoch)?;
+        let mut passed = 0;
+        let p = match self.unread(&cur, f, self.step, window) {
+            Some(p) => p,
+            None => {
+                let len = cur.order.len() as u64;
+                let missing = len - self.step.min(len) - self.consumed.len() as u64;
+                if missing > MAX_READ_AHEAD as u64 || !self.has_epoch(self.epoch + 1) {
+                    return None;
+                }
+                let next = self.index(self.epoch + 1)?;
+                let q = next.next(f, 0).filter(|&q| q <= window)?;
+                passed += self.advance_to(len, &cur);
+                cur = next;
+                q
+            }
+        };
+        // This node read it: its copy is the one the next reader will ask for.
+        self.handed.remove(&f);
+        if p == self.step {
+            passed += self.advance_to(p + 1, &cur);
+        } else {
+            self.consumed.insert(p);
+            self.spread = self.spread.max(p + 1 - self.step);
+            if self.consumed.len() > MAX_READ_AHEAD {
+                // Reads far ahead of positions never read: those are holes.
+                let first = self.consumed.first().copied().unwrap_or(p);
+                passed += self.advance_to(first, &cur);
+            }
+            // Read: next needed later.
+            if self.rank_of.contains_key(&f) {
+                self.rank(f);
+            }
+        }
+        self.sync_placement();
+        Some(passed)
+    }
+
+    /// Moves the watermark to `to` (the positions before it read or skipped) and over
+    /// the reads recorded right after it, re-keys the files passed, and rolls into the
+    /// next epoch at the end of one. Returns the steps moved.
+    fn advance_to(&mut self, to: u64, cur: &EpochIndex) -> u64 {
+        let from = self.step;
+        let mut step = to.max(from);
+        self.consumed = self.consumed.split_off(&step);
+        while self.consumed.remove(&step) {
+            step += 1;
+        }
+        self.step = step;
+        let passed = step - from;
+        self.done += passed;
+        // Files other ranks read meanwhile are next needed later too.
+        self.rerank_remote(from, step);
+        let len = cur.order.len() as u64;
+        let rolled = step >= len && self.has_epoch(self.epoch + 1);
+        if rolled {
+            self.epoch += 1;
+            self.step = 0;
+            self.consumed.clear();
+        }
+        // The files read (or skipped) are next needed later: new keys.
+        for q in from..step.min(len) {
+            let g = cur.order[q as usize];
+            if self.rank_of.contains_key(&g) {
+                self.rank(g);
+            }
+        }
+        if rolled {
+            self.rerank_never();
+        }
+        passed
+    }
+
     /// Steps from the position until file `f` is read next (this epoch or the next).
     fn distance(&mut self, f: u32) -> Option<u64> {
         let (e, s) = (self.epoch, self.step);
         let cur = self.index(e)?;
-        if let Some(p) = cur.next(f, s) {
+        if let Some(p) = self.unread(&cur, f, s, u64::MAX) {
             return Some(p - s);
         }
         let next = self.index(e + 1)?;
@@ -567,6 +676,8 @@ impl Planner {
             source,
             epoch: first,
             step: 0,
+            consumed: BTreeSet::new(),
+            spread: 0,
             rate: 1.0,
             done: 0,
             epochs: Vec::new(),
@@ -1068,6 +1179,7 @@ impl Planner {
         } else {
             (j.epoch, j.step) = (epoch, step);
         }
+        j.consumed.clear();
         j.rerank_all();
         j.sync_placement();
         Ok(true)
@@ -1099,9 +1211,13 @@ impl Planner {
         for ep in [e, e + 1] {
             let Some(ix) = job.index(ep) else { break };
             let start = if ep == e { s as usize } else { 0 };
-            for &f in ix.order.iter().skip(start) {
+            for (k, &f) in ix.order.iter().enumerate().skip(start) {
                 if out.len() >= max {
                     return out;
+                }
+                // Read already, ahead of the watermark.
+                if ep == e && job.consumed.contains(&(k as u64)) {
+                    continue;
                 }
                 out.push(job.files[f as usize].clone());
             }
@@ -1128,44 +1244,19 @@ impl Planner {
         self.jobs.iter().find(|j| j.id == id).map(|j| j.done)
     }
 
-    /// Records that `file` was read: every job reading it next within `window` steps
-    /// advances past that read (rolling into the next epoch at the end of one). Returns
-    /// the id of the first job that advanced, if any.
+    /// Records that `file` was read: every job that reads it in its current epoch at a
+    /// position not read yet, at most `window` steps past its low watermark (or in its
+    /// next epoch, when only the last reads of the current one are missing), records
+    /// that read; a job's watermark moves over every position read since (rolling into
+    /// the next epoch at the end of one). Reads may come in any order and far ahead of
+    /// the watermark (see [`MAX_READ_AHEAD`]). Returns the id of the first job that
+    /// recorded the read, if any.
     pub fn on_access(&mut self, file: &FileRef, window: u64) -> Option<&str> {
         let refs = self.files.get(file).cloned()?;
         let mut first = None;
         for (j, f) in refs {
-            let job = &mut self.jobs[j];
-            let Some(cur) = job.index(job.epoch) else {
-                continue;
-            };
-            if let Some(p) = cur.next(f, job.step)
-                && p - job.step <= window
-            {
-                let from = job.step;
-                self.reads += p + 1 - job.step;
-                job.done += p + 1 - job.step;
-                job.step = p + 1;
-                // Files other ranks read meanwhile are next needed later too.
-                job.rerank_remote(from, p + 1);
-                let rolled = job.step as usize >= cur.order.len() && job.has_epoch(job.epoch + 1);
-                if rolled {
-                    job.epoch += 1;
-                    job.step = 0;
-                }
-                // This node read it: its copy is the one the next reader will ask for.
-                job.handed.remove(&f);
-                // The files read (or skipped) are next needed later: new keys.
-                for q in from..=p {
-                    let g = cur.order[q as usize];
-                    if job.rank_of.contains_key(&g) {
-                        job.rank(g);
-                    }
-                }
-                if rolled {
-                    job.rerank_never();
-                }
-                job.sync_placement();
+            if let Some(passed) = self.jobs[j].on_read(f, window) {
+                self.reads += passed;
                 first.get_or_insert(j);
             }
         }
@@ -1255,13 +1346,21 @@ impl Planner {
                 continue;
             }
             let (e, s) = (job.epoch, job.step);
+            // The readers' window: they have read this far past the watermark, so every
+            // file within it may be read any moment, and the rest that much sooner than
+            // their distance from the watermark says.
+            let spread = job.spread;
             let mut taken = 0;
             let mut base = 0u64;
             for ep in [e, e + 1] {
                 let Some(ix) = job.index(ep) else { break };
                 let start = if ep == e { s as usize } else { 0 };
                 for (k, &f) in ix.order.iter().enumerate().skip(start) {
-                    let d = base + k as u64 - if ep == e { s } else { 0 };
+                    // Read already, ahead of the watermark.
+                    if ep == e && job.consumed.contains(&(k as u64)) {
+                        continue;
+                    }
+                    let d = (base + k as u64 - if ep == e { s } else { 0 }).saturating_sub(spread);
                     all.push((job.files[f as usize].clone(), Need::In(d as f64 / job.rate)));
                     taken += 1;
                     if taken >= max {

@@ -55,14 +55,21 @@ fn reads_out_of_the_plan_do_not_move_the_position() {
     let fs = files(10);
     p.register("j", fs.clone(), seq(0, vec![(0..10).collect()]))
         .unwrap();
-    p.on_access(&fs[9], 4);
     assert_eq!(
-        p.position("j"),
-        Some((0, 0)),
+        p.on_access(&fs[9], 4),
+        None,
         "too far ahead to be this job's read"
     );
-    p.on_access(&fs[2], 4);
-    assert_eq!(p.position("j"), Some((0, 3)));
+    assert_eq!(p.position("j"), Some((0, 0)));
+    // A read ahead within the window is recorded; the position (the low watermark)
+    // moves once the reads before it are in.
+    assert_eq!(p.on_access(&fs[2], 4), Some("j"));
+    assert_eq!(p.position("j"), Some((0, 0)));
+    p.on_access(&fs[1], 4);
+    assert_eq!(p.position("j"), Some((0, 0)));
+    p.on_access(&fs[0], 4);
+    assert_eq!(p.position("j"), Some((0, 3)), "0, 1 and 2 read");
+    assert_eq!(p.reads(), 3);
 }
 
 #[test]
@@ -494,4 +501,111 @@ fn a_cluster_placement_protects_what_it_puts_here_and_says_where_the_rest_is() {
     // A new layout starts over; none clears the placement.
     p.set_layout("j", None, "a");
     assert_eq!(p.protects(&fs[first]), None);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(24))]
+
+    /// Issue 14: DataLoader workers read out of order and far ahead of the slowest; the
+    /// job's position (its low watermark) is always the first position not read yet —
+    /// never more than the loader's in-flight window behind the fastest read — over
+    /// three epochs, every read is recorded (and attributed to the job), and what the
+    /// planner lists as upcoming never holds a file already read this epoch.
+    #[test]
+    fn the_position_follows_dataloader_workers(
+        workers in 1usize..9,
+        batch in prop::sample::select(vec![16usize, 64, 256]),
+        prefetch in 1usize..4,
+        seed in any::<u64>(),
+    ) {
+        let n = 3000usize;
+        let epochs = 3u64;
+        let fs = files(n);
+        let mut p = Planner::new();
+        let source = Source::Shuffle {
+            seed: 5,
+            first: 0,
+            count: epochs,
+            world: 1,
+            ranks: vec![0],
+            drop_last: false,
+        };
+        p.register("j", fs.clone(), source).unwrap();
+        let mut pick = shardcache_plan::loader::uneven(seed);
+        let window = (workers * prefetch * batch) as u64;
+        for e in 0..epochs {
+            let order = shuffle::rank_order(n as u64, 5, e, 1, 0, false);
+            let reads = shardcache_plan::loader::read_order(n, batch, workers, prefetch, &mut pick);
+            let mut read = vec![false; n];
+            let (mut low, mut hi) = (0usize, 0usize);
+            for (i, &pos) in reads.iter().enumerate() {
+                let f = &fs[order[pos] as usize];
+                prop_assert_eq!(p.on_access(f, READ_WINDOW), Some("j"));
+                read[pos] = true;
+                hi = hi.max(pos + 1);
+                while low < n && read[low] {
+                    low += 1;
+                }
+                if low == n {
+                    prop_assert_eq!(p.position("j"), Some(((e + 1).min(epochs - 1), if e + 1 < epochs { 0 } else { n as u64 })));
+                } else {
+                    prop_assert_eq!(p.position("j"), Some((e, low as u64)), "after read {}", i);
+                    prop_assert!(hi - low <= window as usize, "within the in-flight window");
+                }
+                if i % 97 == 0 && low < n {
+                    // This epoch's files not read yet, in order, then the next epoch's.
+                    let want: Vec<FileRef> = (low..n)
+                        .filter(|&q| !read[q])
+                        .take(256)
+                        .map(|q| fs[order[q] as usize].clone())
+                        .collect();
+                    let up = p.upcoming_of("j", 256);
+                    prop_assert_eq!(&up[..want.len()], &want[..]);
+                }
+            }
+        }
+        prop_assert_eq!(p.reads(), epochs * n as u64, "every read counted once");
+    }
+}
+
+/// Reads never reported (a reader that died, a read that went around the cache) leave
+/// holes: once more than `MAX_READ_AHEAD` reads are recorded ahead of one, the
+/// watermark moves over it, and the job goes on into its next epoch.
+#[test]
+fn holes_in_the_reads_are_passed_once_enough_reads_are_ahead_of_them() {
+    let n = 3 * MAX_READ_AHEAD;
+    let fs = files(n);
+    let mut p = Planner::new();
+    p.register(
+        "j",
+        fs.clone(),
+        seq(0, vec![(0..n as u32).collect(), (0..n as u32).collect()]),
+    )
+    .unwrap();
+    // Position 0 is never read; every other one is.
+    for f in &fs[1..=MAX_READ_AHEAD] {
+        p.on_access(f, READ_WINDOW);
+    }
+    assert_eq!(
+        p.position("j"),
+        Some((0, 0)),
+        "a hole, within the allowance"
+    );
+    p.on_access(&fs[MAX_READ_AHEAD + 1], READ_WINDOW);
+    assert_eq!(
+        p.position("j"),
+        Some((0, MAX_READ_AHEAD as u64 + 2)),
+        "past the allowance: the hole is passed, and every read after it"
+    );
+    for f in &fs[MAX_READ_AHEAD + 2..n - 1] {
+        p.on_access(f, READ_WINDOW);
+    }
+    // The last file of epoch 0 is never read either: reads of epoch 1 end epoch 0.
+    p.on_access(&fs[0], READ_WINDOW);
+    assert_eq!(
+        p.position("j"),
+        Some((1, 1)),
+        "epoch 0 ended by a read of epoch 1"
+    );
+    assert_eq!(p.reads(), n as u64 + 1, "holes counted as passed");
 }

@@ -75,9 +75,6 @@ pub struct Slots {
     pub mean_size: u64,
 }
 
-/// How far ahead of a job's position a read may be and still count as its next read.
-pub const READ_WINDOW: u64 = 64;
-
 /// Most planner updates queued before the thread adding one applies them itself.
 pub const MAX_DEFERRED: usize = 4096;
 
@@ -196,7 +193,7 @@ impl Plans {
                 Deferred::Resident(f, on) => p.set_resident(&f, on),
                 Deferred::Touch(f) => p.touch(&f),
                 Deferred::Access { file, hit, at } => {
-                    if let Some(job) = p.on_access(&file, READ_WINDOW) {
+                    if let Some(job) = p.on_access(&file, crate::planner::READ_WINDOW) {
                         applied.push(Applied {
                             job: job.to_owned(),
                             file,
