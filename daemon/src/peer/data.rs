@@ -19,11 +19,12 @@ use std::collections::HashMap;
 use std::io;
 use std::net::TcpStream;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tonic::transport::server::{Connected, TcpConnectInfo};
 
@@ -276,7 +277,7 @@ impl DataServer {
     /// Serves a block-stream connection (its magic read) on a thread of its own, when
     /// fewer than [`MAX_CONNS`] are open; closes it otherwise.
     fn admit(self: Arc<Self>, conn: Stream) {
-        let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+        let mut conns = self.conns.lock();
         if conns.closed {
             return;
         }
@@ -297,11 +298,7 @@ impl DataServer {
             .name("sc-peer-data".into())
             .spawn(move || {
                 me.serve(conn);
-                me.conns
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .live
-                    .remove(&id);
+                me.conns.lock().live.remove(&id);
             });
         match spawned {
             Ok(h) => {
@@ -408,7 +405,7 @@ impl DataServer {
     /// request finishes it first: at most the peer timeout). No new ones are taken.
     pub(super) fn close(&self) {
         let live: Vec<(TcpStream, JoinHandle<()>)> = {
-            let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+            let mut conns = self.conns.lock();
             conns.closed = true;
             conns.live.drain().map(|(_, c)| c).collect()
         };

@@ -6,9 +6,10 @@
 
 use std::collections::HashMap;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use parking_lot::Mutex;
 use tonic::{Request, Response, Status};
 
 use super::auth;
@@ -109,7 +110,7 @@ impl Service {
     /// the file, this node's copy is handed over (see [`Plans::handed`]).
     fn count_handoff(&self, key: Key, root: &str, path: &str, index: u64, nblocks: u64) {
         let done = {
-            let mut h = self.handoffs.lock().unwrap_or_else(|e| e.into_inner());
+            let mut h = self.handoffs.lock();
             if h.len() >= HANDOFFS {
                 h.clear();
             }
