@@ -273,6 +273,7 @@ impl PeerServer {
     /// (one answering a request finishes it first).
     pub fn close(&self) {
         let _ = self.stop.send(true);
+        // Each thread left behind (stuck in the backing store) is logged by its task.
         self.data.close();
     }
 }
