@@ -158,6 +158,9 @@ impl Endpoint for Probes {
         if self.prefetch && !self.ctx.jobs.prefetcher_alive() {
             return Err("the prefetch thread has stopped".into());
         }
+        if !self.ctx.store.journal_alive() {
+            return Err("the journal writer has stopped (nothing new can be cached)".into());
+        }
         Ok(())
     }
 
