@@ -410,6 +410,12 @@ impl DataServer {
         Ok(())
     }
 
+    /// Block-stream connections being served now.
+    #[cfg(test)]
+    pub(super) fn open(&self) -> usize {
+        self.conns.lock().live.len()
+    }
+
     /// Ends every block-stream connection (its socket shut down) and waits for their
     /// threads, all together at most the peer timeout and a second (one answering a
     /// request finishes it first: its fill is bounded by the timeout); a thread still

@@ -188,15 +188,6 @@ mod tests {
         conformance::sources(&fx);
     }
 
-    /// The names of this process's threads.
-    fn threads(prefix: &str) -> usize {
-        std::fs::read_dir("/proc/self/task")
-            .unwrap()
-            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
-            .filter(|c| c.trim().starts_with(prefix))
-            .count()
-    }
-
     /// A block-stream connection the client keeps idle for its next block holds a
     /// serving thread (`sc-peer-data`, a lifecycle task): closing the server wakes it
     /// (its socket shut down) and joins it, well before its idle limit.
@@ -215,13 +206,13 @@ mod tests {
         let mut buf = Vec::new();
         let got = fx.source.fetch(&req, &mut buf);
         assert!(matches!(got, Ok(Fetched::Got { .. })), "{got:?}");
-        assert_eq!(threads("sc-peer-data"), 1, "the kept connection's thread");
+        assert_eq!(fx.server.data.open(), 1, "the kept connection's thread");
         let started = std::time::Instant::now();
-        fx.server.close();
+        assert_eq!(fx.server.data.close(), 0, "joined, none left behind");
         assert!(
             started.elapsed() < Duration::from_secs(5),
             "woken, not waited out"
         );
-        assert_eq!(threads("sc-peer-data"), 0, "joined");
+        assert_eq!(fx.server.data.open(), 0);
     }
 }
