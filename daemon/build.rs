@@ -10,8 +10,6 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
-        // Block data as `Bytes`: chunks are slices of one buffer, not copies.
-        .bytes(".shardcache.peer.v1.Chunk.data")
         .compile_fds(fds)?;
     Ok(())
 }

@@ -82,6 +82,11 @@ pub struct Daemon {
 /// Longest shutdown waits for a task (the prefetcher, the scrub) to end.
 const TASK_STOP: Duration = Duration::from_secs(5);
 
+/// Longest shutdown waits for the backing stores' watch threads (every root's together):
+/// a healthy one ends at once when woken, and one stuck in a hung store would not come
+/// back for any wait.
+const BACKING_STOP: Duration = Duration::from_secs(1);
+
 /// Most bytes per second the background scrub reads while clients are quiet (a fraction
 /// of an NVMe drive's read rate).
 pub const SCRUB_RATE: u64 = 256 << 20;
@@ -157,6 +162,9 @@ impl Endpoint for Probes {
         }
         if self.prefetch && !self.ctx.jobs.prefetcher_alive() {
             return Err("the prefetch thread has stopped".into());
+        }
+        if !self.ctx.store.journal_alive() {
+            return Err("the journal writer has stopped (nothing new can be cached)".into());
         }
         Ok(())
     }
@@ -485,8 +493,9 @@ impl Daemon {
     /// back to the backing store); the peer port closes, then the peers' client (fills
     /// stop asking peers); the prefetcher stops (no new fills), then the fill engine
     /// (queued fills released, stuck workers left behind) and the scrub; connection
-    /// threads are waited for; the metrics endpoint closes; last, the journal is
-    /// flushed and the store marked clean.
+    /// threads are waited for; then, nothing calling the backing stores any more, their
+    /// watch threads stop; the metrics endpoint closes; last, the journal is flushed and
+    /// the store marked clean.
     pub fn close(mut self) -> anyhow::Result<()> {
         Self::shutdown().run(&mut self);
         self.store.close().context("closing the store")?;
@@ -527,6 +536,9 @@ impl Daemon {
                 if left > 0 {
                     tracing::warn!(left, "client threads still running at shutdown");
                 }
+            })
+            .then("backing store threads", |d| {
+                d.ctx.meta.roots().close_threads(BACKING_STOP);
             })
             .then("metrics endpoint", |d| {
                 if let Some(h) = &mut d.http {
@@ -594,6 +606,7 @@ mod tests {
                 "fill engine",
                 "scrub",
                 "connection threads",
+                "backing store threads",
                 "metrics endpoint",
             ]
         );

@@ -11,14 +11,12 @@
 //!
 //! Owns no part of the cache and imports nothing of the daemon's parts.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
+use parking_lot::{Condvar, Mutex};
 
 /// Marks a long-running thread as alive for as long as it is held: its drop (the thread
 /// ending, by return or by panic) clears the flag the liveness probe reads.
@@ -48,29 +46,23 @@ pub struct Stop {
 impl Stop {
     /// True once [`Stop::stop`] was called.
     pub fn is_stopped(&self) -> bool {
-        *lock(&self.stopped)
+        *self.stopped.lock()
     }
 
     /// Sets the signal and wakes every [`Stop::sleep`].
     pub fn stop(&self) {
-        *lock(&self.stopped) = true;
+        *self.stopped.lock() = true;
         self.cv.notify_all();
     }
 
     /// Sleeps for `d`, or until stopped; true when stopped.
     pub fn sleep(&self, d: Duration) -> bool {
         let deadline = Instant::now() + d;
-        let mut g = lock(&self.stopped);
+        let mut g = self.stopped.lock();
         while !*g {
-            let now = Instant::now();
-            if now >= deadline {
-                return false;
+            if self.cv.wait_until(&mut g, deadline).timed_out() {
+                return *g;
             }
-            g = self
-                .cv
-                .wait_timeout(g, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
         }
         true
     }
@@ -207,7 +199,7 @@ pub struct Wake {
 impl Wake {
     /// Wakes the waiter (or the next `wait`, if none is waiting now).
     pub fn notify(&self) {
-        *lock(&self.woken) = true;
+        *self.woken.lock() = true;
         self.cv.notify_all();
     }
 
@@ -215,20 +207,13 @@ impl Wake {
     /// notification.
     pub fn wait(&self, timeout: Duration) -> bool {
         let deadline = Instant::now() + timeout;
-        let mut woken = lock(&self.woken);
+        let mut woken = self.woken.lock();
         while !*woken {
-            let now = Instant::now();
-            if now >= deadline {
-                return false;
+            if self.cv.wait_until(&mut woken, deadline).timed_out() {
+                break;
             }
-            woken = self
-                .cv
-                .wait_timeout(woken, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
         }
-        *woken = false;
-        true
+        std::mem::replace(&mut *woken, false)
     }
 }
 
@@ -248,7 +233,7 @@ pub struct Counted(Arc<Gauge>);
 impl Gauge {
     /// Counts one more until the returned guard drops.
     pub fn enter(self: &Arc<Self>) -> Counted {
-        let mut n = lock(&self.n);
+        let mut n = self.n.lock();
         *n += 1;
         self.now.store(*n, Ordering::Release);
         Counted(self.clone())
@@ -262,17 +247,11 @@ impl Gauge {
     /// Waits up to `within` for the count to reach zero; returns how many remain.
     pub fn wait_zero(&self, within: Duration) -> usize {
         let deadline = Instant::now() + within;
-        let mut n = lock(&self.n);
+        let mut n = self.n.lock();
         while *n > 0 {
-            let now = Instant::now();
-            if now >= deadline {
+            if self.cv.wait_until(&mut n, deadline).timed_out() {
                 break;
             }
-            n = self
-                .cv
-                .wait_timeout(n, deadline - now)
-                .unwrap_or_else(|e| e.into_inner())
-                .0;
         }
         *n
     }
@@ -280,7 +259,7 @@ impl Gauge {
 
 impl Drop for Counted {
     fn drop(&mut self) {
-        let mut n = lock(&self.0.n);
+        let mut n = self.0.n.lock();
         *n -= 1;
         self.0.now.store(*n, Ordering::Release);
         if *n == 0 {
@@ -392,7 +371,7 @@ mod tests {
         let rx = Mutex::new(rx);
         let mut t = Task::spawn("sc-woken", Arc::new(AtomicBool::new(false)), move |stop| {
             while !stop.is_stopped() {
-                let _ = lock(&rx).recv();
+                let _ = rx.lock().recv();
             }
         })
         .unwrap()

@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use parking_lot::RwLock;
 use std::time::{Duration, Instant};
 
-use crate::backing::watch::{Watch, WatchedBacking};
+use crate::backing::watch::{Watch, WatchThreads, WatchedBacking};
 use crate::backing::{Backing, BackingError, Stat};
 use crate::stats::{Stats, inc};
 
@@ -40,6 +40,8 @@ pub struct Root {
 pub struct Roots {
     roots: Vec<Root>,
     watches: Vec<Arc<Watch>>,
+    /// Each root's watch threads (`sc-stat`, `sc-close`), stopped at shutdown.
+    threads: Vec<WatchThreads>,
 }
 
 /// Why a path cannot be served.
@@ -64,18 +66,33 @@ impl Roots {
     /// `stall` (zero: calls are counted and bounded, a root is never called stalled).
     pub fn watched(roots: Vec<Root>, stall: Duration) -> Self {
         let mut watches = Vec::with_capacity(roots.len());
+        let mut threads = Vec::with_capacity(roots.len());
         let roots = roots
             .into_iter()
             .map(|r| {
                 let w = WatchedBacking::new(r.backing, r.name.clone(), stall);
                 watches.push(w.watch().clone());
+                threads.push(w.threads());
                 Root {
                     backing: Arc::new(w),
                     ..r
                 }
             })
             .collect();
-        Self { roots, watches }
+        Self {
+            roots,
+            watches,
+            threads,
+        }
+    }
+
+    /// Stops every root's watch threads (they finish the stats and closes queued) and
+    /// joins them, all together within `within`; a thread stuck in a store is left
+    /// behind (logged). Call at shutdown, once nothing calls the stores. Returns how
+    /// many threads were left behind.
+    pub fn close_threads(&self, within: Duration) -> usize {
+        let deadline = Instant::now() + within;
+        self.threads.iter().map(|t| t.close(deadline)).sum()
     }
 
     /// The watch over root `i`'s backing store calls.

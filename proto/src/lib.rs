@@ -1,10 +1,12 @@
 //! Message definitions shared by the shardcache daemon and its clients, generated from
 //! the `.proto` files in `proto/` by prost (compiled with protox: no system `protoc`), and
-//! the framing of the local Unix-socket protocol ([`wire`]).
+//! the framing of the local Unix-socket protocol ([`wire`]) on the length-prefixed frames
+//! both prost protocols share ([`frame`]; the daemons' block stream uses them too).
 //!
 //! This crate owns no policy: it says what travels and how it is framed, nothing about
 //! what either side does with it.
 
+pub mod frame;
 pub mod wire;
 
 /// The local client ↔ daemon API (Unix socket).

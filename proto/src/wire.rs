@@ -1,5 +1,5 @@
 //! Framing of the local protocol: a little-endian `u32` length, then one encoded prost
-//! message. File descriptors ride beside a frame as `SCM_RIGHTS` ancillary data on the
+//! message ([`crate::frame`], as the daemons' block stream). File descriptors ride beside a frame as `SCM_RIGHTS` ancillary data on the
 //! `sendmsg` that carries its first byte.
 //!
 //! Both ends use blocking sockets (the daemon serves each local connection on its own
@@ -17,6 +17,8 @@ use rustix::net::{
     SendAncillaryMessage, SendFlags,
 };
 
+use crate::frame;
+
 /// Largest frame either side accepts: the client's limit on replies. Larger frames are
 /// a protocol error.
 pub const MAX_FRAME: usize = 16 << 20;
@@ -31,14 +33,7 @@ pub const MAX_FDS: usize = 64;
 /// cache serve it).
 pub const MAX_PATH: usize = 4095;
 
-/// A byte limit as people write it: `16 MiB`, `4 KiB`, or bytes.
-pub fn size_text(n: usize) -> String {
-    match n {
-        n if n >= 1 << 20 && n.is_multiple_of(1 << 20) => format!("{} MiB", n >> 20),
-        n if n >= 1 << 10 && n.is_multiple_of(1 << 10) => format!("{} KiB", n >> 10),
-        n => format!("{n} bytes"),
-    }
-}
+pub use crate::frame::size_text;
 
 /// What can go wrong moving a frame.
 #[derive(Debug, thiserror::Error)]
@@ -62,6 +57,21 @@ pub enum WireError {
     Decode(#[from] prost::DecodeError),
 }
 
+impl From<frame::TooLarge> for WireError {
+    fn from(frame::TooLarge { len, limit }: frame::TooLarge) -> Self {
+        WireError::TooLarge { len, limit }
+    }
+}
+
+impl From<frame::EncodeError> for WireError {
+    fn from(e: frame::EncodeError) -> Self {
+        match e {
+            frame::EncodeError::TooLarge(t) => t.into(),
+            frame::EncodeError::Prost(e) => io::Error::other(e.to_string()).into(),
+        }
+    }
+}
+
 impl WireError {
     /// True when the error is a socket timeout (the peer is slow, not necessarily gone).
     pub fn is_timeout(&self) -> bool {
@@ -72,17 +82,7 @@ impl WireError {
 /// Encodes `msg` into one frame and sends it, with `fds` attached to its first byte.
 pub fn send<M: Message>(sock: impl AsFd, msg: &M, fds: &[BorrowedFd<'_>]) -> Result<(), WireError> {
     debug_assert!(fds.len() <= MAX_FDS);
-    let len = msg.encoded_len();
-    if len > MAX_FRAME {
-        return Err(WireError::TooLarge {
-            len,
-            limit: MAX_FRAME,
-        });
-    }
-    let mut buf = Vec::with_capacity(4 + len);
-    buf.extend_from_slice(&(len as u32).to_le_bytes());
-    msg.encode(&mut buf)
-        .map_err(|e| io::Error::other(e.to_string()))?;
+    let buf = frame::encode(msg, MAX_FRAME)?;
 
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
     let mut control = SendAncillaryBuffer::new(&mut space);
@@ -164,15 +164,15 @@ impl FrameReader {
         let spin_until = (!spin.is_zero()).then(|| Instant::now() + spin);
         let len = loop {
             if let Some(len) = self.frame_len()?
-                && self.end - self.start >= 4 + len
+                && self.end - self.start >= frame::PREFIX + len
             {
                 break len;
             }
             self.fill(sock.as_fd(), &mut fds, spin_until)?;
         };
-        let body = &self.buf[self.start + 4..self.start + 4 + len];
+        let body = &self.buf[self.start + frame::PREFIX..self.start + frame::PREFIX + len];
         let msg = M::decode(body)?;
-        self.start += 4 + len;
+        self.start += frame::PREFIX + len;
         if self.start == self.end {
             self.start = 0;
             self.end = 0;
@@ -186,8 +186,11 @@ impl FrameReader {
     /// it, so that the next frame on the connection can be read. Blocks until the whole
     /// body arrived (or the socket's read timeout passes).
     pub fn skip(&mut self, sock: impl AsFd, len: usize) -> Result<(), WireError> {
-        debug_assert!(self.end - self.start >= 4, "skip follows a refused header");
-        self.start += 4;
+        debug_assert!(
+            self.end - self.start >= frame::PREFIX,
+            "skip follows a refused header"
+        );
+        self.start += frame::PREFIX;
         let buffered = self.end - self.start;
         if buffered >= len {
             self.start += len;
@@ -227,19 +230,12 @@ impl FrameReader {
     }
 
     fn frame_len(&self) -> Result<Option<usize>, WireError> {
-        if self.end - self.start < 4 {
+        if self.end - self.start < frame::PREFIX {
             return Ok(None);
         }
-        let mut b = [0u8; 4];
-        b.copy_from_slice(&self.buf[self.start..self.start + 4]);
-        let len = u32::from_le_bytes(b) as usize;
-        if len > self.limit {
-            return Err(WireError::TooLarge {
-                len,
-                limit: self.limit,
-            });
-        }
-        Ok(Some(len))
+        let mut b = [0u8; frame::PREFIX];
+        b.copy_from_slice(&self.buf[self.start..self.start + frame::PREFIX]);
+        Ok(Some(frame::len_of(b, self.limit)?))
     }
 
     fn fill(
@@ -255,8 +251,8 @@ impl FrameReader {
             self.start = 0;
         }
         let need = match self.frame_len()? {
-            Some(len) => 4 + len,
-            None => 4,
+            Some(len) => frame::PREFIX + len,
+            None => frame::PREFIX,
         };
         let want = need.max(64 << 10);
         if self.buf.len() < want {

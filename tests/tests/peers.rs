@@ -114,9 +114,9 @@ fn a_node_without_the_secret_gets_nothing_and_still_reads_right() {
     assert_eq!(nodes[2].counters().peer_blocks_in, 0);
 }
 
-/// The gRPC side of the peer port (`Ranks`; `Fetch` is retired) refuses calls without a
-/// proof of the secret, or with a wrong one, before any handler runs. With the proof,
-/// `Ranks` answers, MACed for the request's nonce.
+/// The gRPC side of the peer port (`Ranks`) refuses calls without a proof of the secret,
+/// or with a wrong one, before any handler runs: a method it does not have (`Fetch`,
+/// retired) included. With the proof, `Ranks` answers, MACed for the request's nonce.
 #[test]
 fn grpc_calls_without_the_secret_are_refused() {
     use shardcache_daemon::peer::{auth, proto};
@@ -133,9 +133,16 @@ fn grpc_calls_without_the_secret_are_refused() {
         .unwrap();
     let refused_before = nodes[0].counters().peer_refused;
     let (codes, macs) = rt.block_on(async {
-        let mut client = proto::peer_client::PeerClient::connect(format!("http://{}", addrs[0]))
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{}", addrs[0]))
+            .unwrap()
+            .connect()
             .await
             .unwrap();
+        let mut client = proto::peer_client::PeerClient::new(channel.clone());
+        // The retired `Fetch` is not in the generated client any more: called by its path.
+        let mut raw = tonic::client::Grpc::new(channel);
+        let fetch_path =
+            tonic::codegen::http::uri::PathAndQuery::from_static("/shardcache.peer.v1.Peer/Fetch");
         let mut codes = Vec::new();
         let mut macs = Vec::new();
         for header in [None, Some("a wrong secret of some length"), Some(secret)] {
@@ -170,7 +177,16 @@ fn grpc_calls_without_the_secret_are_refused() {
                     ));
                 })
                 .map_err(|s| s.code());
-            let fetch = client.fetch(f).await.map(|_| ()).map_err(|s| s.code());
+            raw.ready().await.unwrap();
+            let fetch = raw
+                .unary::<_, proto::RanksReply, _>(
+                    f,
+                    fetch_path.clone(),
+                    tonic_prost::ProstCodec::default(),
+                )
+                .await
+                .map(|_| ())
+                .map_err(|s| s.code());
             codes.push((header.is_some(), ranks, fetch));
         }
         (codes, macs)
@@ -185,7 +201,7 @@ fn grpc_calls_without_the_secret_are_refused() {
     assert_eq!(
         codes[2].2,
         Err(tonic::Code::Unimplemented),
-        "with the secret a fetch is judged on its merits (retired): {codes:?}"
+        "with the secret a fetch is judged on its merits (no such method): {codes:?}"
     );
     assert!(nodes[0].counters().peer_refused >= refused_before + 4);
 }

@@ -21,7 +21,9 @@
 //!   runs on a small pool of the root's own threads ([`STAT_THREADS`], then a queue of
 //!   [`STAT_QUEUE`]) and its caller waits at most [`STAT_DEADLINE`] for it (a client is
 //!   answered well within its one-second timeout, whatever the store does); files are
-//!   closed on the root's own closer thread (a close on a hung FUSE file blocks). The hop
+//!   closed on the root's own closer thread (a close on a hung FUSE file blocks). Both
+//!   are [`crate::lifecycle::Task`]s the root's [`WatchThreads`] stops and joins at
+//!   shutdown, within a bound: one stuck in the store is left behind. The hop
 //!   to the root's thread costs a `stat` that misses the metadata cache some tens of
 //!   microseconds on the development VM (`stat_cost`, run by hand); a hit costs nothing.
 //!
@@ -31,14 +33,15 @@
 use std::collections::VecDeque;
 use std::fmt;
 use std::io;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{self, SyncSender, TrySendError};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, OnceLock, Weak};
 
 use parking_lot::{Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use super::{Backing, BackingError, BackingFile, DirEntry, Owner, Stat, Version};
+use crate::lifecycle::{Stop, Task};
 
 /// The stall bound unless configured (`backing_stall_timeout`).
 pub const DEFAULT_STALL: Duration = Duration::from_secs(1);
@@ -288,13 +291,27 @@ impl Watch {
     }
 }
 
-type Task = Box<dyn FnOnce() + Send>;
+/// One `stat` to run on a pool thread.
+type Job = Box<dyn FnOnce() + Send>;
 
 #[derive(Default)]
 struct PoolState {
-    tasks: VecDeque<Task>,
+    jobs: VecDeque<Job>,
     threads: usize,
     idle: usize,
+    /// The pool's threads, each a task (those that ended idle are dropped at the next
+    /// start of one).
+    workers: Vec<Task>,
+    /// Closed for shutdown: no job is taken, no thread started.
+    closed: bool,
+}
+
+/// Why the pool did not take a job.
+enum PoolFull {
+    /// Every thread is busy and the queue is full.
+    Busy,
+    /// Closed at shutdown.
+    Closed,
 }
 
 /// The threads of one root that run `stat` calls for callers that may not block.
@@ -305,56 +322,102 @@ struct StatPool {
 }
 
 impl StatPool {
-    /// Runs `task` on one of the pool's threads (started when none is idle, up to
-    /// [`STAT_THREADS`]; then queued, up to [`STAT_QUEUE`]); false when that is full.
-    fn submit(self: &Arc<Self>, task: Task) -> bool {
+    /// Runs `job` on one of the pool's threads (started when none is idle, up to
+    /// [`STAT_THREADS`]; then queued, up to [`STAT_QUEUE`]); refused when that is full,
+    /// or the pool is closed.
+    fn submit(self: &Arc<Self>, job: Job) -> Result<(), PoolFull> {
         let mut s = self.state.lock();
-        if s.idle > s.tasks.len() || s.threads >= STAT_THREADS {
-            if s.tasks.len() >= STAT_QUEUE {
-                return false;
+        if s.closed {
+            return Err(PoolFull::Closed);
+        }
+        if s.idle > s.jobs.len() || s.threads >= STAT_THREADS {
+            if s.jobs.len() >= STAT_QUEUE {
+                return Err(PoolFull::Busy);
             }
-            s.tasks.push_back(task);
+            s.jobs.push_back(job);
             self.cv.notify_one();
-            return true;
+            return Ok(());
         }
         s.threads += 1;
-        s.tasks.push_back(task);
+        s.jobs.push_back(job);
         drop(s);
         let pool = self.clone();
-        let spawned = std::thread::Builder::new()
-            .name("sc-stat".into())
-            .stack_size(256 << 10)
-            .spawn(move || pool.run());
-        if spawned.is_err() {
-            let mut s = self.state.lock();
-            s.threads -= 1;
-            // The task stays queued for a running thread, if any; else it is dropped and
-            // its caller times out.
-            if s.threads == 0 {
-                s.tasks.clear();
+        let spawned = Task::spawn("sc-stat", Arc::new(AtomicBool::new(false)), move |stop| {
+            pool.run(stop)
+        });
+        let mut s = self.state.lock();
+        match spawned {
+            Ok(t) => {
+                // Its stop wakes it where it waits for work (a weak reference: the pool
+                // holds its tasks).
+                let pool = Arc::downgrade(self);
+                let t = t.with_wake(move || {
+                    if let Some(p) = Weak::upgrade(&pool) {
+                        p.cv.notify_all();
+                    }
+                });
+                s.workers.retain(Task::alive);
+                s.workers.push(t);
+            }
+            Err(_) => {
+                s.threads -= 1;
+                // The job stays queued for a running thread, if any; else it is dropped
+                // and its caller times out.
+                if s.threads == 0 {
+                    s.jobs.clear();
+                }
             }
         }
-        true
+        Ok(())
     }
 
-    fn run(&self) {
+    fn run(&self, stop: &Stop) {
         let mut s = self.state.lock();
         loop {
-            if let Some(task) = s.tasks.pop_front() {
+            if let Some(job) = s.jobs.pop_front() {
                 drop(s);
-                task();
+                job();
                 s = self.state.lock();
                 continue;
+            }
+            if stop.is_stopped() || s.closed {
+                s.threads -= 1;
+                return;
             }
             s.idle += 1;
             let timeout = self.cv.wait_for(&mut s, IDLE);
             s.idle -= 1;
-            if timeout.timed_out() && s.tasks.is_empty() {
+            if timeout.timed_out() && s.jobs.is_empty() {
                 s.threads -= 1;
                 return;
             }
         }
     }
+
+    /// Closes the pool: its threads finish the jobs queued (their callers wait for
+    /// them) and end; joined until `deadline`. Returns how many were left behind.
+    fn close(&self, deadline: Instant) -> usize {
+        let mut workers = {
+            let mut s = self.state.lock();
+            s.closed = true;
+            std::mem::take(&mut s.workers)
+        };
+        for t in &workers {
+            t.stop();
+        }
+        join_all(&mut workers, deadline)
+    }
+}
+
+/// Joins `tasks` until `deadline` (all together); returns how many were left behind.
+fn join_all(tasks: &mut [Task], deadline: Instant) -> usize {
+    let mut left = 0;
+    for t in tasks {
+        if !t.join(deadline.saturating_duration_since(Instant::now())) {
+            left += 1;
+        }
+    }
+    left
 }
 
 /// The answer of one call run on another thread.
@@ -394,37 +457,64 @@ impl<T> Slot<T> {
 /// A file to close, and its identity.
 type ToClose = (Box<dyn BackingFile>, u64);
 
-/// Closes files on a thread of the root's own.
+/// Closes files on a thread of the root's own (`sc-close`, started with the first file).
 struct Closer {
-    tx: OnceLock<Option<SyncSender<ToClose>>>,
+    /// The closer's queue: `None` asks the thread to stop once what is queued before it
+    /// is closed.
+    tx: OnceLock<Option<SyncSender<Option<ToClose>>>>,
+    /// The thread, once started (taken at shutdown).
+    task: Mutex<Option<Task>>,
     leaked: AtomicU64,
 }
 
 impl Closer {
-    fn close(&self, watch: &Arc<Watch>, f: Box<dyn BackingFile>, file: u64) {
-        let tx = self.tx.get_or_init(|| {
-            let (tx, rx) = mpsc::sync_channel::<ToClose>(CLOSE_QUEUE);
-            let watch = watch.clone();
-            std::thread::Builder::new()
-                .name("sc-close".into())
-                .stack_size(128 << 10)
-                .spawn(move || {
-                    for (f, file) in rx {
-                        let _call = watch.enter_always(file);
-                        drop(f);
+    fn new() -> Self {
+        Self {
+            tx: OnceLock::new(),
+            task: Mutex::new(None),
+            leaked: AtomicU64::new(0),
+        }
+    }
+
+    fn start(&self, watch: &Arc<Watch>) -> Option<SyncSender<Option<ToClose>>> {
+        let (tx, rx) = mpsc::sync_channel::<Option<ToClose>>(CLOSE_QUEUE);
+        let watch = watch.clone();
+        let task = Task::spawn("sc-close", Arc::new(AtomicBool::new(false)), move |stop| {
+            let close_one = |(f, file): ToClose| {
+                let _call = watch.enter_always(file);
+                drop(f);
+            };
+            while let Ok(Some(one)) = rx.recv() {
+                close_one(one);
+                if stop.is_stopped() {
+                    // The stop may have found the queue full (no room for its `None`):
+                    // close what is queued now, then end.
+                    while let Ok(Some(one)) = rx.try_recv() {
+                        close_one(one);
                     }
-                })
-                .ok()
-                .map(|_| tx)
-        });
+                    return;
+                }
+            }
+        })
+        .ok()?;
+        let wake = tx.clone();
+        *self.task.lock() = Some(task.with_wake(move || {
+            // Behind what is queued; a full queue is seen by the thread between files.
+            let _ = wake.try_send(None);
+        }));
+        Some(tx)
+    }
+
+    fn close(&self, watch: &Arc<Watch>, f: Box<dyn BackingFile>, file: u64) {
+        let tx = self.tx.get_or_init(|| self.start(watch));
         let Some(tx) = tx else {
             // No closer thread could be started: close here.
             drop(f);
             return;
         };
-        match tx.try_send((f, file)) {
+        match tx.try_send(Some((f, file))) {
             Ok(()) => {}
-            Err(TrySendError::Full((f, _)) | TrySendError::Disconnected((f, _))) => {
+            Err(TrySendError::Full(Some((f, _)))) => {
                 // The closer is stuck in the store: keep this thread free, at the price
                 // of a descriptor.
                 if self.leaked.fetch_add(1, Ordering::Relaxed) == 0 {
@@ -432,7 +522,55 @@ impl Closer {
                 }
                 std::mem::forget(f);
             }
+            Err(TrySendError::Disconnected(Some((f, _)))) => {
+                // After shutdown (the closer stopped): left to the process's exit, which
+                // a close on a hung store must not hold.
+                std::mem::forget(f);
+            }
+            Err(TrySendError::Full(None) | TrySendError::Disconnected(None)) => {}
         }
+    }
+
+    /// Stops the closer thread once it has closed what is queued; joined until
+    /// `deadline`. Returns how many threads were left behind (0 or 1).
+    fn shutdown(&self, deadline: Instant) -> usize {
+        let task = self.task.lock().take();
+        let mut tasks: Vec<Task> = task.into_iter().collect();
+        for t in &tasks {
+            t.stop();
+        }
+        join_all(&mut tasks, deadline)
+    }
+}
+
+/// The threads of one root's watch — its `sc-stat` pool and its `sc-close` thread — as
+/// the daemon's shutdown stops them ([`WatchedBacking::threads`]).
+#[derive(Clone)]
+pub struct WatchThreads {
+    root: String,
+    stats: Arc<StatPool>,
+    closer: Arc<Closer>,
+}
+
+impl fmt::Debug for WatchThreads {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WatchThreads")
+            .field("root", &self.root)
+            .finish_non_exhaustive()
+    }
+}
+
+impl WatchThreads {
+    /// Stops the root's threads — they first finish the stats queued and close the
+    /// files queued — and joins them until `deadline`. A thread stuck in the store is
+    /// left behind (logged). Later stats are refused, later files leaked to the
+    /// process's exit. Returns how many threads were left behind.
+    pub fn close(&self, deadline: Instant) -> usize {
+        let left = self.stats.close(deadline) + self.closer.shutdown(deadline);
+        if left > 0 {
+            tracing::warn!(root = %self.root, left, "backing store threads still running at shutdown");
+        }
+        left
     }
 }
 
@@ -463,16 +601,22 @@ impl WatchedBacking {
             inner,
             watch: Watch::new(root, stall),
             stats: Arc::default(),
-            closer: Arc::new(Closer {
-                tx: OnceLock::new(),
-                leaked: AtomicU64::new(0),
-            }),
+            closer: Arc::new(Closer::new()),
         }
     }
 
     /// The watch of this root.
     pub fn watch(&self) -> &Arc<Watch> {
         &self.watch
+    }
+
+    /// The root's threads, for shutdown.
+    pub fn threads(&self) -> WatchThreads {
+        WatchThreads {
+            root: self.watch.root.clone(),
+            stats: self.stats.clone(),
+            closer: self.closer.clone(),
+        }
     }
 }
 
@@ -481,17 +625,26 @@ impl Backing for WatchedBacking {
         let call = self.watch.enter(file_id(path))?;
         let slot = Arc::new(Slot::new());
         let (inner, owned, answer) = (self.inner.clone(), path.to_owned(), slot.clone());
-        let task: Task = Box::new(move || {
+        let job: Job = Box::new(move || {
             let r = inner.stat(&owned);
             drop(call);
             answer.put(r);
         });
-        if !self.stats.submit(task) {
-            return Err(self.watch.refuse(format!(
-                "{} metadata calls on the backing root {} are in flight or waiting",
-                STAT_THREADS + STAT_QUEUE,
-                self.watch.root
-            )));
+        match self.stats.submit(job) {
+            Ok(()) => {}
+            Err(PoolFull::Busy) => {
+                return Err(self.watch.refuse(format!(
+                    "{} metadata calls on the backing root {} are in flight or waiting",
+                    STAT_THREADS + STAT_QUEUE,
+                    self.watch.root
+                )));
+            }
+            Err(PoolFull::Closed) => {
+                return Err(self.watch.refuse(format!(
+                    "the backing root {} is closed (shutting down)",
+                    self.watch.root
+                )));
+            }
         }
         slot.take_by(Instant::now() + STAT_DEADLINE)
             .unwrap_or_else(|| {
@@ -682,6 +835,49 @@ mod tests {
         assert!(watch.refuses(file_id("a")));
         assert!(matches!(w.stat("a"), Err(BackingError::Stalled(_))));
         assert!(w.stat("b").is_ok());
+    }
+
+    /// The root's threads (a stat thread, the closer) stop and are joined at shutdown;
+    /// one stuck in the store is left behind within the bound, not waited for.
+    #[test]
+    fn shutdown_joins_the_roots_threads_and_leaves_a_stuck_one_behind() {
+        let (_mem, w) = fixture();
+        let st = w.stat("a").unwrap();
+        drop(w.open(&st).unwrap());
+        let started = Instant::now();
+        assert_eq!(
+            w.threads().close(Instant::now() + Duration::from_secs(5)),
+            0
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "woken, not idled out"
+        );
+        match w.stat("b") {
+            Err(BackingError::Stalled(why)) => assert!(why.contains("closed"), "{why}"),
+            other => panic!("{other:?}"),
+        }
+        // A file closed after shutdown does not block its caller.
+        let f = w.open(&st).unwrap();
+        drop(f);
+
+        let mem = Arc::new(MemBacking::new());
+        mem.put("a", vec![1; 10], Owner::default());
+        let (faulty, faults) = crate::backing::fault::FaultyBacking::new(mem);
+        let w = WatchedBacking::new(Arc::new(faulty), "/r", STALL);
+        let st = w.stat("a").unwrap();
+        faults.hang();
+        assert!(w.stat("a").is_err(), "the caller gives up on the hung stat");
+        let started = Instant::now();
+        assert_eq!(
+            w.threads()
+                .close(Instant::now() + Duration::from_millis(100)),
+            1,
+            "the stat thread stuck in the store is left behind"
+        );
+        assert!(started.elapsed() < Duration::from_secs(5));
+        faults.release();
+        drop(st);
     }
 
     #[test]

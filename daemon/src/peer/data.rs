@@ -17,13 +17,13 @@
 
 use std::collections::HashMap;
 use std::io;
-use std::net::TcpStream;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 use std::task::{Context, Poll};
-use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use parking_lot::Mutex;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tonic::transport::server::{Connected, TcpConnectInfo};
 
@@ -31,6 +31,7 @@ use super::proto::{BlockHeader, FetchRequest};
 use super::service::{Service, serve_block};
 use super::tls::{Stream, Tls};
 use super::wire::{self, HandshakeError, WireError};
+use crate::lifecycle::Task;
 use crate::stats::inc;
 
 /// Most block-stream connections served at once (a peer opens about one per fill worker).
@@ -247,12 +248,12 @@ pub(super) async fn accept(
     }
 }
 
-/// The open block-stream connections: a descriptor of each (to end it at close) and its
-/// thread.
+/// The open block-stream connections, each served by a [`Task`] whose stop shuts its
+/// socket down (the thread is blocked in a read or write there, not on the stop).
 #[derive(Default)]
 struct Conns {
     next: u64,
-    live: HashMap<u64, (TcpStream, JoinHandle<()>)>,
+    live: HashMap<u64, Task>,
     closed: bool,
 }
 
@@ -276,7 +277,7 @@ impl DataServer {
     /// Serves a block-stream connection (its magic read) on a thread of its own, when
     /// fewer than [`MAX_CONNS`] are open; closes it otherwise.
     fn admit(self: Arc<Self>, conn: Stream) {
-        let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+        let mut conns = self.conns.lock();
         if conns.closed {
             return;
         }
@@ -293,19 +294,24 @@ impl DataServer {
         conns.next += 1;
         let id = conns.next;
         let me = self.clone();
-        let spawned = std::thread::Builder::new()
-            .name("sc-peer-data".into())
-            .spawn(move || {
+        // Inserted below before the lock is let go: the thread's own removal (which takes
+        // the lock) always finds it.
+        let spawned = Task::spawn(
+            "sc-peer-data",
+            Arc::new(AtomicBool::new(false)),
+            move |_| {
                 me.serve(conn);
-                me.conns
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .live
-                    .remove(&id);
-            });
+                let done = me.conns.lock().live.remove(&id);
+                // Dropped (detached: this very thread) outside the lock.
+                drop(done);
+            },
+        );
         match spawned {
-            Ok(h) => {
-                conns.live.insert(id, (shutdown, h));
+            Ok(t) => {
+                let t = t.with_wake(move || {
+                    let _ = shutdown.shutdown(std::net::Shutdown::Both);
+                });
+                conns.live.insert(id, t);
             }
             Err(e) => tracing::warn!(error = %e, "block stream: cannot start a thread"),
         }
@@ -404,17 +410,33 @@ impl DataServer {
         Ok(())
     }
 
-    /// Ends every block-stream connection and waits for their threads (one answering a
-    /// request finishes it first: at most the peer timeout). No new ones are taken.
-    pub(super) fn close(&self) {
-        let live: Vec<(TcpStream, JoinHandle<()>)> = {
-            let mut conns = self.conns.lock().unwrap_or_else(|e| e.into_inner());
+    /// Block-stream connections being served now.
+    #[cfg(test)]
+    pub(super) fn open(&self) -> usize {
+        self.conns.lock().live.len()
+    }
+
+    /// Ends every block-stream connection (its socket shut down) and waits for their
+    /// threads, all together at most the peer timeout and a second (one answering a
+    /// request finishes it first: its fill is bounded by the timeout); a thread still
+    /// running then, stuck in the backing store, is left behind and logged. No new
+    /// connections are taken. Returns how many threads were left behind.
+    pub(super) fn close(&self) -> usize {
+        let mut live: Vec<Task> = {
+            let mut conns = self.conns.lock();
             conns.closed = true;
-            conns.live.drain().map(|(_, c)| c).collect()
+            conns.live.drain().map(|(_, t)| t).collect()
         };
-        for (s, h) in live {
-            let _ = s.shutdown(std::net::Shutdown::Both);
-            let _ = h.join();
+        for t in &live {
+            t.stop();
         }
+        let deadline = Instant::now() + self.svc.timeout + Duration::from_secs(1);
+        let mut left = 0;
+        for t in &mut live {
+            if !t.join(deadline.saturating_duration_since(Instant::now())) {
+                left += 1;
+            }
+        }
+        left
     }
 }

@@ -9,8 +9,9 @@
 
 use std::collections::BTreeMap;
 use std::net::ToSocketAddrs;
-use std::sync::RwLock;
 use std::time::{Duration, Instant};
+
+use parking_lot::RwLock;
 
 /// Where the peer list comes from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -101,7 +102,7 @@ impl Membership {
                 .collect(),
         };
         ids.push(self.me.clone());
-        let mut peers = self.peers.write().unwrap_or_else(|e| e.into_inner());
+        let mut peers = self.peers.write();
         peers.retain(|id, _| ids.contains(id));
         for id in ids {
             peers.entry(id).or_default();
@@ -114,7 +115,6 @@ impl Membership {
         let now = Instant::now();
         self.peers
             .read()
-            .unwrap_or_else(|e| e.into_inner())
             .iter()
             .filter(|(id, h)| *id == &self.me || h.healthy(now))
             .map(|(id, _)| id.clone())
@@ -123,7 +123,7 @@ impl Membership {
 
     /// Records the outcome of an exchange with `peer`.
     pub fn report(&self, peer: &str, ok: bool) {
-        let mut peers = self.peers.write().unwrap_or_else(|e| e.into_inner());
+        let mut peers = self.peers.write();
         let Some(h) = peers.get_mut(peer) else {
             return;
         };
@@ -146,7 +146,6 @@ impl Membership {
     pub fn all(&self) -> Vec<(String, Health)> {
         self.peers
             .read()
-            .unwrap_or_else(|e| e.into_inner())
             .iter()
             .map(|(id, h)| (id.clone(), *h))
             .collect()

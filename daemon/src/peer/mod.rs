@@ -37,9 +37,10 @@ pub mod wire;
 use std::collections::HashMap;
 use std::io::Read;
 use std::net::{SocketAddr, TcpStream, ToSocketAddrs};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use parking_lot::Mutex;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::backing::Stat;
@@ -215,7 +216,6 @@ impl PeerServer {
         let rt = peers
             .rt
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
             .as_ref()
             .map(|rt| rt.handle().clone())
             .ok_or_else(|| anyhow::anyhow!("the peer runtime is closed"))?;
@@ -273,6 +273,7 @@ impl PeerServer {
     /// (one answering a request finishes it first).
     pub fn close(&self) {
         let _ = self.stop.send(true);
+        // Each thread left behind (stuck in the backing store) is logged by its task.
         self.data.close();
     }
 }
@@ -340,13 +341,13 @@ impl Peers {
                 }
             }
         });
-        *peers.rt.lock().unwrap_or_else(|e| e.into_inner()) = Some(rt);
+        *peers.rt.lock() = Some(rt);
         Ok(peers)
     }
 
     /// True when a shuffle registered here has a rank no node is known to run.
     fn ranks_incomplete(&self) -> bool {
-        let map = self.ranks.lock().unwrap_or_else(|e| e.into_inner());
+        let map = self.ranks.lock();
         self.plans
             .shuffles()
             .into_iter()
@@ -404,8 +405,8 @@ impl Peers {
                 }
             }
         }
-        *self.ranks.lock().unwrap_or_else(|e| e.into_inner()) = map;
-        *self.slots.lock().unwrap_or_else(|e| e.into_inner()) = slots;
+        *self.ranks.lock() = map;
+        *self.slots.lock() = slots;
     }
 
     /// The content of a `Ranks` reply from `peer` to the request that carried `nonce`,
@@ -439,13 +440,13 @@ impl Peers {
         map: &mut HashMap<(String, u64), String>,
         slots: &mut HashMap<(String, String), u64>,
     ) {
-        let old = self.ranks.lock().unwrap_or_else(|e| e.into_inner());
+        let old = self.ranks.lock();
         map.extend(
             old.iter()
                 .filter(|(_, n)| n.as_str() == peer)
                 .map(|(k, n)| (k.clone(), n.clone())),
         );
-        let old = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let old = self.slots.lock();
         slots.extend(
             old.iter()
                 .filter(|((_, n), _)| n.as_str() == peer)
@@ -459,14 +460,14 @@ impl Peers {
         if world == 0 || world > u16::MAX as u64 {
             return None;
         }
-        let map = self.ranks.lock().unwrap_or_else(|e| e.into_inner());
+        let map = self.ranks.lock();
         let owners: Vec<&String> = (0..world)
             .map(|r| map.get(&(job.to_owned(), r)))
             .collect::<Option<_>>()?;
         let mut nodes: Vec<String> = owners.iter().map(|s| (*s).clone()).collect();
         nodes.sort_unstable();
         nodes.dedup();
-        let slots = self.slots.lock().unwrap_or_else(|e| e.into_inner());
+        let slots = self.slots.lock();
         let slots: Vec<u64> = nodes
             .iter()
             .map(|n| {
@@ -491,7 +492,7 @@ impl Peers {
     /// running the ranks that read it last or read it next (see [`Plans::holders`]).
     fn holders(&self, root: &str, path: &str, healthy: &[String]) -> Vec<String> {
         let ranks = self.plans.holders(root, path);
-        let map = self.ranks.lock().unwrap_or_else(|e| e.into_inner());
+        let map = self.ranks.lock();
         let mut out: Vec<String> = Vec::new();
         for key in ranks {
             if let Some(node) = map.get(&key)
@@ -565,8 +566,8 @@ impl Peers {
     pub fn close(&self) {
         self.closed
             .store(true, std::sync::atomic::Ordering::Release);
-        self.idle.lock().unwrap_or_else(|e| e.into_inner()).clear();
-        if let Some(rt) = self.rt.lock().unwrap_or_else(|e| e.into_inner()).take() {
+        self.idle.lock().clear();
+        if let Some(rt) = self.rt.lock().take() {
             rt.shutdown_timeout(Duration::from_secs(2));
         }
     }
@@ -685,7 +686,7 @@ impl Peers {
     }
 
     fn channel(&self, peer: &str) -> Result<Channel, String> {
-        let mut chans = self.channels.lock().unwrap_or_else(|e| e.into_inner());
+        let mut chans = self.channels.lock();
         if let Some(c) = chans.get(peer) {
             return Ok(c.clone());
         }
@@ -751,7 +752,7 @@ impl Peers {
     }
 
     fn take_idle(&self, peer: &str) -> Option<Conn> {
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let mut idle = self.idle.lock();
         let conns = idle.get_mut(peer)?;
         while let Some((c, since)) = conns.pop() {
             if since.elapsed() < KEEP_IDLE {
@@ -765,7 +766,7 @@ impl Peers {
         if self.closed.load(std::sync::atomic::Ordering::Acquire) {
             return;
         }
-        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let mut idle = self.idle.lock();
         let conns = idle.entry(peer.to_owned()).or_default();
         conns.retain(|(_, since)| since.elapsed() < KEEP_IDLE);
         if conns.len() < POOL {

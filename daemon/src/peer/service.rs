@@ -5,14 +5,14 @@
 //! its reply MACed for the caller's nonce: see [`auth`]).
 
 use std::collections::HashMap;
-use std::pin::Pin;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use parking_lot::Mutex;
 use tonic::{Request, Response, Status};
 
 use super::auth;
-use super::proto::{self, Chunk, FetchRequest};
+use super::proto::{self, FetchRequest};
 use crate::backing::Version;
 use crate::blocks::{BlockProvider, Target};
 use crate::meta::Meta;
@@ -37,21 +37,8 @@ pub(super) struct Service {
 /// keeps a copy longer).
 const HANDOFFS: usize = 4096;
 
-type ChunkStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<Chunk, Status>> + Send>>;
-
 #[tonic::async_trait]
 impl proto::peer_server::Peer for Service {
-    type FetchStream = ChunkStream;
-
-    /// Retired: nodes fetch blocks over the block stream, where every block carries a
-    /// MAC. The nodes this call was kept for (earlier versions, during a rolling
-    /// upgrade) sent the shared secret in the clear and cannot prove it now anyway.
-    async fn fetch(&self, _req: Request<FetchRequest>) -> Result<Response<ChunkStream>, Status> {
-        Err(Status::unimplemented(
-            "shardcache peer: Fetch is retired; blocks travel on the block stream (same port), MACed per block",
-        ))
-    }
-
     async fn ranks(
         &self,
         req: Request<proto::RanksRequest>,
@@ -88,7 +75,7 @@ impl proto::peer_server::Peer for Service {
 }
 
 impl Service {
-    /// Accounts for a block served to a peer (over gRPC or the block stream): the
+    /// Accounts for a block served to a peer (on the block stream): the
     /// counters, and the handoff of the file to a peer that keeps it.
     pub(super) fn served(&self, r: &FetchRequest, key: Key, len: usize) {
         if r.keep {
@@ -109,7 +96,7 @@ impl Service {
     /// the file, this node's copy is handed over (see [`Plans::handed`]).
     fn count_handoff(&self, key: Key, root: &str, path: &str, index: u64, nblocks: u64) {
         let done = {
-            let mut h = self.handoffs.lock().unwrap_or_else(|e| e.into_inner());
+            let mut h = self.handoffs.lock();
             if h.len() >= HANDOFFS {
                 h.clear();
             }
@@ -133,7 +120,6 @@ impl Service {
 
 /// The block a peer asks for, from this node's cache, filled first when asked to, into
 /// `buf`; its xxh3-64 (checked against the one recorded) and its file version's key.
-/// gRPC `Fetch` and the block stream serve the same way.
 pub(super) fn serve_block(
     provider: &dyn BlockProvider,
     meta: &Meta,

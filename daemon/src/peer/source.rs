@@ -187,4 +187,32 @@ mod tests {
     fn the_peer_client_conforms_as_a_source() {
         conformance::sources(&fx);
     }
+
+    /// A block-stream connection the client keeps idle for its next block holds a
+    /// serving thread (`sc-peer-data`, a lifecycle task): closing the server wakes it
+    /// (its socket shut down) and joins it, well before its idle limit.
+    #[test]
+    fn closing_the_server_ends_its_block_stream_threads() {
+        let fx = fx();
+        let t = fx.put("f", &[7u8; BS]);
+        let req = BlockRequest {
+            target: &t,
+            root: "/r",
+            index: 0,
+            offset: 0,
+            len: BS,
+            prefetch: false,
+        };
+        let mut buf = Vec::new();
+        let got = fx.source.fetch(&req, &mut buf);
+        assert!(matches!(got, Ok(Fetched::Got { .. })), "{got:?}");
+        assert_eq!(fx.server.data.open(), 1, "the kept connection's thread");
+        let started = std::time::Instant::now();
+        assert_eq!(fx.server.data.close(), 0, "joined, none left behind");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "woken, not waited out"
+        );
+        assert_eq!(fx.server.data.open(), 0);
+    }
 }

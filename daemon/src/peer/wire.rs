@@ -33,13 +33,15 @@
 //!    cannot put them in another node's cache).
 //!
 //! A frame is a 4-byte little-endian length and that many bytes of protobuf, at most
-//! [`MAX_FRAME`]. Everything here is blocking I/O: both ends run it on their own threads.
+//! [`MAX_FRAME`] ([`shardcache_proto::frame`], the local protocol's framing too). Everything here is blocking I/O: both ends run it on their own threads.
 //! Nothing is secret from a listener on the path but the secret itself (the bytes travel
 //! in the clear unless the port runs TLS: see `peer::tls`).
 //!
 //! [`frame`]: write_frame
 
 use std::io::{self, IoSlice, Read, Write};
+
+use shardcache_proto::frame;
 
 use super::proto::{BlockHeader, FetchRequest};
 use crate::checksum::{MAC_LEN, Mac, MacKey, derive_key};
@@ -343,23 +345,11 @@ pub fn server_handshake<S: Read + Write>(
 
 /// `msg` as one frame: its length, then its bytes.
 fn encode_frame(msg: &impl prost::Message) -> io::Result<Vec<u8>> {
-    let len = msg.encoded_len();
-    if len > MAX_FRAME {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "frame too large",
-        ));
-    }
-    let mut buf = Vec::with_capacity(4 + len);
-    buf.extend_from_slice(&(len as u32).to_le_bytes());
-    msg.encode(&mut buf)
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))?;
-    Ok(buf)
+    frame::encode(msg, MAX_FRAME).map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))
 }
 
-fn decode_frame<M: prost::Message + Default>(frame: &[u8]) -> io::Result<M> {
-    M::decode(frame.get(4..).unwrap_or_default())
-        .map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
+fn decode_frame<M: prost::Message + Default>(f: &[u8]) -> io::Result<M> {
+    M::decode(frame::body(f)).map_err(|e| io::Error::new(io::ErrorKind::InvalidData, e))
 }
 
 /// Writes `msg` as one frame (no tag: the session's methods add one).
@@ -370,28 +360,7 @@ pub fn write_frame<W: Write>(w: &mut W, msg: &impl prost::Message) -> io::Result
 /// Reads one frame, its length included. `Ok(None)` when the connection ended cleanly
 /// before the frame began (the other end is done).
 fn read_frame_bytes<R: Read>(r: &mut R) -> io::Result<Option<Vec<u8>>> {
-    let mut len = [0u8; 4];
-    let mut got = 0;
-    while got < len.len() {
-        match r.read(&mut len[got..]) {
-            Ok(0) if got == 0 => return Ok(None),
-            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => got += n,
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    let n = u32::from_le_bytes(len) as usize;
-    if n > MAX_FRAME {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("frame of {n} bytes"),
-        ));
-    }
-    let mut buf = vec![0u8; 4 + n];
-    buf[..4].copy_from_slice(&len);
-    r.read_exact(&mut buf[4..])?;
-    Ok(Some(buf))
+    frame::read(r, MAX_FRAME)
 }
 
 /// Reads one frame holding an `M` (no tag: the session's methods check one).

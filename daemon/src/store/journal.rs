@@ -32,16 +32,23 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::time::Duration;
 
 use prost::Message;
 use shardcache_proto::store::v1::Record;
 use xxhash_rust::xxh3::xxh3_64;
 
+use crate::lifecycle::Task;
+
 const MAGIC: &[u8; 8] = b"SCJRNL01";
 const MAX_RECORD: usize = 1 << 20;
 /// Most records one group commit takes.
 const MAX_BATCH: usize = 1024;
+/// Records (appends and pauses) queued for the writer; an appender waits for room.
+const QUEUE: usize = 4096;
+/// Longest [`Journal::close`] waits for the writer to make what was queued durable: a
+/// writer stuck in a `write` or `fdatasync` on a hung disk is left behind (and logged).
+pub const WRITER_STOP: Duration = Duration::from_secs(10);
 
 type Done = SyncSender<Result<(), Arc<io::Error>>>;
 
@@ -64,7 +71,11 @@ pub const COMPACT_AFTER: u64 = 64 << 20;
 pub struct Journal {
     path: PathBuf,
     tx: Mutex<Option<SyncSender<Msg>>>,
-    writer: Mutex<Option<JoinHandle<()>>>,
+    /// The writer thread (`sc-journal`): it ends when `tx` is dropped and the queue is
+    /// drained (its stop signal is that, not the task's own).
+    writer: Mutex<Option<Task>>,
+    /// True while the writer runs (the liveness probe reads it).
+    alive: Arc<AtomicBool>,
     /// Bytes appended since the last rewrite, and the size of that rewrite.
     appended: AtomicU64,
     base: AtomicU64,
@@ -286,14 +297,14 @@ impl Journal {
     /// rename, fsync of the directory) and opens it for appends.
     pub fn create(path: &Path, records: impl IntoIterator<Item = Record>) -> io::Result<Self> {
         let (file, size) = write_new(path, records)?;
-        let (tx, rx) = sync_channel(4096);
-        let writer = std::thread::Builder::new()
-            .name("sc-journal".into())
-            .spawn(move || writer_loop(file, rx))?;
+        let (tx, rx) = sync_channel(QUEUE);
+        let alive = Arc::new(AtomicBool::new(false));
+        let writer = Task::spawn("sc-journal", alive.clone(), move |_| writer_loop(file, rx))?;
         Ok(Self {
             path: path.to_owned(),
             tx: Mutex::new(Some(tx)),
             writer: Mutex::new(Some(writer)),
+            alive,
             appended: AtomicU64::new(0),
             base: AtomicU64::new(size),
             compacting: AtomicBool::new(false),
@@ -383,18 +394,29 @@ impl Journal {
         }
     }
 
-    /// Stops accepting appends and waits for the writer to finish what was queued.
-    pub fn close(&self) {
+    /// False once the writer thread has ended: closed, or ended by a panic (then every
+    /// append fails and nothing new becomes visible).
+    pub fn writer_alive(&self) -> bool {
+        self.alive.load(Ordering::Acquire)
+    }
+
+    /// Stops accepting appends and waits, at most [`WRITER_STOP`], for the writer to
+    /// make what was queued durable; false when it did not finish in time (stuck on the
+    /// disk: it is left behind, and a later call does not wait for it again).
+    pub fn close(&self) -> bool {
         self.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
-        if let Some(h) = self.writer.lock().unwrap_or_else(|e| e.into_inner()).take() {
-            let _ = h.join();
-        }
+        let writer = self.writer.lock().unwrap_or_else(|e| e.into_inner()).take();
+        let Some(mut t) = writer else {
+            return !self.writer_alive();
+        };
+        // The queue's end is the writer's stop: it drains what is queued, then returns.
+        t.join(WRITER_STOP)
     }
 }
 
 impl Drop for Journal {
     fn drop(&mut self) {
-        self.close();
+        let _ = self.close();
     }
 }
 
@@ -506,6 +528,33 @@ mod tests {
                 generation: 1,
             })),
         }
+    }
+
+    /// The writer is a lifecycle task: alive while the journal is open, drained and
+    /// joined by `close` (every queued append durable first), refusing appends after.
+    #[test]
+    fn close_drains_and_joins_the_writer_and_its_liveness_follows() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("journal");
+        let j = Arc::new(Journal::create(&p, Vec::new()).unwrap());
+        assert!(j.writer_alive());
+        let appenders: Vec<_> = (0..4)
+            .map(|t| {
+                let j = j.clone();
+                std::thread::spawn(move || {
+                    (0..25)
+                        .filter(|i| j.append(&block(t * 100 + i)).is_ok())
+                        .count()
+                })
+            })
+            .collect();
+        let appended: usize = appenders.into_iter().map(|a| a.join().unwrap()).sum();
+        assert_eq!(appended, 100);
+        assert!(j.close(), "joined within the bound");
+        assert!(!j.writer_alive());
+        assert!(j.close(), "a second close has nothing to wait for");
+        assert!(j.append(&block(0)).is_err(), "closed");
+        assert_eq!(replay(&p).records.len(), 100);
     }
 
     #[test]

@@ -809,11 +809,23 @@ impl Store {
         self.block_size
     }
 
+    /// False once the journal's writer thread (`sc-journal`) has ended: closed, or ended
+    /// by a panic (then every append fails, and nothing new is admitted).
+    pub fn journal_alive(&self) -> bool {
+        self.journal.writer_alive()
+    }
+
     /// Flushes the journal and marks the shutdown orderly (`CLEAN`, which the next start
     /// only logs: no start trusts a block it did not check). Call once, after every fill
     /// has finished.
     pub fn close(&self) -> stdio::Result<()> {
-        self.journal.close();
+        if !self.journal.close() {
+            // What was queued may not be durable: the shutdown is not called orderly.
+            return Err(stdio::Error::other(format!(
+                "the journal writer did not finish within {} s",
+                journal::WRITER_STOP.as_secs()
+            )));
+        }
         let marker = self.dir.join("CLEAN");
         journal::clear_unless_file(&marker)?;
         File::create(&marker)?.sync_all()?;
