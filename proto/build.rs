@@ -14,6 +14,19 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     prost_build::Config::new()
         // Status and verify replies are printed as JSON by the CLI.
         .type_attribute(".shardcache.local.v1", "#[derive(serde::Serialize)]")
+        // Enum fields as their names, not numbers (`crate::json`).
+        .field_attribute(
+            ".shardcache.local.v1.FallbackCount.reason",
+            "#[serde(serialize_with = \"crate::json::fallback_reason\")]",
+        )
+        .field_attribute(
+            ".shardcache.local.v1.Refused.reason",
+            "#[serde(serialize_with = \"crate::json::reason\")]",
+        )
+        .field_attribute(
+            ".shardcache.local.v1.ErrorReply.code",
+            "#[serde(serialize_with = \"crate::json::error_code\")]",
+        )
         .compile_fds(fds)?;
     Ok(())
 }

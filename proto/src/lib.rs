@@ -7,6 +7,7 @@
 //! what either side does with it.
 
 pub mod frame;
+pub mod json;
 pub mod wire;
 
 /// The local client ↔ daemon API (Unix socket).
