@@ -91,6 +91,12 @@ struct JobInfo {
     /// again gets a new tag, so late reports of the old one are not mixed in).
     tag: u64,
     usage: Usage,
+    /// A shuffle's manifest apart from its ranks (a hash), and its ranks on this node:
+    /// a registration of the same shuffle for other ranks adds them (see
+    /// [`Jobs::register`]).
+    shape: Option<(u64, Vec<u64>)>,
+    /// The reply its registration got (repeated to a registration that adds nothing).
+    registered: Registered,
     /// Steps done at the last rate measurement, and when.
     rate_mark: (u64, Instant),
     /// Steps per second, once measured.
@@ -289,5 +295,68 @@ mod tests {
         // A file no job plans: no tag, nothing counted.
         assert_eq!(jobs.on_open(0, "other", false), 0);
         assert_eq!(jobs.status(&|_, _| false, 1 << 30)[0].opens, 1);
+    }
+
+    fn shuffle(job: &str, seed: u64, ranks: &[u64]) -> String {
+        let files: Vec<String> = (0..12).map(|i| format!("\"f{i}\"")).collect();
+        let ranks: Vec<String> = ranks.iter().map(u64::to_string).collect();
+        format!(
+            r#"{{"version": 1, "job": "{job}", "root": "/r", "files": [{}],
+                "plan": {{"kind": "shuffle", "algorithm": "pcg64-fisher-yates/v1",
+                          "seed": {seed}, "epochs": 2, "world_size": 4, "ranks": [{}]}}}}"#,
+            files.join(","),
+            ranks.join(",")
+        )
+    }
+
+    fn user(uid: u32) -> Creds {
+        Creds {
+            pid: 1,
+            uid,
+            gid: uid,
+            groups: Vec::new(),
+        }
+    }
+
+    /// Issue 14: two ranks of one job on one node register the same shuffle under one
+    /// id, each with its own rank: the node's plan reads both (before, the second
+    /// replaced the first). A registration adding no rank changes nothing (the position
+    /// stays); another shuffle under the id replaces it, as before.
+    #[test]
+    fn ranks_of_one_job_on_one_node_share_one_plan() {
+        let jobs = jobs();
+        let ranks = |j: &Jobs| j.plans.planner().shuffles();
+        jobs.register(&shuffle("j", 7, &[2]), &user(1000), false)
+            .unwrap();
+        let tag = jobs.tags.read().values().next().copied().unwrap();
+        jobs.register(&shuffle("j", 7, &[0]), &user(1000), false)
+            .unwrap();
+        assert_eq!(ranks(&jobs), vec![("j".to_owned(), 4, vec![0, 2])]);
+        assert!(
+            jobs.tags.read().values().all(|&t| t == tag),
+            "the same job: its tag (and usage) kept"
+        );
+        // The node plan is the two ranks' reads, interleaved.
+        let want: Vec<FileRef> = shardcache_plan::shuffle::node_order(12, 7, 0, 4, &[0, 2], false)
+            .into_iter()
+            .map(|i| FileRef {
+                root: 0,
+                path: format!("f{i}"),
+            })
+            .collect();
+        assert_eq!(jobs.plans.planner().upcoming_of("j", 6), want);
+        // Nothing new: the position stays where reads moved it.
+        jobs.progress("j", 0, 2).unwrap();
+        jobs.register(&shuffle("j", 7, &[2]), &user(1000), false)
+            .unwrap();
+        assert_eq!(jobs.plans.planner().position("j"), Some((0, 2)));
+        // Another user may not add ranks to it; another shuffle replaces it.
+        assert!(matches!(
+            jobs.register(&shuffle("j", 7, &[1]), &user(1001), false),
+            Err(JobError::NotYours { .. })
+        ));
+        jobs.register(&shuffle("j", 8, &[1]), &user(1000), false)
+            .unwrap();
+        assert_eq!(ranks(&jobs), vec![("j".to_owned(), 4, vec![1])]);
     }
 }

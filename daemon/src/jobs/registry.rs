@@ -83,6 +83,18 @@ pub struct Registered {
     pub immutable_owner_only: bool,
 }
 
+/// A hash of a shuffle manifest with its ranks left out (`None` for other plans): two
+/// ranks' registrations of one job on one node have the same.
+fn shape_of(m: &Manifest) -> Option<u64> {
+    let mut m = m.clone();
+    match &mut m.plan {
+        Plan::Shuffle { ranks, .. } => ranks.clear(),
+        Plan::Sequence { .. } => return None,
+    }
+    let bytes = serde_json::to_vec(&m).ok()?;
+    Some(crate::checksum::block_xxh3(&bytes))
+}
+
 impl Jobs {
     /// Rebuilds the tag index from the registered jobs (the first registered job that
     /// plans a file names it).
@@ -105,16 +117,46 @@ impl Jobs {
         *self.tags.write() = tags;
     }
     /// Registers a manifest for the user `creds` (`operator`: root or the daemon's
-    /// user), replacing a job with the same id. The error names the field and nothing
-    /// changes.
+    /// user), replacing a job with the same id — except that a shuffle the same user
+    /// registered under that id, identical but for its ranks, gains the new ranks (the
+    /// ranks of one job on one node share one node plan; a registration that adds no
+    /// rank changes nothing). The error names the field and nothing changes.
     pub fn register(
         &self,
         json: &str,
         creds: &Creds,
         operator: bool,
     ) -> Result<Registered, JobError> {
-        let m = Manifest::from_json(json).map_err(|e| JobError::Manifest(e.to_string()))?;
+        let mut m = Manifest::from_json(json).map_err(|e| JobError::Manifest(e.to_string()))?;
         self.may_change(&m.job, creds.uid, operator)?;
+        // Ranks of one job on one node (each rank's sampler registers its own rank
+        // under the job's id): a shuffle identical to the registered one but for its
+        // ranks adds them to the node's plan instead of replacing the other ranks'.
+        let shape = shape_of(&m);
+        let mut merged: Option<(u64, Usage)> = None;
+        if let (Some(shape), Plan::Shuffle { ranks, .. }) = (shape, &mut m.plan) {
+            let info = self.info.lock();
+            let same = info.get(&m.job).and_then(|j| {
+                let (s, old) = j.shape.as_ref()?;
+                (*s == shape && j.creds.uid == creds.uid).then_some((j, old))
+            });
+            if let Some((j, old)) = same {
+                if ranks.iter().all(|r| old.contains(r)) {
+                    // Nothing new: the plan stands, its position and usage too.
+                    return Ok(j.registered.clone());
+                }
+                let mut all: Vec<u64> = old.iter().chain(ranks.iter()).copied().collect();
+                all.sort_unstable();
+                all.dedup();
+                tracing::info!(job = %m.job, ranks = ?all, "ranks added to the node's plan");
+                *ranks = all;
+                merged = Some((j.tag, j.usage));
+            }
+        }
+        let ranks = match &m.plan {
+            Plan::Shuffle { ranks, .. } => ranks.clone(),
+            Plan::Sequence { .. } => Vec::new(),
+        };
         let (root, prefix) = self
             .locate(&m.root)
             .ok_or_else(|| JobError::RootNotServed(m.root.clone()))?;
@@ -250,7 +292,14 @@ impl Jobs {
             immutable_over_limit: immutable.as_ref().map_or(0, |i| n - i.1),
             immutable_owner_only: immutable.is_some() && !operator,
         };
-        let tag = self.next_tag.fetch_add(1, Ordering::Relaxed);
+        // The same job with more ranks keeps its tag (clients' reports of it stay
+        // counted) and its usage.
+        let (tag, usage) = merged.unwrap_or_else(|| {
+            (
+                self.next_tag.fetch_add(1, Ordering::Relaxed),
+                Usage::default(),
+            )
+        });
         let done = self.plans.planner().steps_done(&m.job).unwrap_or(0);
         let old = self.info.lock().insert(
             m.job.clone(),
@@ -262,7 +311,9 @@ impl Jobs {
                 dirs_denied: dirs_denied as u64,
                 denied: HashSet::new(),
                 tag,
-                usage: Usage::default(),
+                usage,
+                shape: shape.map(|s| (s, ranks)),
+                registered: registered.clone(),
                 rate_mark: (done, Instant::now()),
                 rate: None,
             },
