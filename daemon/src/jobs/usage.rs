@@ -3,6 +3,7 @@
 //! window, usage, what its registrant's rights left out).
 
 use super::*;
+use crate::status::JobStatus;
 
 /// What a job's registrant's rights left out of it (for status).
 #[derive(Debug, Clone, Copy)]
@@ -141,11 +142,7 @@ impl Jobs {
     /// `capacity` is the cache's. A job's readiness window is what it reads next, to the
     /// end of its current epoch (the next epoch, at a job's start), as far as the cache
     /// can hold it, at most 4096 files.
-    pub fn status(
-        &self,
-        cached: &dyn Fn(usize, &str) -> bool,
-        capacity: u64,
-    ) -> Vec<pb::JobStatus> {
+    pub fn status(&self, cached: &dyn Fn(usize, &str) -> bool, capacity: u64) -> Vec<JobStatus> {
         self.settle();
         let info: Vec<(String, usize, Usage, Option<f64>, Left)> = self
             .info
@@ -182,7 +179,7 @@ impl Jobs {
                     resident_bytes += size;
                 }
             }
-            out.push(pb::JobStatus {
+            out.push(JobStatus {
                 job,
                 epoch: pos.0,
                 step: pos.1,
@@ -197,9 +194,9 @@ impl Jobs {
                 fallback_bytes: u.fallback_bytes,
                 opens: u.opens,
                 opens_hit: u.opens_hit,
-                wait_seconds: u.wait_ns as f64 / 1e9,
-                fallback_seconds: u.fallback_ns as f64 / 1e9,
-                rate: rate.unwrap_or(0.0),
+                wait: Duration::from_nanos(u.wait_ns),
+                fallback: Duration::from_nanos(u.fallback_ns),
+                rate,
                 prefetching,
                 placement_nodes: placed.0,
                 placement_slots: placed.1,
