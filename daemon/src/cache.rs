@@ -527,6 +527,7 @@ impl ReadPath {
             metrics_addr: self.cfg.metrics_addr,
             connections: self.stats.connections.load(Ordering::Relaxed),
             jobs,
+            prefetching: self.jobs.prefetching(),
             peers: self.peers.as_ref().map(|p| {
                 let m = p.membership();
                 let healthy = m.healthy();
@@ -928,6 +929,7 @@ mod tests {
         assert_eq!((j.window_bytes, j.window_resident_bytes), (1000, 0));
         assert_eq!((j.opens, j.opens_hit), (0, 0));
         assert_eq!(j.rate, None, "not measured yet");
+        assert_eq!(s.prefetching, 0, "no prefetcher runs");
 
         // The job reads its first file through the read path (cold, then filled).
         let order = shardcache_plan::shuffle::rank_order(4, 3, 0, 1, 0, false);

@@ -49,6 +49,8 @@ pub struct Status {
     pub connections: u64,
     /// Every registered job, in job id order.
     pub jobs: Vec<JobStatus>,
+    /// Files being prefetched now, for every job together.
+    pub prefetching: u64,
     /// This node and the members it knows, when peers are on.
     pub peers: Option<PeersStatus>,
 }
@@ -163,8 +165,6 @@ pub struct JobStatus {
     pub fallback: Duration,
     /// Steps per second the job reads; `None` until measured.
     pub rate: Option<f64>,
-    /// Files being prefetched now, for any job (the same in every job's status).
-    pub prefetching: u64,
     /// The job's cluster placement (peers on, a shuffle): the nodes it spans (0: not
     /// placed, fetches go by ownership).
     pub placement_nodes: u64,

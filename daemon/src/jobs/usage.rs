@@ -150,7 +150,6 @@ impl Jobs {
             .iter()
             .map(|(k, v)| (k.clone(), v.files, v.usage, v.rate, Left::of(v)))
             .collect();
-        let prefetching = self.prefetching.load(Ordering::Relaxed);
         let mut out = Vec::new();
         for (job, files, u, rate, left) in info {
             let (pos, len, upcoming, placed) = {
@@ -197,7 +196,6 @@ impl Jobs {
                 wait: Duration::from_nanos(u.wait_ns),
                 fallback: Duration::from_nanos(u.fallback_ns),
                 rate,
-                prefetching,
                 placement_nodes: placed.0,
                 placement_slots: placed.1,
                 placement_here: placed.2,
@@ -209,6 +207,11 @@ impl Jobs {
             });
         }
         out
+    }
+
+    /// Files being prefetched now, for every job together.
+    pub fn prefetching(&self) -> u64 {
+        self.prefetching.load(Ordering::Relaxed)
     }
 
     /// True when every registered job's rate has been measured.

@@ -458,7 +458,8 @@ impl Metrics {
             (&JOBS, s.jobs.len() as u64),
             (
                 &PREFETCH_IN_FLIGHT,
-                s.jobs.first().map_or(0, |j| j.prefetching),
+                // 0 without jobs, as `shardcache status` shows it (in each job's).
+                if s.jobs.is_empty() { 0 } else { s.prefetching },
             ),
         ] {
             w.gauge(d, &[], n as f64);
@@ -610,7 +611,6 @@ mod tests {
             wait: Duration::from_millis(250),
             fallback: Duration::from_millis(1500),
             rate: Some(2.0),
-            prefetching: 3,
             ..Default::default()
         };
         Status {
@@ -639,6 +639,7 @@ mod tests {
                 })
                 .collect(),
             jobs: vec![job("resnet", 1), job("llm \"x\"", 2)],
+            prefetching: 3,
             peers: Some(PeersStatus {
                 me: "a:1".into(),
                 members: vec![

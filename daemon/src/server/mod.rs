@@ -834,6 +834,7 @@ fn pb_status(s: Status) -> pb::StatusReply {
         metrics_addr,
         connections,
         jobs,
+        prefetching,
         peers,
     } = s;
     let (peer_id, peers) = match peers {
@@ -873,7 +874,8 @@ fn pb_status(s: Status) -> pb::StatusReply {
         backing_health: roots.into_iter().map(pb_root).collect(),
         metrics_addr: metrics_addr.map(|a| a.to_string()).unwrap_or_default(),
         connections,
-        jobs: jobs.into_iter().map(pb_job).collect(),
+        // The reply carries the node's prefetches in every job's status.
+        jobs: jobs.into_iter().map(|j| pb_job(j, prefetching)).collect(),
         peer_id,
         peers,
     }
@@ -913,7 +915,7 @@ fn pb_peer(p: PeerStatus) -> pb::PeerStatus {
     }
 }
 
-fn pb_job(j: JobStatus) -> pb::JobStatus {
+fn pb_job(j: JobStatus, prefetching: u64) -> pb::JobStatus {
     let JobStatus {
         job,
         epoch,
@@ -932,7 +934,6 @@ fn pb_job(j: JobStatus) -> pb::JobStatus {
         wait,
         fallback,
         rate,
-        prefetching,
         placement_nodes,
         placement_slots,
         placement_here,
@@ -1019,6 +1020,7 @@ mod tests {
                 rate: None,
                 ..Default::default()
             }],
+            prefetching: 3,
             peers: Some(PeersStatus {
                 me: "a:1".into(),
                 members: vec![PeerStatus {
@@ -1040,6 +1042,7 @@ mod tests {
         assert_eq!((r.fallbacks[0].opens, r.fallbacks[0].reads), (1, 2));
         assert_eq!(r.jobs[0].wait_seconds, 1.5);
         assert_eq!(r.jobs[0].rate, 0.0, "not measured yet");
+        assert_eq!(r.jobs[0].prefetching, 3, "the node's, in every job");
         assert_eq!(r.peer_id, "a:1");
         assert_eq!(r.peers[0].last_ok_seconds, -1.0, "no exchange yet");
         assert!(r.counters.is_some());
