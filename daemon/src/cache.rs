@@ -1,5 +1,5 @@
-//! The read path as a service: [`ReadPath::open`] and [`ReadPath::wait`], with typed
-//! inputs and outcomes, knowing nothing of the wire.
+//! The read path as a service: [`ReadPath::open`], [`ReadPath::wait`] and
+//! [`ReadPath::status`], with typed inputs and outcomes, knowing nothing of the wire.
 //!
 //! This is the cache's front door. An open resolves the path under a root, stats it
 //! through the metadata cache, decides access ([`crate::access`]), looks the version up
@@ -9,15 +9,21 @@
 //! the reader's slice is over (docs/SEMANTICS.md, section 2). Every refusal carries a
 //! [`Reason`] and is counted here, once.
 //!
+//! The status ([`Status`]) is assembled here too, from the store's space, the counters,
+//! the roots' health, the jobs and the peers; what the read path does not hold itself
+//! (when the daemon started, the metrics endpoint's address) it is handed at
+//! construction ([`ReadPathConfig`]). The metrics endpoint renders the same value.
+//!
 //! The Unix-socket server ([`crate::server`]) only adapts: protobuf in, [`Opened`] /
-//! [`Waited`] / [`Refusal`] out, one exhaustive mapping each way. Unit tests drive this
-//! service in-process over [`crate::backing::mem::MemBacking`].
+//! [`Waited`] / [`Refusal`] / [`Status`] out, one exhaustive mapping each way. Unit tests
+//! drive this service in-process over [`crate::backing::mem::MemBacking`].
 //!
 //! Owns: the read path's decisions and counters. Must not touch: sockets, protobuf,
 //! framing, connection admission (the server's), the store's internals, or plans (it
 //! reports accesses to [`crate::jobs::Jobs`] and nothing more).
 
 use std::fs::File;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -30,7 +36,8 @@ use crate::jobs::Jobs;
 use crate::meta::{Meta, ResolveError};
 use crate::peer::Peers;
 use crate::stats::{Stats, inc};
-use crate::store::{Store, StoreError, View};
+use crate::status::{PeerStatus, PeersStatus, RootHealth, Space, Status};
+use crate::store::{Store, StoreError, StoreStatus, View};
 
 /// Most blocks one wait may name.
 pub const MAX_WAIT_BLOCKS: u64 = 1024;
@@ -152,8 +159,13 @@ pub struct ReadPathConfig {
     pub readahead: u32,
     /// Longest wait granted to a reader.
     pub max_wait: Duration,
-    /// The cache directory (transient copies are unlinked files in it).
+    /// The cache directory (transient copies are unlinked files in it; reported in
+    /// status).
     pub cache_dir: PathBuf,
+    /// When the daemon started (status reports the uptime from it).
+    pub started: Instant,
+    /// The bound address of the metrics endpoint, when it is on (for status).
+    pub metrics_addr: Option<SocketAddr>,
 }
 
 /// The read path: what the local API serves opens and waits with.
@@ -449,6 +461,93 @@ impl ReadPath {
         })
     }
 
+    /// The daemon's status: what `shardcache status` shows and the metrics endpoint
+    /// renders. Each part is read once, on its own (the figures of one part are
+    /// consistent with each other, not across parts).
+    pub fn status(&self) -> Status {
+        let roots = self.meta.roots();
+        let names: Vec<&str> = roots.all().iter().map(|r| r.name.as_str()).collect();
+        let StoreStatus {
+            capacity,
+            used,
+            fs_free,
+            fs_size,
+            min_free,
+            files,
+            blocks,
+            unverified,
+        } = self.store.status();
+        let jobs = self.jobs.status(
+            &|root, path| {
+                names
+                    .get(root)
+                    .is_some_and(|name| self.store.is_cached(name, path))
+            },
+            capacity,
+        );
+        Status {
+            daemon_version: env!("CARGO_PKG_VERSION").to_owned(),
+            uptime: self.cfg.started.elapsed(),
+            cache_dir: self.cfg.cache_dir.clone(),
+            space: Space {
+                capacity_bytes: capacity,
+                used_bytes: used,
+                fs_free_bytes: fs_free,
+                fs_size_bytes: fs_size,
+                min_free_bytes: min_free,
+                files,
+                blocks,
+                unverified_blocks: unverified,
+            },
+            block_size: self.store.block_size(),
+            io_engine: self.store.io_engine().to_owned(),
+            counters: self.stats.snapshot(),
+            fallbacks: self.stats.fallbacks(),
+            roots: names
+                .iter()
+                .enumerate()
+                .map(|(i, name)| {
+                    let crate::backing::watch::Health {
+                        stalled,
+                        in_flight,
+                        stuck,
+                        oldest_seconds,
+                        refused,
+                    } = roots.watch(i).health();
+                    RootHealth {
+                        root: (*name).to_owned(),
+                        stalled,
+                        calls_in_flight: in_flight,
+                        calls_stuck: stuck,
+                        oldest_call_seconds: oldest_seconds,
+                        calls_refused: refused,
+                    }
+                })
+                .collect(),
+            metrics_addr: self.cfg.metrics_addr,
+            connections: self.stats.connections.load(Ordering::Relaxed),
+            jobs,
+            prefetching: self.jobs.prefetching(),
+            peers: self.peers.as_ref().map(|p| {
+                let m = p.membership();
+                let healthy = m.healthy();
+                PeersStatus {
+                    me: m.me().to_owned(),
+                    members: m
+                        .all()
+                        .into_iter()
+                        .map(|(id, h)| PeerStatus {
+                            healthy: healthy.contains(&id),
+                            failures: h.failures,
+                            last_ok: h.last_ok.map(|t| t.elapsed()),
+                            id,
+                        })
+                        .collect(),
+                }
+            }),
+        }
+    }
+
     /// Blocks `first..end` of a file this node declined to cache (no room worth making),
     /// fetched from the node that owns it into an unlinked temporary file: the reader gets
     /// them from the cluster instead of the shared file system, and nothing is kept.
@@ -522,6 +621,7 @@ mod tests {
         faults: Arc<Faults>,
         stats: Arc<Stats>,
         store: Arc<Store>,
+        jobs: Arc<Jobs>,
         cache: ReadPath,
     }
 
@@ -558,13 +658,15 @@ mod tests {
             meta,
             store.clone(),
             filler,
-            jobs,
+            jobs.clone(),
             None,
             stats.clone(),
             ReadPathConfig {
                 readahead,
                 max_wait: Duration::from_secs(20),
                 cache_dir: dir.path().to_owned(),
+                started: Instant::now(),
+                metrics_addr: None,
             },
         );
         Rig {
@@ -573,6 +675,7 @@ mod tests {
             faults,
             stats,
             store,
+            jobs,
             cache,
         }
     }
@@ -746,5 +849,104 @@ mod tests {
         let w = r.cache.wait(&creds(0), &wait_all(&o, "/r/d")).unwrap();
         assert!(all_set(&w.present, 2));
         assert!(r.store.is_cached("/r", "d"));
+    }
+
+    #[test]
+    fn the_status_shows_a_cold_open_and_its_wait_in_space_and_counters() {
+        let r = rig();
+        let before = r.cache.status();
+        assert_eq!(before.space.used_bytes, 0);
+        assert_eq!((before.space.files, before.space.blocks), (0, 0));
+        assert_eq!(before.counters.opens, 0);
+        assert_eq!(before.block_size, BS);
+        assert_eq!(before.space.capacity_bytes, 1 << 30);
+        assert_eq!(before.cache_dir, r._dir.path());
+        assert_eq!(before.metrics_addr, None);
+        assert!(before.jobs.is_empty() && before.peers.is_none());
+        assert_eq!(before.fallbacks.len(), crate::stats::FALLBACK_REASONS);
+        assert!(
+            before
+                .fallbacks
+                .iter()
+                .all(|f| f.opens == 0 && f.reads == 0)
+        );
+        let roots: Vec<&str> = before.roots.iter().map(|h| h.root.as_str()).collect();
+        assert_eq!(roots, ["/r"]);
+        assert!(!before.roots[0].stalled);
+
+        let data = bytes(3 * BS as usize + 17, 7);
+        r.mem.put("e", data.clone(), owner(0, 0o644));
+        let o = r.cache.open(&creds(0), "/r/e").unwrap();
+        let w = r.cache.wait(&creds(0), &wait_all(&o, "/r/e")).unwrap();
+        assert!(all_set(&w.present, 4));
+
+        let after = r.cache.status();
+        assert_eq!((after.space.files, after.space.blocks), (1, 4));
+        assert!(
+            (data.len() as u64..=4 * u64::from(BS)).contains(&after.space.used_bytes),
+            "used {} for {} bytes in 4 blocks",
+            after.space.used_bytes,
+            data.len()
+        );
+        let c = &after.counters;
+        assert_eq!((c.opens, c.opens_empty, c.opens_full), (1, 1, 0));
+        assert_eq!((c.waits, c.wait_timeouts), (1, 0));
+        assert!(
+            c.backing_bytes >= data.len() as u64,
+            "the fill read the file"
+        );
+        assert!(after.uptime >= before.uptime);
+
+        // The second open is a hit, and the status says so.
+        r.cache.open(&creds(0), "/r/e").unwrap();
+        assert_eq!(r.cache.status().counters.opens_full, 1);
+    }
+
+    #[test]
+    fn the_status_shows_a_registered_job_and_how_far_it_read() {
+        let r = rig();
+        // Four files of different sizes (one block or less each), so the window's
+        // bytes say which files it holds.
+        let size = |i: usize| 100 * (i as u64 + 1);
+        for i in 0..4 {
+            r.mem.put(
+                &format!("f{i}"),
+                bytes(size(i) as usize, i as u8),
+                owner(0, 0o644),
+            );
+        }
+        let m = r#"{"version": 1, "job": "j", "root": "/r", "files": ["f0", "f1", "f2", "f3"],
+            "plan": {"kind": "shuffle", "algorithm": "pcg64-fisher-yates/v1",
+                     "seed": 3, "epochs": 2, "world_size": 1, "ranks": [0]}}"#;
+        r.jobs.register(m, &creds(0), true).unwrap();
+
+        let s = r.cache.status();
+        assert_eq!(s.jobs.len(), 1);
+        let j = &s.jobs[0];
+        assert_eq!(j.job, "j");
+        assert_eq!((j.epoch, j.step, j.epoch_len, j.files), (0, 0, 4, 4));
+        assert_eq!((j.window, j.window_resident), (4, 0), "nothing cached yet");
+        assert_eq!((j.window_bytes, j.window_resident_bytes), (1000, 0));
+        assert_eq!((j.opens, j.opens_hit), (0, 0));
+        assert_eq!(j.rate, None, "not measured yet");
+        assert_eq!(s.prefetching, 0, "no prefetcher runs");
+
+        // The job reads its first file through the read path (cold, then filled).
+        let order = shardcache_plan::shuffle::rank_order(4, 3, 0, 1, 0, false);
+        let first = format!("/r/f{}", order[0]);
+        let o = r.cache.open(&creds(0), &first).unwrap();
+        r.cache.wait(&creds(0), &wait_all(&o, &first)).unwrap();
+
+        let s = r.cache.status();
+        let j = &s.jobs[0];
+        assert_eq!((j.epoch, j.step), (0, 1), "the open moved the job");
+        assert_eq!((j.opens, j.opens_hit), (1, 0), "one cold open");
+        assert_eq!(j.window, 3, "the rest of the epoch");
+        assert_eq!(j.window_bytes, 1000 - size(order[0] as usize));
+        assert_eq!((j.window_resident, j.window_resident_bytes), (0, 0));
+        assert_eq!(
+            s.space.files, 1,
+            "the file read is cached, behind the window"
+        );
     }
 }

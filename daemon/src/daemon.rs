@@ -142,7 +142,7 @@ struct Probes {
 
 impl Endpoint for Probes {
     fn render(&self) -> String {
-        self.metrics.render(&server::status(&self.ctx))
+        self.metrics.render(&self.ctx.cache.status())
     }
 
     fn healthy(&self) -> Result<(), String> {
@@ -325,6 +325,8 @@ impl Daemon {
                 readahead: cfg.readahead_blocks,
                 max_wait: cfg.max_wait,
                 cache_dir: cfg.cache_dir.clone(),
+                started: Instant::now(),
+                metrics_addr,
             },
         ));
         let ctx = Arc::new(Ctx {
@@ -332,14 +334,10 @@ impl Daemon {
             store: store.clone(),
             filler: filler.clone(),
             jobs: jobs.clone(),
-            peers: peers.clone(),
             stats,
             cache,
-            started: Instant::now(),
-            cache_dir: cfg.cache_dir.clone(),
             spin: cfg.spin,
             spinners: Default::default(),
-            metrics_addr,
         });
         let limits = server::Limits {
             max: cfg.max_connections,

@@ -25,6 +25,8 @@
 //! - [`metrics`]: every exported metric, and the HTTP endpoint for Prometheus and the
 //!   probes;
 //! - [`lifecycle`]: named threads with stop, join and liveness, and the ordered shutdown;
+//! - [`status`]: the daemon's status as plain data (what `shardcache status` shows and
+//!   the metrics render), assembled by [`cache`];
 //! - [`config`], [`units`], [`stats`], [`daemon`]: settings, sizes and durations,
 //!   counters, wiring (every part built in one pass; imports point downward only, in
 //!   the order docs/ARCHITECTURE.md gives and `daemon/tests/layers.rs` checks).
@@ -49,5 +51,6 @@ pub mod policy;
 pub mod ratelimit;
 pub mod server;
 pub mod stats;
+pub mod status;
 pub mod store;
 pub mod units;

@@ -1,10 +1,12 @@
 //! Counters of what the daemon did, shared by every part of it and reported by
 //! `shardcache status`. They are the single source of truth: the Prometheus endpoint
-//! (`metrics/`) renders the same status reply at each scrape instead of counting again.
+//! (`metrics/`) renders the same status at each scrape instead of counting again.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use shardcache_proto::local::v1 as pb;
+
+use crate::status::Fallbacks;
 
 /// Number of `FallbackReason` values (the unspecified one included: what an older or
 /// newer client reports without a known reason is counted there).
@@ -109,10 +111,12 @@ impl Stats {
     }
 
     /// Fallbacks by reason, one entry per reason (zeros included).
-    pub fn fallbacks(&self) -> Vec<pb::FallbackCount> {
+    pub fn fallbacks(&self) -> Vec<Fallbacks> {
         (0..FALLBACK_REASONS)
-            .map(|i| pb::FallbackCount {
-                reason: i as i32,
+            .map(|i| Fallbacks {
+                // Every index below FALLBACK_REASONS is a reason's value.
+                reason: pb::FallbackReason::try_from(i as i32)
+                    .unwrap_or(pb::FallbackReason::Unspecified),
                 opens: self.fallback_opens_by[i].load(Ordering::Relaxed),
                 reads: self.fallback_reads_by[i].load(Ordering::Relaxed),
             })

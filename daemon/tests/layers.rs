@@ -9,6 +9,7 @@ use std::path::Path;
 const ORDER: &[&str] = &[
     "units",
     "checksum",
+    "status",
     "stats",
     "lifecycle",
     "clock",

@@ -3,6 +3,7 @@
 //! window, usage, what its registrant's rights left out).
 
 use super::*;
+use crate::status::JobStatus;
 
 /// What a job's registrant's rights left out of it (for status).
 #[derive(Debug, Clone, Copy)]
@@ -149,11 +150,7 @@ impl Jobs {
     /// `capacity` is the cache's. A job's readiness window is what it reads next, to the
     /// end of its current epoch (the next epoch, at a job's start), as far as the cache
     /// can hold it, at most 4096 files.
-    pub fn status(
-        &self,
-        cached: &dyn Fn(usize, &str) -> bool,
-        capacity: u64,
-    ) -> Vec<pb::JobStatus> {
+    pub fn status(&self, cached: &dyn Fn(usize, &str) -> bool, capacity: u64) -> Vec<JobStatus> {
         self.settle();
         let info: Vec<(String, usize, Usage, Option<f64>, Left)> = self
             .info
@@ -161,7 +158,6 @@ impl Jobs {
             .iter()
             .map(|(k, v)| (k.clone(), v.files, v.usage, v.rate, Left::of(v)))
             .collect();
-        let prefetching = self.prefetching.load(Ordering::Relaxed);
         let mut out = Vec::new();
         for (job, files, u, rate, left) in info {
             let (pos, len, upcoming, placed) = {
@@ -190,7 +186,7 @@ impl Jobs {
                     resident_bytes += size;
                 }
             }
-            out.push(pb::JobStatus {
+            out.push(JobStatus {
                 job,
                 epoch: pos.0,
                 step: pos.1,
@@ -205,10 +201,9 @@ impl Jobs {
                 fallback_bytes: u.fallback_bytes,
                 opens: u.opens,
                 opens_hit: u.opens_hit,
-                wait_seconds: u.wait_ns as f64 / 1e9,
-                fallback_seconds: u.fallback_ns as f64 / 1e9,
-                rate: rate.unwrap_or(0.0),
-                prefetching,
+                wait: Duration::from_nanos(u.wait_ns),
+                fallback: Duration::from_nanos(u.fallback_ns),
+                rate,
                 placement_nodes: placed.0,
                 placement_slots: placed.1,
                 placement_here: placed.2,
@@ -220,6 +215,11 @@ impl Jobs {
             });
         }
         out
+    }
+
+    /// Files being prefetched now, for every job together.
+    pub fn prefetching(&self) -> u64 {
+        self.prefetching.load(Ordering::Relaxed)
     }
 
     /// True when every registered job's rate has been measured.

@@ -4,10 +4,11 @@
 //!
 //! The daemon's counters already live in one place (`stats::Stats`, per-job usage in
 //! `jobs`, space in `store`), and `shardcache status` reports them. A scrape renders that
-//! same status reply: it builds a fresh recorder, describes every metric, sets every
-//! series from the reply (counters to their absolute values) and renders it. So nothing is
-//! counted twice, the endpoint and `status` can never disagree, and the series of a job
-//! that was unregistered, or a peer that left, are gone at the next scrape. Only what the
+//! same status ([`crate::status::Status`], which the read path assembles and the socket
+//! server maps to its reply): it builds a fresh recorder, describes every metric, sets
+//! every series from the status (counters to their absolute values) and renders it. So
+//! nothing is counted twice, the endpoint and `status` can never disagree, and the series
+//! of a job that was unregistered, or a peer that left, are gone at the next scrape. Only what the
 //! status does not hold is recorded as it happens, into a recorder that lives as long as
 //! the daemon: the prefetch lead-time histogram and the count of late prefetches
 //! ([`PrefetchInstruments`]).
@@ -16,7 +17,7 @@
 //! registered jobs), peer ids (bounded by the membership) and the configured backing
 //! roots (bounded by the configuration); never the paths of files.
 //!
-//! This module reads a status reply and hands out instruments; it never reaches into the
+//! This module reads a status and hands out instruments; it never reaches into the
 //! other modules' state.
 
 pub mod http;
@@ -24,6 +25,8 @@ pub mod http;
 use metrics::{Counter, Histogram, Key, KeyName, Label, Metadata, Recorder, SharedString, Unit};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusRecorder};
 use shardcache_proto::local::v1 as pb;
+
+use crate::status::{JobStatus, Status, seconds};
 
 /// What kind of Prometheus metric a definition is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -303,7 +306,7 @@ pub struct PrefetchInstruments {
     pub late: Counter,
 }
 
-/// The daemon's metrics: renders status replies, and holds the event instruments.
+/// The daemon's metrics: renders statuses, and holds the event instruments.
 #[derive(Debug)]
 pub struct Metrics {
     events: PrometheusRecorder,
@@ -342,7 +345,7 @@ impl Metrics {
 
     /// The Prometheus text exposition of `s` (the daemon's status) and the event
     /// instruments.
-    pub fn render(&self, s: &pb::StatusReply) -> String {
+    pub fn render(&self, s: &Status) -> String {
         let rec = PrometheusBuilder::new().build_recorder();
         for d in ALL {
             if ![PREFETCH_LEAD.name, PREFETCH_LATE.name, JOB_STALL.name].contains(&d.name) {
@@ -351,9 +354,9 @@ impl Metrics {
         }
         let w = Writer { rec: &rec };
         w.gauge(&BUILD_INFO, &[&s.daemon_version], 1.0);
-        w.gauge(&UPTIME, &[], s.uptime_seconds as f64);
+        w.gauge(&UPTIME, &[], s.uptime.as_secs() as f64);
         w.gauge(&IO_ENGINE, &[&s.io_engine], 1.0);
-        let c = s.counters.unwrap_or_default();
+        let c = &s.counters;
         for (v, (bytes, reads)) in label::RESULT.iter().zip([
             (c.hit_bytes, c.hit_reads),
             (c.filled_bytes, c.filled_reads),
@@ -363,7 +366,7 @@ impl Metrics {
             w.counter(&READS, &[v], reads);
         }
         for f in &s.fallbacks {
-            let reason = pb::FallbackReason::try_from(f.reason).map_or("unknown", fallback_reason);
+            let reason = fallback_reason(f.reason);
             w.counter(&FALLBACK_OPENS, &[reason], f.opens);
             w.counter(&FALLBACK_READS, &[reason], f.reads);
         }
@@ -422,14 +425,18 @@ impl Metrics {
             w.counter(&PEER_BYTES, &[v], bytes);
             w.counter(&PEER_BLOCKS, &[v], blocks);
         }
-        let others: Vec<&pb::PeerStatus> = s.peers.iter().filter(|p| p.id != s.peer_id).collect();
+        let others: Vec<_> = s
+            .peers
+            .iter()
+            .flat_map(|p| p.members.iter().filter(move |m| m.id != p.me))
+            .collect();
         let healthy = others.iter().filter(|p| p.healthy).count();
         w.gauge(&PEERS, &["healthy"], healthy as f64);
         w.gauge(&PEERS, &["down"], (others.len() - healthy) as f64);
         for p in &others {
             w.gauge(&PEER_UP, &[&p.id], if p.healthy { 1.0 } else { 0.0 });
         }
-        for b in &s.backing_health {
+        for b in &s.roots {
             w.gauge(
                 &BACKING_STALLED,
                 &[&b.root],
@@ -439,19 +446,20 @@ impl Metrics {
             w.counter(&BACKING_REFUSED_CALLS, &[&b.root], b.calls_refused);
         }
         for (d, n) in [
-            (&CAPACITY, s.capacity_bytes),
-            (&USED, s.used_bytes),
-            (&FS_FREE, s.fs_free_bytes),
-            (&FS_SIZE, s.fs_size_bytes),
-            (&MIN_FREE, s.min_free_bytes),
-            (&CACHED_FILES, s.files),
-            (&CACHED_BLOCKS, s.blocks),
-            (&UNVERIFIED_BLOCKS, s.unverified_blocks),
+            (&CAPACITY, s.space.capacity_bytes),
+            (&USED, s.space.used_bytes),
+            (&FS_FREE, s.space.fs_free_bytes),
+            (&FS_SIZE, s.space.fs_size_bytes),
+            (&MIN_FREE, s.space.min_free_bytes),
+            (&CACHED_FILES, s.space.files),
+            (&CACHED_BLOCKS, s.space.blocks),
+            (&UNVERIFIED_BLOCKS, s.space.unverified_blocks),
             (&CONNECTIONS, s.connections),
             (&JOBS, s.jobs.len() as u64),
             (
                 &PREFETCH_IN_FLIGHT,
-                s.jobs.first().map_or(0, |j| j.prefetching),
+                // 0 without jobs, as `shardcache status` shows it (in each job's).
+                if s.jobs.is_empty() { 0 } else { s.prefetching },
             ),
         ] {
             w.gauge(d, &[], n as f64);
@@ -466,7 +474,7 @@ impl Metrics {
             .flat_map(|j| {
                 label::STALL
                     .iter()
-                    .zip([j.wait_seconds, j.fallback_seconds])
+                    .zip([seconds(j.wait), seconds(j.fallback)])
                     .map(|(cause, secs)| (vec![j.job.as_str(), *cause], secs))
             })
             .collect();
@@ -496,14 +504,14 @@ impl Writer<'_> {
             .set(v);
     }
 
-    fn job(&self, j: &pb::JobStatus) {
+    fn job(&self, j: &JobStatus) {
         let id = j.job.as_str();
         for (d, v) in [
             (&JOB_FILES, j.files as f64),
             (&JOB_EPOCH, j.epoch as f64),
             (&JOB_STEP, j.step as f64),
             (&JOB_EPOCH_STEPS, j.epoch_len as f64),
-            (&JOB_RATE, j.rate),
+            (&JOB_RATE, j.rate.unwrap_or(0.0)),
             (&JOB_WINDOW_FILES, j.window as f64),
             (&JOB_WINDOW_RESIDENT_FILES, j.window_resident as f64),
             (&JOB_WINDOW_BYTES, j.window_bytes as f64),
@@ -581,11 +589,14 @@ fn escape(s: &str, quotes: bool) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
+    use crate::status::{Fallbacks, PeerStatus, PeersStatus, RootHealth, Space};
 
     /// A status with every part present: two jobs, peers (one down), fallbacks.
-    fn sample() -> pb::StatusReply {
-        let job = |id: &str, n: u64| pb::JobStatus {
+    fn sample() -> Status {
+        let job = |id: &str, n: u64| JobStatus {
             job: id.into(),
             files: 10 * n,
             window: 4,
@@ -597,49 +608,54 @@ mod tests {
             fallback_bytes: n,
             opens: 7,
             opens_hit: 5,
-            wait_seconds: 0.25,
-            fallback_seconds: 1.5,
-            rate: 2.0,
-            prefetching: 3,
+            wait: Duration::from_millis(250),
+            fallback: Duration::from_millis(1500),
+            rate: Some(2.0),
             ..Default::default()
         };
-        pb::StatusReply {
+        Status {
             daemon_version: "9.9.9".into(),
-            uptime_seconds: 42,
-            capacity_bytes: 1000,
-            used_bytes: 600,
-            fs_free_bytes: 300,
-            fs_size_bytes: 2000,
-            counters: Some(pb::Counters {
+            uptime: Duration::from_secs(42),
+            space: Space {
+                capacity_bytes: 1000,
+                used_bytes: 600,
+                fs_free_bytes: 300,
+                fs_size_bytes: 2000,
+                ..Default::default()
+            },
+            counters: pb::Counters {
                 hit_bytes: 123,
                 filled_bytes: 45,
                 fallback_bytes: 6,
                 hit_reads: 3,
                 peer_bytes_in: 77,
                 ..Default::default()
-            }),
+            },
             fallbacks: (0..=8)
-                .map(|r| pb::FallbackCount {
-                    reason: r,
+                .map(|r| Fallbacks {
+                    reason: pb::FallbackReason::try_from(r).unwrap(),
                     opens: r as u64,
                     reads: 2 * r as u64,
                 })
                 .collect(),
             jobs: vec![job("resnet", 1), job("llm \"x\"", 2)],
-            peer_id: "a:1".into(),
-            peers: vec![
-                pb::PeerStatus {
-                    id: "a:1".into(),
-                    healthy: true,
-                    ..Default::default()
-                },
-                pb::PeerStatus {
-                    id: "b:1".into(),
-                    healthy: false,
-                    ..Default::default()
-                },
-            ],
-            backing_health: vec![pb::BackingHealth {
+            prefetching: 3,
+            peers: Some(PeersStatus {
+                me: "a:1".into(),
+                members: vec![
+                    PeerStatus {
+                        id: "a:1".into(),
+                        healthy: true,
+                        ..Default::default()
+                    },
+                    PeerStatus {
+                        id: "b:1".into(),
+                        healthy: false,
+                        ..Default::default()
+                    },
+                ],
+            }),
+            roots: vec![RootHealth {
                 root: "/data".into(),
                 stalled: true,
                 calls_stuck: 4,
@@ -791,7 +807,7 @@ mod tests {
         p.lead.record(0.02);
         p.lead.record(7.0);
         p.late.increment(2);
-        let text = m.render(&pb::StatusReply::default());
+        let text = m.render(&Status::default());
         assert_eq!(
             samples(&text, "shardcache_prefetch_lead_seconds_count")[0].1,
             2.0
@@ -806,7 +822,7 @@ mod tests {
         assert_eq!(le("0.05"), Some(1.0));
         assert_eq!(le("10"), Some(2.0));
         p.lead.record(1.0);
-        let text = m.render(&pb::StatusReply::default());
+        let text = m.render(&Status::default());
         assert_eq!(
             samples(&text, "shardcache_prefetch_lead_seconds_count")[0].1,
             3.0

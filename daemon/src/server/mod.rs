@@ -40,6 +40,9 @@ use crate::jobs::JobError;
 use crate::lifecycle::{Gauge, Task};
 use crate::meta::Meta;
 use crate::stats::{Stats, inc};
+use crate::status::{
+    self, Fallbacks, JobStatus, PeerStatus, PeersStatus, RootHealth, Space, Status,
+};
 use crate::store::Store;
 
 /// Longest [`Server::close`] waits for the accept loop.
@@ -58,23 +61,15 @@ pub struct Ctx {
     pub filler: Arc<Filler>,
     /// Registered jobs and their planner.
     pub jobs: Arc<crate::jobs::Jobs>,
-    /// The peers, when this node shares with others.
-    pub peers: Option<Arc<crate::peer::Peers>>,
     /// Counters.
     pub stats: Arc<Stats>,
-    /// The read path: opens and waits.
+    /// The read path: opens, waits and status.
     pub cache: Arc<ReadPath>,
-    /// When the daemon started.
-    pub started: Instant,
-    /// The configured cache directory (for status).
-    pub cache_dir: PathBuf,
     /// How long a connection thread polls for the next request before sleeping.
     pub spin: Duration,
     /// Connection threads polling right now; at most [`MAX_SPINNERS`] do, so that busy
     /// clients never cost the node more than that many cores of polling.
     pub spinners: AtomicUsize,
-    /// The bound address of the metrics endpoint (for status), when it is on.
-    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 /// A running server.
@@ -590,7 +585,10 @@ fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::K
                 fd.into_iter().collect(),
             )
         }
-        Some(request::Kind::Status(_)) => (response::Kind::Status(status(ctx)), Vec::new()),
+        Some(request::Kind::Status(_)) => (
+            response::Kind::Status(pb_status(ctx.cache.status())),
+            Vec::new(),
+        ),
         Some(request::Kind::Register(r)) => {
             let operator = access::is_operator(creds);
             let kind = match ctx.jobs.register(&r.manifest_json, creds, operator) {
@@ -810,81 +808,168 @@ fn wait(ctx: &Ctx, creds: &Creds, w: &pb::WaitRequest) -> (pb::wait_reply::Resul
     }
 }
 
-/// The daemon's status: what `shardcache status` shows and the metrics endpoint renders.
-pub fn status(ctx: &Ctx) -> pb::StatusReply {
-    let names: Vec<String> = ctx
-        .meta
-        .roots()
-        .all()
-        .iter()
-        .map(|r| r.name.clone())
-        .collect();
-    let s = ctx.store.status();
-    let jobs = ctx.jobs.status(
-        &|root, path| ctx.store.is_cached(&names[root], path),
-        s.capacity,
-    );
-    pb::StatusReply {
-        daemon_version: env!("CARGO_PKG_VERSION").to_owned(),
-        uptime_seconds: ctx.started.elapsed().as_secs(),
-        backing_roots: ctx
-            .meta
-            .roots()
-            .all()
-            .iter()
-            .map(|r| r.name.clone())
-            .collect(),
-        cache_dir: ctx.cache_dir.display().to_string(),
-        capacity_bytes: s.capacity,
-        used_bytes: s.used,
-        fs_free_bytes: s.fs_free,
-        fs_size_bytes: s.fs_size,
-        min_free_bytes: s.min_free,
-        files: s.files,
-        blocks: s.blocks,
-        block_size: ctx.store.block_size(),
-        io_engine: ctx.store.io_engine().to_owned(),
-        unverified_blocks: s.unverified,
-        counters: Some(ctx.stats.snapshot()),
-        fallbacks: ctx.stats.fallbacks(),
-        backing_health: (0..names.len())
-            .map(|i| {
-                let h = ctx.meta.roots().watch(i).health();
-                pb::BackingHealth {
-                    root: names[i].clone(),
-                    stalled: h.stalled,
-                    calls_in_flight: h.in_flight,
-                    calls_stuck: h.stuck,
-                    oldest_call_seconds: h.oldest_seconds,
-                    calls_refused: h.refused,
-                }
-            })
-            .collect(),
-        metrics_addr: ctx.metrics_addr.map(|a| a.to_string()).unwrap_or_default(),
-        connections: ctx.stats.connections.load(Ordering::Relaxed),
+/// The status reply: [`Status`] field by field (destructured whole, so that a field added
+/// to it fails the build until it is mapped here).
+fn pb_status(s: Status) -> pb::StatusReply {
+    let Status {
+        daemon_version,
+        uptime,
+        cache_dir,
+        space:
+            Space {
+                capacity_bytes,
+                used_bytes,
+                fs_free_bytes,
+                fs_size_bytes,
+                min_free_bytes,
+                files,
+                blocks,
+                unverified_blocks,
+            },
+        block_size,
+        io_engine,
+        counters,
+        fallbacks,
+        roots,
+        metrics_addr,
+        connections,
         jobs,
-        peer_id: ctx
-            .peers
-            .as_ref()
-            .map(|p| p.membership().me().to_owned())
-            .unwrap_or_default(),
-        peers: ctx
-            .peers
-            .as_ref()
-            .map(|p| {
-                let healthy = p.membership().healthy();
-                p.membership()
-                    .all()
-                    .into_iter()
-                    .map(|(id, h)| pb::PeerStatus {
-                        healthy: healthy.contains(&id),
-                        failures: h.failures,
-                        last_ok_seconds: h.last_ok.map_or(-1.0, |t| t.elapsed().as_secs_f64()),
-                        id,
-                    })
-                    .collect()
-            })
-            .unwrap_or_default(),
+        prefetching,
+        peers,
+    } = s;
+    let (peer_id, peers) = match peers {
+        Some(PeersStatus { me, members }) => (me, members.into_iter().map(pb_peer).collect()),
+        None => (String::new(), Vec::new()),
+    };
+    pb::StatusReply {
+        daemon_version,
+        uptime_seconds: uptime.as_secs(),
+        backing_roots: roots.iter().map(|r| r.root.clone()).collect(),
+        cache_dir: cache_dir.display().to_string(),
+        capacity_bytes,
+        used_bytes,
+        fs_free_bytes,
+        fs_size_bytes,
+        min_free_bytes,
+        files,
+        blocks,
+        block_size,
+        io_engine,
+        unverified_blocks,
+        counters: Some(counters),
+        fallbacks: fallbacks
+            .into_iter()
+            .map(
+                |Fallbacks {
+                     reason,
+                     opens,
+                     reads,
+                 }| pb::FallbackCount {
+                    reason: reason as i32,
+                    opens,
+                    reads,
+                },
+            )
+            .collect(),
+        backing_health: roots.into_iter().map(pb_root).collect(),
+        metrics_addr: metrics_addr.map(|a| a.to_string()).unwrap_or_default(),
+        connections,
+        // The reply carries the node's prefetches in every job's status.
+        jobs: jobs.into_iter().map(|j| pb_job(j, prefetching)).collect(),
+        peer_id,
+        peers,
+    }
+}
+
+fn pb_root(r: RootHealth) -> pb::BackingHealth {
+    let RootHealth {
+        root,
+        stalled,
+        calls_in_flight,
+        calls_stuck,
+        oldest_call_seconds,
+        calls_refused,
+    } = r;
+    pb::BackingHealth {
+        root,
+        stalled,
+        calls_in_flight,
+        calls_stuck,
+        oldest_call_seconds,
+        calls_refused,
+    }
+}
+
+fn pb_peer(p: PeerStatus) -> pb::PeerStatus {
+    let PeerStatus {
+        id,
+        healthy,
+        failures,
+        last_ok,
+    } = p;
+    pb::PeerStatus {
+        id,
+        healthy,
+        failures,
+        last_ok_seconds: last_ok.map_or(-1.0, |d| d.as_secs_f64()),
+    }
+}
+
+fn pb_job(j: JobStatus, prefetching: u64) -> pb::JobStatus {
+    let JobStatus {
+        job,
+        epoch,
+        step,
+        epoch_len,
+        files,
+        window,
+        window_resident,
+        window_bytes,
+        window_resident_bytes,
+        hit_bytes,
+        filled_bytes,
+        fallback_bytes,
+        opens,
+        opens_hit,
+        wait,
+        fallback,
+        rate,
+        placement_nodes,
+        placement_slots,
+        placement_here,
+        placement_departing,
+        files_denied,
+        dirs_denied,
+        immutable_not_owned,
+        immutable_over_limit,
+    } = j;
+    pb::JobStatus {
+        job,
+        epoch,
+        step,
+        epoch_len,
+        files,
+        window,
+        window_resident,
+        window_bytes,
+        window_resident_bytes,
+        hit_bytes,
+        filled_bytes,
+        fallback_bytes,
+        opens,
+        opens_hit,
+        wait_seconds: status::seconds(wait),
+        fallback_seconds: status::seconds(fallback),
+        rate: rate.unwrap_or(0.0),
+        prefetching,
+        placement_nodes,
+        placement_slots,
+        placement_here,
+        placement_departing,
+        files_denied,
+        dirs_denied,
+        immutable_not_owned,
+        immutable_over_limit,
     }
 }
 
@@ -912,5 +997,62 @@ mod tests {
         drop(live); // the socket file stays behind, stale
         assert!(sock.exists());
         bind(&sock, 0o666).unwrap();
+    }
+
+    #[test]
+    fn a_status_maps_to_its_reply_field_by_field() {
+        let s = Status {
+            uptime: Duration::from_millis(42_900),
+            fallbacks: vec![Fallbacks {
+                reason: pb::FallbackReason::Declined,
+                opens: 1,
+                reads: 2,
+            }],
+            roots: vec![RootHealth {
+                root: "/r".into(),
+                calls_stuck: 2,
+                ..Default::default()
+            }],
+            metrics_addr: Some("127.0.0.1:9".parse().unwrap()),
+            jobs: vec![JobStatus {
+                job: "j".into(),
+                wait: Duration::from_nanos(1_500_000_000),
+                rate: None,
+                ..Default::default()
+            }],
+            prefetching: 3,
+            peers: Some(PeersStatus {
+                me: "a:1".into(),
+                members: vec![PeerStatus {
+                    id: "a:1".into(),
+                    healthy: true,
+                    failures: 0,
+                    last_ok: None,
+                }],
+            }),
+            ..Default::default()
+        };
+        let r = pb_status(s);
+        assert_eq!(r.uptime_seconds, 42, "whole seconds");
+        assert_eq!(r.backing_roots, ["/r"]);
+        assert_eq!(r.backing_health[0].root, "/r");
+        assert_eq!(r.backing_health[0].calls_stuck, 2);
+        assert_eq!(r.metrics_addr, "127.0.0.1:9");
+        assert_eq!(r.fallbacks[0].reason, pb::FallbackReason::Declined as i32);
+        assert_eq!((r.fallbacks[0].opens, r.fallbacks[0].reads), (1, 2));
+        assert_eq!(r.jobs[0].wait_seconds, 1.5);
+        assert_eq!(r.jobs[0].rate, 0.0, "not measured yet");
+        assert_eq!(r.jobs[0].prefetching, 3, "the node's, in every job");
+        assert_eq!(r.peer_id, "a:1");
+        assert_eq!(r.peers[0].last_ok_seconds, -1.0, "no exchange yet");
+        assert!(r.counters.is_some());
+
+        let off = pb_status(Status::default());
+        assert_eq!(
+            (off.peer_id.as_str(), off.peers.len()),
+            ("", 0),
+            "peers off"
+        );
+        assert_eq!(off.metrics_addr, "", "metrics off");
     }
 }
