@@ -45,18 +45,18 @@ mod tests {
             opens: 3,
             ..Default::default()
         };
-        let j = serde_json::to_value(&c).unwrap();
+        let j = serde_json::to_value(c).unwrap();
         assert_eq!(j["reason"], "FALLBACK_REASON_WAIT_TIMEOUT", "{j}");
         let r = pb::Refused {
             reason: pb::Reason::NotFound as i32,
             ..Default::default()
         };
-        let j = serde_json::to_value(&r).unwrap();
+        let j = serde_json::to_value(r).unwrap();
         assert!(j["reason"].as_str().unwrap().contains("NOT_FOUND"), "{j}");
         let e = pb::ErrorReply {
             code: 999,
             ..Default::default()
         };
-        assert_eq!(serde_json::to_value(&e).unwrap()["code"], 999);
+        assert_eq!(serde_json::to_value(e).unwrap()["code"], 999);
     }
 }

@@ -78,7 +78,7 @@ mod tests {
         mem: Arc<MemSource>,
         faulty: FaultySource,
         next: AtomicU64,
-        current: std::sync::Mutex<std::collections::HashMap<String, crate::store::Key>>,
+        current: parking_lot::Mutex<std::collections::HashMap<String, crate::store::Key>>,
     }
 
     impl SourceFixture for Fx {
@@ -92,7 +92,7 @@ mod tests {
             let t =
                 conformance::target(path, data.len(), self.next.fetch_add(1, Ordering::Relaxed));
             // A new version replaces the one before it.
-            let old = self.current.lock().unwrap().insert(path.to_owned(), t.key);
+            let old = self.current.lock().insert(path.to_owned(), t.key);
             if let Some(old) = old {
                 self.mem.remove(&old);
             }

@@ -4,17 +4,15 @@
 //! conformance suites the real ones pass.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+
+use parking_lot::Mutex;
 use std::time::Instant;
 
 use super::{BlockProvider, BlockRequest, BlockSource, Fetched, SourceError, Target};
 use crate::checksum::block_xxh3;
 use crate::store::Key;
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 /// File versions in memory, served block by block.
 #[derive(Debug, Default)]
@@ -36,12 +34,12 @@ impl MemSource {
 
     /// Holds `data` as the file version `key`.
     pub fn insert(&self, key: Key, data: Vec<u8>) {
-        lock(&self.files).insert(key, Arc::new(data));
+        self.files.lock().insert(key, Arc::new(data));
     }
 
     /// Forgets the file version `key`.
     pub fn remove(&self, key: &Key) {
-        lock(&self.files).remove(key);
+        self.files.lock().remove(key);
     }
 
     /// Fetches asked of it so far.
@@ -61,7 +59,7 @@ impl BlockSource for MemSource {
 
     fn fetch(&self, req: &BlockRequest<'_>, buf: &mut Vec<u8>) -> Result<Fetched, SourceError> {
         self.fetches.fetch_add(1, Ordering::Relaxed);
-        let Some(data) = lock(&self.files).get(&req.target.key).cloned() else {
+        let Some(data) = self.files.lock().get(&req.target.key).cloned() else {
             return Ok(Fetched::Miss);
         };
         let start = usize::try_from(req.offset).unwrap_or(usize::MAX);
@@ -106,12 +104,14 @@ impl MemProvider {
     /// Makes `data`, as version `key`, the current content of `rel` under root `root` on
     /// the backing store.
     pub fn put_backing(&self, root: usize, rel: &str, key: Key, data: Vec<u8>) {
-        lock(&self.backing).insert((root, rel.to_owned()), (key, data));
+        self.backing
+            .lock()
+            .insert((root, rel.to_owned()), (key, data));
     }
 
     /// Puts block `index` of version `key` in the store.
     pub fn put_cached(&self, key: Key, index: usize, data: Vec<u8>) {
-        lock(&self.cached).insert((key, index), data);
+        self.cached.lock().insert((key, index), data);
     }
 
     /// Fills that read the backing store so far.
@@ -126,7 +126,7 @@ impl BlockProvider for MemProvider {
     }
 
     fn read(&self, key: &Key, index: usize, buf: &mut Vec<u8>) -> Option<u64> {
-        let cached = lock(&self.cached);
+        let cached = self.cached.lock();
         let block = cached.get(&(*key, index))?;
         buf.clear();
         buf.extend_from_slice(block);
@@ -134,11 +134,11 @@ impl BlockProvider for MemProvider {
     }
 
     fn fill(&self, target: &Arc<Target>, index: usize, _deadline: Instant) -> bool {
-        if lock(&self.cached).contains_key(&(target.key, index)) {
+        if self.cached.lock().contains_key(&(target.key, index)) {
             return true;
         }
         let block = {
-            let backing = lock(&self.backing);
+            let backing = self.backing.lock();
             let Some((key, data)) = backing.get(&(target.root, target.rel.clone())) else {
                 return false;
             };
@@ -153,7 +153,7 @@ impl BlockProvider for MemProvider {
             }
         };
         self.fills.fetch_add(1, Ordering::Relaxed);
-        lock(&self.cached).insert((target.key, index), block);
+        self.cached.lock().insert((target.key, index), block);
         true
     }
 }
@@ -186,7 +186,7 @@ mod tests {
                 version,
             });
             let key = Key::of("/r", path, &version);
-            let old = lock(&self.current).insert(path.to_owned(), key);
+            let old = self.current.lock().insert(path.to_owned(), key);
             let t = Arc::new(Target {
                 root: 0,
                 rel: path.to_owned(),

@@ -167,7 +167,7 @@ struct Job {
     world_epochs: Vec<(u64, Arc<EpochIndex>)>,
     /// The owners of this job's files among the last member list asked about
     /// ([`Planner::plan_owner`]).
-    owners: std::sync::Mutex<Option<Owners>>,
+    owners: parking_lot::Mutex<Option<Owners>>,
     /// The cluster placement of a shuffle, once every rank's node and every node's
     /// room are known ([`Planner::set_layout`]).
     placement: Option<placement::Placement>,
@@ -686,7 +686,7 @@ impl Planner {
             cluster: self.cluster,
             handed: std::collections::HashSet::new(),
             world_epochs: Vec::new(),
-            owners: std::sync::Mutex::new(None),
+            owners: parking_lot::Mutex::new(None),
             placement: None,
         });
         self.reindex();
@@ -836,7 +836,7 @@ impl Planner {
             .find(|&&(j, _)| self.jobs[j].world().is_some())?;
         let job = &self.jobs[j];
         let owners = {
-            let mut cache = job.owners.lock().unwrap_or_else(|e| e.into_inner());
+            let mut cache = job.owners.lock();
             match &*cache {
                 Some((m, o)) if m == members => o.clone(),
                 _ => {

@@ -31,7 +31,9 @@ pub mod planned;
 
 use std::collections::HashMap;
 use std::fmt;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
+
+use parking_lot::{Mutex, MutexGuard};
 use std::time::Instant;
 
 use crate::meta::Roots;
@@ -128,10 +130,6 @@ pub struct Plans {
     applied: Mutex<Vec<Applied>>,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 impl Plans {
     /// No plans yet, over `roots`; `cluster`: peers are on (see
     /// [`Planner::set_cluster`]).
@@ -158,7 +156,7 @@ impl Plans {
     /// store's index lock (the policy is called under it), then this one; never the
     /// other way round. Never called on a client's open (see the module doc).
     pub fn planner(&self) -> MutexGuard<'_, Planner> {
-        let mut p = lock(&self.planner);
+        let mut p = self.planner.lock();
         self.apply(&mut p);
         p
     }
@@ -168,7 +166,7 @@ impl Plans {
     /// lock held.
     pub fn defer(&self, d: Deferred) {
         let full = {
-            let mut q = lock(&self.deferred);
+            let mut q = self.deferred.lock();
             q.push(d);
             q.len() >= MAX_DEFERRED
         };
@@ -179,11 +177,11 @@ impl Plans {
 
     /// The reads applied since the last call, oldest first.
     pub fn take_applied(&self) -> Vec<Applied> {
-        std::mem::take(&mut *lock(&self.applied))
+        std::mem::take(&mut *self.applied.lock())
     }
 
     fn apply(&self, p: &mut Planner) {
-        let ops = std::mem::take(&mut *lock(&self.deferred));
+        let ops = std::mem::take(&mut *self.deferred.lock());
         if ops.is_empty() {
             return;
         }
@@ -205,7 +203,7 @@ impl Plans {
             }
         }
         if !applied.is_empty() {
-            let mut a = lock(&self.applied);
+            let mut a = self.applied.lock();
             if a.len() + applied.len() <= MAX_APPLIED {
                 a.extend(applied);
             }
@@ -214,7 +212,7 @@ impl Plans {
 
     /// The slots of every shuffle that has them, locked.
     pub fn slots(&self) -> MutexGuard<'_, HashMap<String, Slots>> {
-        lock(&self.slots)
+        self.slots.lock()
     }
 
     /// The backing roots.

@@ -5,7 +5,7 @@
 //!
 //! Pure reads (and one write, [`Plans::handed`]) of the [`Plans`] cell; no I/O.
 
-use super::{Plans, lock};
+use super::Plans;
 use crate::meta::Roots;
 use crate::planner::{FileRef, Planner, ring};
 
@@ -41,7 +41,7 @@ impl Plans {
     /// Every registered shuffle, with this node's slots for it.
     pub fn shuffles(&self) -> Vec<Shuffle> {
         let list = self.planner().shuffles();
-        let slots = lock(&self.slots);
+        let slots = self.slots.lock();
         list.into_iter()
             .map(|(job, world, ranks)| Shuffle {
                 slots: slots.get(&job).map_or(0, |s| s.files),

@@ -29,9 +29,11 @@ use std::fs::{File, OpenOptions};
 use std::io::{self, Read, Write};
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::mpsc::{Receiver, SyncSender, sync_channel};
-use std::sync::{Arc, Mutex};
+
+use parking_lot::Mutex;
 use std::time::Duration;
 
 use prost::Message;
@@ -337,7 +339,7 @@ impl Journal {
     }
 
     fn compact_inner(&self, snapshot: impl FnOnce() -> Vec<Record>) -> io::Result<()> {
-        let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let tx = self.tx.lock().clone();
         let Some(tx) = tx else {
             return Err(io::Error::other("journal closed"));
         };
@@ -379,7 +381,7 @@ impl Journal {
 
     fn append_frames(&self, frame: Vec<u8>) -> io::Result<()> {
         let (done_tx, done_rx) = sync_channel(1);
-        let tx = self.tx.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let tx = self.tx.lock().clone();
         let Some(tx) = tx else {
             return Err(io::Error::other("journal closed"));
         };
@@ -404,8 +406,8 @@ impl Journal {
     /// make what was queued durable; false when it did not finish in time (stuck on the
     /// disk: it is left behind, and a later call does not wait for it again).
     pub fn close(&self) -> bool {
-        self.tx.lock().unwrap_or_else(|e| e.into_inner()).take();
-        let writer = self.writer.lock().unwrap_or_else(|e| e.into_inner()).take();
+        self.tx.lock().take();
+        let writer = self.writer.lock().take();
         let Some(mut t) = writer else {
             return !self.writer_alive();
         };

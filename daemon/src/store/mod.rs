@@ -65,8 +65,10 @@ use std::fmt;
 use std::fs::File;
 use std::io as stdio;
 use std::path::PathBuf;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+
+use parking_lot::{Mutex, MutexGuard};
 use std::time::Instant;
 
 use crate::backing::Stat;
@@ -269,7 +271,7 @@ impl Store {
     }
 
     fn lock(&self) -> MutexGuard<'_, Index> {
-        self.index.lock().unwrap_or_else(|e| e.into_inner())
+        self.index.lock()
     }
 
     /// Opens a data file read-only (a fresh open file description each time, so that
@@ -606,7 +608,7 @@ impl Store {
 
     /// Makes the data file of `key` exist durably; returns its generation.
     fn ensure_durable(&self, key: &Key) -> Result<u64, StoreError> {
-        let _g = self.create.lock().unwrap_or_else(|e| e.into_inner());
+        let _g = self.create.lock();
         let rec = {
             let idx = self.lock();
             let e = idx.files.get(key).ok_or(StoreError::Gone)?;

@@ -12,8 +12,10 @@ use std::fs::OpenOptions;
 use std::io;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
+use std::sync::Arc;
 use std::sync::atomic::AtomicU64;
-use std::sync::{Arc, Mutex};
+
+use parking_lot::Mutex;
 
 use rustc_hash::FxHashMap as HashMap;
 

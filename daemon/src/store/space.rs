@@ -15,9 +15,9 @@
 //! ([`super::evict`]), the loop that evicts until a block fits is the store's
 //! (`Store::begin_fill`).
 
+use parking_lot::Mutex;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use crate::config::SizeSpec;
@@ -67,7 +67,7 @@ impl Space {
     pub(super) fn sample_due(&self) -> io::Result<Option<u64>> {
         let now = Instant::now();
         {
-            let mut due = self.due.lock().unwrap_or_else(|e| e.into_inner());
+            let mut due = self.due.lock();
             if now < *due {
                 return Ok(None);
             }

@@ -541,7 +541,7 @@ mod faults {
                         faults.clear();
                         // A block that could not be read is dropped (and refetched by
                         // whoever needs it): only those may go.
-                        for (name, off) in faults.failed_reads.lock().unwrap().drain(..) {
+                        for (name, off) in faults.failed_reads.lock().drain(..) {
                             for (f, set) in durable.iter_mut().enumerate() {
                                 let key = Key::of("/r", &st(f, versions[f]).path, &st(f, versions[f]).version);
                                 if name.contains(&key.hex()) {

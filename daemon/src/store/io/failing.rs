@@ -14,8 +14,10 @@
 
 use std::collections::VecDeque;
 use std::io;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+
+use parking_lot::Mutex;
 
 use super::{BlockIo, Read, Write};
 
@@ -57,8 +59,8 @@ impl IoFaults {
         self.lock().clear();
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Fault>> {
-        self.armed.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> parking_lot::MutexGuard<'_, VecDeque<Fault>> {
+        self.armed.lock()
     }
 
     /// Takes the first armed fault among `kinds`, if any.
@@ -139,7 +141,6 @@ impl BlockIo for FailingIo {
                 self.faults
                     .failed_reads
                     .lock()
-                    .unwrap_or_else(|e| e.into_inner())
                     .push((name.to_owned(), *off));
             }
         }
@@ -205,10 +206,7 @@ mod tests {
         assert_eq!(r[0].as_ref().unwrap_err().raw_os_error(), Some(libc::EIO));
         assert!(r[1].is_ok(), "one read per armed fault");
         assert_eq!(&b, b"EFGH");
-        assert_eq!(
-            *faults.failed_reads.lock().unwrap(),
-            vec![("f".to_owned(), 0)]
-        );
+        assert_eq!(*faults.failed_reads.lock(), vec![("f".to_owned(), 0)]);
         assert_eq!(faults.injected.load(Ordering::Relaxed), 5);
         io.write_durable("f", &[(0, b"12345678")]).unwrap();
     }

@@ -3,9 +3,9 @@
 //! The conformance suite holds psync and io_uring to it; it has no descriptors to hand
 //! to clients, so the store itself always runs over a real engine.
 
+use parking_lot::Mutex;
 use std::collections::HashMap;
 use std::io;
-use std::sync::Mutex;
 
 use super::{BlockIo, Read, Write};
 
@@ -21,8 +21,8 @@ impl MemIo {
         Self::default()
     }
 
-    fn files(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<u8>>> {
-        self.files.lock().unwrap_or_else(|e| e.into_inner())
+    fn files(&self) -> parking_lot::MutexGuard<'_, HashMap<String, Vec<u8>>> {
+        self.files.lock()
     }
 }
 

@@ -13,7 +13,9 @@ use std::io;
 use std::num::NonZeroUsize;
 use std::os::unix::fs::{FileExt, MetadataExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
 
 use lru::LruCache;
 
@@ -44,8 +46,8 @@ impl Psync {
         }
     }
 
-    fn cache(&self) -> std::sync::MutexGuard<'_, LruCache<String, Arc<File>>> {
-        self.files.lock().unwrap_or_else(|e| e.into_inner())
+    fn cache(&self) -> parking_lot::MutexGuard<'_, LruCache<String, Arc<File>>> {
+        self.files.lock()
     }
 
     /// The kept descriptor of `name`, opened (read-write, no links followed) if needed.

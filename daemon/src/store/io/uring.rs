@@ -15,12 +15,12 @@
 //! finished with `pwrite`/`pread`/`fdatasync` on the same descriptor, so a result is
 //! as exact as psync's. Descriptors, creation and removal are psync's.
 
+use parking_lot::Mutex;
 use std::fs::File;
 use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use io_uring::{IoUring, Probe, opcode, squeue, types};
@@ -107,7 +107,7 @@ impl Uring {
     /// ring can be had now ([`MOST_RINGS`] in use, or a memory limit): the caller does
     /// the call as psync would.
     fn with_ring<T>(&self, f: impl FnOnce(&mut IoUring) -> T) -> Option<T> {
-        let pooled = self.rings.lock().unwrap_or_else(|e| e.into_inner()).pop();
+        let pooled = self.rings.lock().pop();
         let mut ring = match pooled {
             Some(r) => r,
             None => {
@@ -126,7 +126,7 @@ impl Uring {
             }
         };
         let out = f(&mut ring);
-        let mut pool = self.rings.lock().unwrap_or_else(|e| e.into_inner());
+        let mut pool = self.rings.lock();
         if pool.len() < POOLED {
             pool.push(ring);
         } else {
@@ -403,7 +403,7 @@ mod tests {
             }
         });
         assert!(io.live.load(Ordering::Relaxed) <= MOST_RINGS);
-        assert!(io.rings.lock().unwrap().len() <= POOLED);
+        assert!(io.rings.lock().len() <= POOLED);
     }
 
     proptest::proptest! {
