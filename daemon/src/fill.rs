@@ -17,10 +17,11 @@
 //! once, until a call on it completes again. Shutdown waits a few seconds for workers,
 //! then leaves the stuck ones behind.
 //!
-//! Read-ahead and prefetch fills of one file land in batches: a worker takes the
-//! file's next queued blocks along with the one it popped (up to 8 MiB, 16 blocks) and
-//! lands them with one `fdatasync` and one journal group ([`Store::commit_fills`]); a
-//! block a client waits on is filled alone, at once.
+//! Read-ahead and prefetch fills of one file land in batches when the workers are all
+//! busy: a worker takes the file's next queued blocks along with the one it popped (up
+//! to 8 MiB, 16 blocks, and never blocks an idle worker would take) and lands them with
+//! one `fdatasync` and one journal group ([`Store::commit_fills`]); a block a client
+//! waits on is filled alone, at once.
 //!
 //! A fill asks its root's sources in order ([`crate::blocks::Sources`], handed over at
 //! construction: the peers when this node shares, then the backing store), and the
@@ -573,10 +574,17 @@ fn worker(inner: &Inner, root: usize, me: u64) {
                         q.queued.remove(&id);
                         let mut blocks = vec![(job.index, job.flight.clone())];
                         // Read-ahead and prefetch take the file's next queued blocks
-                        // along, to land them as one durable batch; a client waiting on
-                        // a block gets that block alone, at once.
-                        if job.prio != Priority::Demand {
-                            let max = batch_blocks(inner.store.block_size());
+                        // along, to land them as one durable batch — but only blocks no
+                        // idle worker would take now: a batch trades one `fdatasync`
+                        // per block for reading its blocks one after another, which is
+                        // a loss whenever they could be read in parallel (a
+                        // latency-bound source: a peer, a network file system). A client
+                        // waiting on a block gets that block alone, at once.
+                        let pool = &q.pools[root];
+                        let idle = (pool.threads - pool.stuck).saturating_sub(pool.busy.len() + 1);
+                        let spare = q.queued.len().saturating_sub(idle);
+                        if job.prio != Priority::Demand && spare > 0 {
+                            let max = batch_blocks(inner.store.block_size()).min(1 + spare);
                             let n = job
                                 .target
                                 .stat

@@ -122,10 +122,7 @@ impl Jobs {
         self.measure_rates();
         self.update_layouts(store);
         let Rounds {
-            flights,
-            declined,
-            ahead,
-            ..
+            flights, declined, ..
         } = &mut *r;
         flights.retain(|f, fl| {
             let outcomes: Vec<Option<FillOutcome>> = fl.iter().map(|x| x.outcome()).collect();
@@ -143,10 +140,12 @@ impl Jobs {
                     *p = Prefetched::Resident(now);
                 }
             } else {
-                // Neither fetched nor being fetched: not ahead of the readers (once its
-                // hold runs out, the planner may ask for it again).
+                // Still counted ahead of the readers until they read or pass it: were
+                // it not, a file declined for want of room would let the prefetcher
+                // run on through the plan, asking for files that find no room either
+                // (the policy benchmark's live run at C/N 0.5, R/B 2 stalled 0.020
+                // instead of 0.005 that way).
                 prefetched.remove(f);
-                ahead.remove(f);
             }
             false
         });
@@ -835,18 +834,22 @@ mod tests {
         assert_eq!(r.rounds.sleep(r.clock.now()), HEARTBEAT, "nothing held");
     }
 
-    /// A file whose fetch failed is not counted as fetched ahead: the files after it
-    /// are fetched meanwhile.
+    /// A file whose fetch failed still counts as ahead of the readers until they read
+    /// it: the prefetcher does not run further through the plan for it (a file declined
+    /// for want of room would make it churn). Once the readers pass it, the next file
+    /// is fetched.
     #[test]
-    fn files_after_a_failed_one_are_fetched_while_it_is_held_back() {
+    fn a_failed_file_counts_ahead_until_the_readers_pass_it() {
         let mut r = Rig::new(6, &[0, 1, 2, 3, 4, 5], 2);
         r.faults.fail_reads.store(true, Ordering::Relaxed);
         assert_eq!(r.round(), vec![file(0), file(1)]);
         r.settle_fills();
         r.faults.fail_reads.store(false, Ordering::Relaxed);
-        assert_eq!(r.round(), vec![file(2), file(3)], "the next two, at once");
+        assert!(r.round().is_empty(), "two ahead (failed, held back)");
+        // The reader reads the first itself (a fallback): one slot frees.
+        r.jobs.on_open(0, "f0", false);
+        assert_eq!(r.round(), vec![file(2)]);
         r.settle_fills();
-        assert!(r.round().is_empty(), "two ahead");
-        assert!(r.cached(2) && r.cached(3) && !r.cached(0));
+        assert!(r.cached(2) && !r.cached(0));
     }
 }
