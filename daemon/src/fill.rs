@@ -581,7 +581,9 @@ fn worker(inner: &Inner, root: usize, me: u64) {
                         // latency-bound source: a peer, a network file system). A client
                         // waiting on a block gets that block alone, at once.
                         let pool = &q.pools[root];
-                        let idle = (pool.threads - pool.stuck).saturating_sub(pool.busy.len() + 1);
+                        // Workers waiting for a job, this one aside (`busy` counts the
+                        // stuck ones too, as `threads` does).
+                        let idle = pool.threads.saturating_sub(pool.busy.len() + 1);
                         let spare = q.queued.len().saturating_sub(idle);
                         if job.prio != Priority::Demand && spare > 0 {
                             let max = batch_blocks(inner.store.block_size()).min(1 + spare);
