@@ -84,15 +84,18 @@ pub struct Registered {
 }
 
 /// A hash of a shuffle manifest with its ranks left out (`None` for other plans): two
-/// ranks' registrations of one job on one node have the same.
-fn shape_of(m: &Manifest) -> Option<u64> {
-    let mut m = m.clone();
-    match &mut m.plan {
-        Plan::Shuffle { ranks, .. } => ranks.clear(),
-        Plan::Sequence { .. } => return None,
+/// ranks' registrations of one job on one node have the same. The ranks are taken out
+/// for the hash and put back (no copy of a manifest of a million files).
+fn shape_of(m: &mut Manifest) -> Option<u64> {
+    let Plan::Shuffle { ranks, .. } = &mut m.plan else {
+        return None;
+    };
+    let ranks = std::mem::take(ranks);
+    let bytes = serde_json::to_vec(&*m).ok();
+    if let Plan::Shuffle { ranks: r, .. } = &mut m.plan {
+        *r = ranks;
     }
-    let bytes = serde_json::to_vec(&m).ok()?;
-    Some(crate::checksum::block_xxh3(&bytes))
+    Some(crate::checksum::block_xxh3(&bytes?))
 }
 
 impl Jobs {
@@ -132,7 +135,7 @@ impl Jobs {
         // Ranks of one job on one node (each rank's sampler registers its own rank
         // under the job's id): a shuffle identical to the registered one but for its
         // ranks adds them to the node's plan instead of replacing the other ranks'.
-        let shape = shape_of(&m);
+        let shape = shape_of(&mut m);
         let mut merged: Option<(u64, Usage)> = None;
         if let (Some(shape), Plan::Shuffle { ranks, .. }) = (shape, &mut m.plan) {
             let info = self.info.lock();
