@@ -122,6 +122,22 @@ pub fn may_change_job(registrant: u32, uid: u32, operator: bool) -> bool {
     registrant == uid || operator
 }
 
+/// Credentials for the daemon's unit tests.
+#[cfg(test)]
+pub(crate) mod test_support {
+    use super::Creds;
+
+    /// User `uid` in its own group, with no supplementary groups (uid 0: root).
+    pub(crate) fn creds(uid: u32) -> Creds {
+        Creds {
+            pid: 1,
+            uid,
+            gid: uid,
+            groups: Vec::new(),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

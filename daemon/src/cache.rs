@@ -604,6 +604,7 @@ mod tests {
     use std::os::unix::fs::FileExt;
 
     use super::*;
+    use crate::access::test_support::creds;
     use crate::backing::Owner;
     use crate::backing::fault::{Faults, FaultyBacking};
     use crate::backing::mem::MemBacking;
@@ -694,15 +695,6 @@ mod tests {
             gid: uid,
             mode,
             acl: false,
-        }
-    }
-
-    fn creds(uid: u32) -> Creds {
-        Creds {
-            pid: 1,
-            uid,
-            gid: uid,
-            groups: Vec::new(),
         }
     }
 

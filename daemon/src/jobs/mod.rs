@@ -232,6 +232,7 @@ mod tests {
     use std::sync::mpsc;
 
     use super::*;
+    use crate::access::test_support::creds;
     use crate::backing::mem::MemBacking;
     use crate::meta::test_support::one_root;
 
@@ -262,13 +263,7 @@ mod tests {
                           "seed": 3, "epochs": 2, "world_size": 1, "ranks": [0]}}}}"#,
             files.join(",")
         );
-        let creds = Creds {
-            pid: 1,
-            uid: 0,
-            gid: 0,
-            groups: Vec::new(),
-        };
-        jobs.register(&m, &creds, true).unwrap();
+        jobs.register(&m, &creds(0), true).unwrap();
         let order = shardcache_plan::shuffle::rank_order(8, 3, 0, 1, 0, false);
         // As if the prefetcher ran (it applies the reads opens leave).
         jobs.prefetcher_alive.store(true, Ordering::Release);
@@ -309,15 +304,6 @@ mod tests {
         )
     }
 
-    fn user(uid: u32) -> Creds {
-        Creds {
-            pid: 1,
-            uid,
-            gid: uid,
-            groups: Vec::new(),
-        }
-    }
-
     /// Issue 14: two ranks of one job on one node register the same shuffle under one
     /// id, each with its own rank: the node's plan reads both (before, the second
     /// replaced the first). A registration adding no rank changes nothing (the position
@@ -326,10 +312,10 @@ mod tests {
     fn ranks_of_one_job_on_one_node_share_one_plan() {
         let jobs = jobs();
         let ranks = |j: &Jobs| j.plans.planner().shuffles();
-        jobs.register(&shuffle("j", 7, &[2]), &user(1000), false)
+        jobs.register(&shuffle("j", 7, &[2]), &creds(1000), false)
             .unwrap();
         let tag = jobs.tags.read().values().next().copied().unwrap();
-        jobs.register(&shuffle("j", 7, &[0]), &user(1000), false)
+        jobs.register(&shuffle("j", 7, &[0]), &creds(1000), false)
             .unwrap();
         assert_eq!(ranks(&jobs), vec![("j".to_owned(), 4, vec![0, 2])]);
         assert!(
@@ -347,15 +333,15 @@ mod tests {
         assert_eq!(jobs.plans.planner().upcoming_of("j", 6), want);
         // Nothing new: the position stays where reads moved it.
         jobs.progress("j", 0, 2).unwrap();
-        jobs.register(&shuffle("j", 7, &[2]), &user(1000), false)
+        jobs.register(&shuffle("j", 7, &[2]), &creds(1000), false)
             .unwrap();
         assert_eq!(jobs.plans.planner().position("j"), Some((0, 2)));
         // Another user may not add ranks to it; another shuffle replaces it.
         assert!(matches!(
-            jobs.register(&shuffle("j", 7, &[1]), &user(1001), false),
+            jobs.register(&shuffle("j", 7, &[1]), &creds(1001), false),
             Err(JobError::NotYours { .. })
         ));
-        jobs.register(&shuffle("j", 8, &[1]), &user(1000), false)
+        jobs.register(&shuffle("j", 8, &[1]), &creds(1000), false)
             .unwrap();
         assert_eq!(ranks(&jobs), vec![("j".to_owned(), 4, vec![1])]);
     }

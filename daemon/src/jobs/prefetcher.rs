@@ -520,6 +520,7 @@ impl CacheView for Snapshot<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::access::test_support::creds;
     use crate::backing::Owner;
     use crate::backing::fault::{Faults, FaultyBacking};
     use crate::backing::mem::MemBacking;
@@ -714,13 +715,7 @@ mod tests {
                 names.join(","),
                 order.join(",")
             );
-            let root = Creds {
-                pid: 1,
-                uid: 0,
-                gid: 0,
-                groups: Vec::new(),
-            };
-            jobs.register(&m, &root, true).unwrap();
+            jobs.register(&m, &creds(0), true).unwrap();
             let cfg = PrefetchConfig {
                 ahead,
                 concurrency: 16,
