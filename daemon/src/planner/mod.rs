@@ -516,7 +516,10 @@ impl Job {
                 self.rank(f);
             }
         }
-        self.sync_placement();
+        // The placement follows the watermark: nothing to do when it did not move.
+        if passed > 0 {
+            self.sync_placement();
+        }
         Some(passed)
     }
 
