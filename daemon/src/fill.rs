@@ -625,7 +625,7 @@ fn worker(inner: &Inner, root: usize, me: u64) {
         if let [(index, flight)] = &blocks[..] {
             fill_and_land(inner, &job.target, *index, prefetch, flight);
         } else {
-            fill_batch_and_land(inner, &job.target, &blocks, prefetch);
+            fill_batch_and_land(inner, &job.target, &blocks, prefetch, me);
         }
         let mut q = inner.queue.lock();
         let pool = &mut q.pools[root];
@@ -772,7 +772,13 @@ fn fill_and_land(
 /// each flight with its outcome. The blocks read before a block that could not be read
 /// (or given room) land together; that block ends with its own outcome, and the blocks
 /// after it are filled one by one, so that each waiter gets its own block's outcome.
-fn fill_batch_and_land(inner: &Inner, t: &Target, blocks: &[(usize, Arc<Flight>)], prefetch: bool) {
+fn fill_batch_and_land(
+    inner: &Inner,
+    t: &Target,
+    blocks: &[(usize, Arc<Flight>)],
+    prefetch: bool,
+    me: u64,
+) {
     let root = &inner.meta.roots().get(t.root).name;
     let mut outcomes: Vec<Option<FillOutcome>> = vec![None; blocks.len()];
     let mut permits = Vec::new();
@@ -781,6 +787,9 @@ fn fill_batch_and_land(inner: &Inner, t: &Target, blocks: &[(usize, Arc<Flight>)
     let mut used: Vec<Vec<u8>> = Vec::new();
     let mut stopped = blocks.len();
     for (pos, (index, _)) in blocks.iter().enumerate() {
+        if pos > 0 {
+            restart_stall_clock(inner, t.root, me);
+        }
         let permit = match inner.store.begin_fill(root, &t.stat, *index, prefetch) {
             Ok(None) => {
                 outcomes[pos] = Some(FillOutcome::Landed);
@@ -845,10 +854,26 @@ fn fill_batch_and_land(inner: &Inner, t: &Target, blocks: &[(usize, Arc<Flight>)
             Some(o) => end_flight(inner, (t.key, *index), flight, o),
             // After a block that stopped the batch: on its own.
             None if pos >= stopped => {
+                restart_stall_clock(inner, t.root, me);
                 fill_and_land(inner, t, *index, prefetch, flight);
             }
             None => unreachable!("every block before the stop has an outcome"),
         }
+    }
+}
+
+/// Restarts the watchdog's clock of worker `me`'s fill on root `root`, as the worker
+/// starts the next block of a batch: the stall bound is for one call into the backing
+/// store, and a batch makes one per block, one after another (a healthy batch must not
+/// look stuck for taking several calls' time).
+fn restart_stall_clock(inner: &Inner, root: usize, me: u64) {
+    let mut q = inner.queue.lock();
+    if let Some(b) = q.pools[root]
+        .busy
+        .iter_mut()
+        .find(|b| b.worker == me && !b.stuck)
+    {
+        b.started = Instant::now();
     }
 }
 
@@ -1228,6 +1253,82 @@ mod tests {
         assert_eq!(r.store.status().used, 0);
         assert_eq!(r.io.durable_writes.load(Ordering::Relaxed), 0);
         r.filler.close();
+    }
+
+    /// A batch makes one backing call per block, one after another: the watchdog's
+    /// stall bound is for one call, so a healthy batch that takes longer than the bound
+    /// in all is not taken for a stuck fill (its waiters are not released).
+    #[test]
+    fn a_batch_longer_than_the_stall_bound_in_all_is_not_stuck() {
+        use crate::backing::throttle::ThrottledBacking;
+        const BLOCK: u32 = 256 << 10;
+        let dir = tempfile::tempdir().unwrap();
+        let mem = Arc::new(MemBacking::new());
+        mem.put(
+            "f",
+            vec![3; 12 * BLOCK as usize],
+            Owner {
+                mode: 0o644,
+                ..Owner::default()
+            },
+        );
+        // 1 MiB/s after a 1 MiB burst: a 256 KiB block every 250 ms, four times within
+        // the 1 s bound; the batch as a whole takes about 2 s.
+        let slow = Arc::new(ThrottledBacking::new(mem, 1 << 20));
+        let roots = Arc::new(Roots::watched(
+            vec![Root {
+                path: "/r".into(),
+                name: "/r".into(),
+                backing: slow,
+            }],
+            Duration::from_secs(1),
+        ));
+        let stats = Arc::new(Stats::default());
+        let meta = Arc::new(Meta::new(
+            roots,
+            Duration::from_secs(3600),
+            1000,
+            stats.clone(),
+        ));
+        let cfg = test_config(dir.path(), 1 << 30, BLOCK);
+        let store = Arc::new(Store::open(&cfg, stats.clone()).unwrap());
+        let filler = Filler::new(
+            store.clone(),
+            meta.clone(),
+            stats.clone(),
+            Sources::backing(&meta, &stats),
+            1,
+            64,
+            Arc::new(Wake::default()),
+        )
+        .unwrap();
+        let stat = meta.stat(0, "f").unwrap();
+        let key = store.view("/r", &stat).unwrap().key;
+        let t = Arc::new(Target {
+            peer_ok: true,
+            root: 0,
+            rel: "f".into(),
+            stat,
+            key,
+        });
+        let flights: Vec<Arc<Flight>> = (0..12)
+            .map(|i| match filler.request(&t, i, Priority::Readahead) {
+                Scheduled::InFlight(f) => f,
+                other => panic!("block {i}: {other:?}"),
+            })
+            .collect();
+        // Each waiter sees the first outcome its flight ends with (a release by the
+        // watchdog would end it early, before the block lands).
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let outcomes: Vec<FillOutcome> = std::thread::scope(|s| {
+            let waits: Vec<_> = flights
+                .iter()
+                .map(|f| s.spawn(move || f.wait_until(deadline).expect("ended")))
+                .collect();
+            waits.into_iter().map(|w| w.join().unwrap()).collect()
+        });
+        assert_eq!(outcomes, vec![FillOutcome::Landed; 12]);
+        filler.close();
     }
 
     /// Waits (bounded) until `cond` holds.
