@@ -390,6 +390,11 @@ mirror! {
         /// forged, changed on the way, or replayed. Each was dropped (a block: read from the
         /// backing store instead) and its connection closed.
         peer_forged: u64,
+        /// Waits answered with blocks read for the waiting reader and not yet landed.
+        handoffs: u64,
+        /// Blocks read for a waiting reader, handed over, and not kept: the store was
+        /// landing as many blocks as it may at once.
+        fills_not_kept: u64,
     }
 }
 

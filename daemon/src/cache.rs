@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use crate::access::{self, Creds, Decision};
 use crate::backing::{BackingError, Stat, Version};
-use crate::fill::{Filler, Priority, Scheduled, Target};
+use crate::fill::{Filler, Priority, Ready, Scheduled, Target};
 use crate::jobs::Jobs;
 use crate::meta::{Meta, ResolveError};
 use crate::peer::Peers;
@@ -179,6 +179,29 @@ pub struct ReadPath {
     stats: Arc<Stats>,
     cfg: ReadPathConfig,
     next_transient: AtomicU64,
+}
+
+/// A transient copy of a file holding the `blocks` given (each at its place in the
+/// file, the rest a hole), for a reader to read at once: a sealed-off memory file (no
+/// inode on the cache disk, nothing the store keeps), read-only to the reader. Its
+/// bitmap has exactly those blocks. `None` when no memory file could be made (the
+/// reader then waits for the blocks to land, as before).
+fn handoff(stat: &Stat, block_size: u32, blocks: &[(usize, Arc<[u8]>)]) -> Option<(File, Vec<u8>)> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::FileExt;
+    let fd =
+        rustix::fs::memfd_create("shardcache-handoff", rustix::fs::MemfdFlags::CLOEXEC).ok()?;
+    let f = File::from(fd);
+    f.set_len(stat.version.size).ok()?;
+    let nblocks = stat.version.size.div_ceil(u64::from(block_size.max(1))) as usize;
+    let mut present = vec![0u8; nblocks.div_ceil(8)];
+    for (i, b) in blocks {
+        f.write_all_at(b, *i as u64 * u64::from(block_size)).ok()?;
+        present[i / 8] |= 1 << (i % 8);
+    }
+    // The reader gets its own read-only open of it.
+    let ro = File::open(format!("/proc/self/fd/{}", f.as_raw_fd())).ok()?;
+    Some((ro, present))
 }
 
 fn is_set(bm: &[u8], i: usize) -> bool {
@@ -404,19 +427,22 @@ impl ReadPath {
                 continue;
             }
             if let Scheduled::InFlight(f) = self.filler.request(&t, i, Priority::Demand) {
-                flights.push(f);
+                flights.push((i, f));
             }
         }
         self.readahead(&t, &view, end, self.cfg.readahead);
         let deadline = Instant::now() + timeout;
         let (mut timed_out, mut declined) = (false, false);
-        for f in &flights {
-            match f.wait_until(deadline) {
+        // Blocks read for this reader and not landed yet: what it may take at once.
+        let mut handed: Vec<(usize, Arc<[u8]>)> = Vec::new();
+        for (i, f) in &flights {
+            match f.wait_ready_until(deadline) {
                 None => {
                     timed_out = true;
                     break;
                 }
-                Some(outcome) => declined |= !outcome.landed(),
+                Some(Ready::Bytes(b)) => handed.push((*i, b)),
+                Some(Ready::Done(outcome)) => declined |= !outcome.landed(),
             }
         }
         if timed_out && !w.more {
@@ -428,8 +454,35 @@ impl ReadPath {
             .store
             .view(&root_name, &stat)
             .map_err(|e| self.refuse_store(e))?;
+        let missing: Vec<usize> = (first..end)
+            .filter(|&i| !is_set(&view.present, i))
+            .collect();
+        // Every block still missing was read for this reader: it takes them from a
+        // transient copy now rather than wait for them to land.
+        if !timed_out
+            && !missing.is_empty()
+            && missing.iter().all(|i| handed.iter().any(|(h, _)| h == i))
+            && let Some((file, present)) = handoff(&stat, view.block_size, &handed)
+        {
+            inc(&self.stats.handoffs);
+            // The reader holds every block not in the store in its transient copy: the
+            // store need not keep the file for it (as after a wait that saw them land).
+            if (0..view.nblocks).all(|i| is_set(&view.present, i) || is_set(&present, i)) {
+                self.store.unpin(&view.key);
+            }
+            return Ok(Waited {
+                present,
+                data_gen: TRANSIENT_GEN | self.next_transient.fetch_add(1, Ordering::Relaxed),
+                declined: false,
+                filling: false,
+                data: Some(file),
+            });
+        }
+        // Handed-over blocks not taken here (no memory file could be made) are still
+        // landing, or were not kept: asked again, they are waited for or read anew.
+        let pending = missing.iter().any(|i| handed.iter().any(|(h, _)| h == i));
         if declined
-            && (first..end).any(|i| !is_set(&view.present, i))
+            && !missing.is_empty()
             && let Some(peers) = &self.peers
             && let Some((file, present)) =
                 self.transient(peers, &root_name, &stat, first, end, deadline)
@@ -456,7 +509,7 @@ impl ReadPath {
             present: std::mem::take(&mut view.present),
             data_gen: view.data_gen,
             declined,
-            filling: timed_out,
+            filling: timed_out || pending,
             data,
         })
     }
@@ -681,6 +734,15 @@ mod tests {
         }
     }
 
+    impl Rig {
+        /// Waits (at most 10 s) until every fill has landed or ended.
+        fn settle(&self) -> bool {
+            self.cache
+                .filler
+                .settle(Instant::now() + Duration::from_secs(10))
+        }
+    }
+
     fn rig() -> Rig {
         rig_with(1 << 30, 0)
     }
@@ -840,6 +902,8 @@ mod tests {
         r.faults.fail_reads.store(false, Ordering::SeqCst);
         let w = r.cache.wait(&creds(0), &wait_all(&o, "/r/d")).unwrap();
         assert!(all_set(&w.present, 2));
+        // The reader may have its bytes before they land.
+        assert!(r.settle());
         assert!(r.store.is_cached("/r", "d"));
     }
 
@@ -928,6 +992,7 @@ mod tests {
         let first = format!("/r/f{}", order[0]);
         let o = r.cache.open(&creds(0), &first).unwrap();
         r.cache.wait(&creds(0), &wait_all(&o, &first)).unwrap();
+        assert!(r.settle());
 
         let s = r.cache.status();
         let j = &s.jobs[0];

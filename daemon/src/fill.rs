@@ -86,6 +86,11 @@ pub enum Declined {
     Stalled,
     /// The fill engine is shutting down.
     Closed,
+    /// Read for a waiting reader, who got its bytes ([`Ready::Bytes`]), but not kept:
+    /// the store was landing as many blocks as it may at once, and landing this one too
+    /// would have made readers wait for the store's writes (a cold epoch through the
+    /// cache is never slower than reading the backing store directly).
+    Busy,
 }
 
 impl FillOutcome {
@@ -98,33 +103,92 @@ impl FillOutcome {
 /// One block fill in progress; waiters block on it.
 #[derive(Debug, Default)]
 pub struct Flight {
-    done: Mutex<Option<FillOutcome>>,
+    state: Mutex<FlightState>,
     cv: Condvar,
     /// The prefetcher waits on it: its end wakes the prefetcher.
     prefetch: AtomicBool,
+    /// A reader waits on it: its bytes are handed over as soon as they are read
+    /// ([`Flight::wait_ready_until`]), before they land.
+    wanted: AtomicBool,
+}
+
+#[derive(Debug, Default)]
+struct FlightState {
+    outcome: Option<FillOutcome>,
+    /// The block's bytes, once read, for a flight a reader waits on (until it ends).
+    bytes: Option<Arc<[u8]>>,
+}
+
+/// What a reader waiting on a flight gets first.
+#[derive(Debug, Clone)]
+pub enum Ready {
+    /// The block's bytes, read from its source and not yet landed: the same bytes the
+    /// store will hold. What a reader may read at once; the store makes them visible to
+    /// others (and across restarts) only once they are durable.
+    Bytes(Arc<[u8]>),
+    /// The fill ended.
+    Done(FillOutcome),
 }
 
 impl Flight {
     /// How the fill ended, once it has, without waiting.
     pub fn outcome(&self) -> Option<FillOutcome> {
-        *self.done.lock()
+        self.state.lock().outcome
     }
 
     /// Waits until the fill ends or `deadline`; its outcome when it ended.
     pub fn wait_until(&self, deadline: Instant) -> Option<FillOutcome> {
-        let mut g = self.done.lock();
+        let mut g = self.state.lock();
         loop {
-            if let Some(o) = *g {
+            if let Some(o) = g.outcome {
                 return Some(o);
             }
             if self.cv.wait_until(&mut g, deadline).timed_out() {
-                return *g;
+                return g.outcome;
             }
         }
     }
 
+    /// Marks the flight as one a reader waits on, then waits until its bytes are read
+    /// or it ends, or `deadline`: whichever comes first.
+    pub fn wait_ready_until(&self, deadline: Instant) -> Option<Ready> {
+        self.wanted.store(true, Ordering::Release);
+        let mut g = self.state.lock();
+        loop {
+            // Bytes first: a block handed over and not kept ends `Busy` at once, and its
+            // readers still take the bytes.
+            if let Some(b) = &g.bytes {
+                return Some(Ready::Bytes(b.clone()));
+            }
+            if let Some(o) = g.outcome {
+                return Some(Ready::Done(o));
+            }
+            if self.cv.wait_until(&mut g, deadline).timed_out() {
+                return g.outcome.map(Ready::Done);
+            }
+        }
+    }
+
+    /// True once a reader waits on the flight.
+    fn wanted(&self) -> bool {
+        self.wanted.load(Ordering::Acquire)
+    }
+
+    /// Hands the block's bytes to the readers waiting on the flight.
+    fn read(&self, bytes: &[u8]) {
+        self.state.lock().bytes = Some(Arc::from(bytes));
+        self.cv.notify_all();
+    }
+
     fn finish(&self, outcome: FillOutcome) {
-        *self.done.lock() = Some(outcome);
+        let mut g = self.state.lock();
+        g.outcome = Some(outcome);
+        // The bytes of a block not kept stay for the readers that wait on it (they go
+        // with the flight); others are in the store, or were never right.
+        if outcome != FillOutcome::Declined(Declined::Busy) {
+            g.bytes = None;
+        }
+        drop(g);
         self.cv.notify_all();
     }
 }
@@ -225,11 +289,16 @@ struct Inner {
     /// The watchdog's sleep (woken by `close`).
     tick: Condvar,
     flights: Mutex<HashMap<(Key, usize), Arc<Flight>>>,
+    /// Notified when the last flight ends (see [`Filler::settle`]).
+    settled: Condvar,
     store: Arc<Store>,
     meta: Arc<Meta>,
     stats: Arc<Stats>,
     limit: usize,
+    /// Workers per root kept running; up to [`max_workers`] run while readers wait.
     workers: usize,
+    /// Blocks being landed now, per root (see [`Landing`]).
+    landing: Vec<AtomicUsize>,
     meter: Mutex<Meter>,
     /// Each root's sources, in the order a fill asks them.
     sources: Sources,
@@ -281,6 +350,48 @@ pub struct Service {
 /// How long [`Filler::close`] waits for workers before leaving the stuck ones behind.
 const CLOSE_WAIT: Duration = Duration::from_secs(3);
 
+/// Most workers per root while readers wait (unless `fill_workers` is more): a
+/// reader's fill is never queued behind other fills while fewer run, so that the number
+/// of reads from the backing store in flight follows the readers, as it would without
+/// the cache.
+const MAX_WORKERS: usize = 64;
+
+/// A worker above `fill_workers` that had nothing to do for this long ends.
+const IDLE_RETIRE: Duration = Duration::from_secs(2);
+
+/// Most workers of a pool of `workers`.
+fn max_workers(workers: usize) -> usize {
+    workers.max(MAX_WORKERS)
+}
+
+/// Blocks one root lands at once for each of its `fill_workers`, before a block read
+/// for a waiting reader is handed over and not kept (see [`Declined::Busy`]).
+const LANDING_PER_WORKER: usize = 2;
+
+/// A block being landed: counted in its root's `landing` while it lives.
+struct Landing<'a>(&'a AtomicUsize);
+
+impl<'a> Landing<'a> {
+    /// Starts landing a block of `root`, unless the block was `handed` to its readers
+    /// already and the root lands as many blocks as it may (then the block is not kept:
+    /// its readers have it, and landing it would make later readers wait).
+    fn enter(inner: &'a Inner, root: usize, handed: bool) -> Option<Self> {
+        let n = &inner.landing[root];
+        let limit = inner.workers * LANDING_PER_WORKER;
+        if handed && n.load(Ordering::Relaxed) >= limit {
+            return None;
+        }
+        n.fetch_add(1, Ordering::Relaxed);
+        Some(Self(n))
+    }
+}
+
+impl Drop for Landing<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// The fill engine.
 pub struct Filler {
     inner: Arc<Inner>,
@@ -331,11 +442,13 @@ impl Filler {
             cvs: (0..nroots).map(|_| Condvar::new()).collect(),
             tick: Condvar::new(),
             flights: Mutex::new(HashMap::default()),
+            settled: Condvar::new(),
             store,
             meta,
             stats,
             limit,
             workers,
+            landing: (0..nroots).map(|_| AtomicUsize::new(0)).collect(),
             meter: Mutex::new(Meter::default()),
             sources,
             prefetch_wake,
@@ -393,11 +506,18 @@ impl Filler {
                 f.prefetch.store(true, Ordering::Release);
             }
             // Raise a queued read-ahead to demand.
+            let f = f.clone();
             if q.queued.get(&id).is_some_and(|(queued, _)| *queued < prio) {
-                q.enqueue(target, index, prio, f);
+                q.enqueue(target, index, prio, &f);
                 inner.cvs[target.root].notify_one();
+                let more = prio == Priority::Demand && grow(inner, &mut q, target.root);
+                drop(q);
+                drop(flights);
+                if more {
+                    self.add_worker(target.root);
+                }
             }
-            return Scheduled::InFlight(f.clone());
+            return Scheduled::InFlight(f);
         }
         let cap = match prio {
             Priority::Prefetch | Priority::Readahead => inner.limit,
@@ -413,7 +533,20 @@ impl Filler {
         flights.insert(id, f.clone());
         q.enqueue(target, index, prio, &f);
         inner.cvs[target.root].notify_one();
+        let more = prio == Priority::Demand && grow(inner, &mut q, target.root);
+        drop(q);
+        drop(flights);
+        if more {
+            self.add_worker(target.root);
+        }
         Scheduled::InFlight(f)
+    }
+
+    /// Starts a worker for `root` whose pool already counts it.
+    fn add_worker(&self, root: usize) {
+        if let Err(e) = spawn_worker(&self.inner, root) {
+            tracing::warn!(error = %e, "cannot start another fill worker; readers wait for the running ones");
+        }
     }
 
     /// Fills block `index` of `target` on the calling thread (for a peer that asked this
@@ -441,6 +574,19 @@ impl Filler {
         } else {
             fill_and_land(inner, target, index, false, &flight).landed()
         }
+    }
+
+    /// Waits until no fill is in flight, or `deadline`; true when none is. A reader's
+    /// wait may end before the blocks it got have landed: this is when they have (or
+    /// were not kept).
+    pub fn settle(&self, deadline: Instant) -> bool {
+        let mut f = self.inner.flights.lock();
+        while !f.is_empty() {
+            if self.inner.settled.wait_until(&mut f, deadline).timed_out() {
+                return f.is_empty();
+            }
+        }
+        true
     }
 
     /// The backing store's measured latency and throughput, once a few reads are in.
@@ -505,6 +651,22 @@ impl Filler {
     }
 }
 
+/// Whether `root` needs another worker for a reader's block just queued: every worker
+/// is busy (none would take it now), none is stuck in the backing store (a store that
+/// does not answer gets no more threads than its stand-ins), and the pool is below its
+/// most. Counts the new worker in the pool when so (the caller starts it).
+fn grow(inner: &Inner, q: &mut Queue, root: usize) -> bool {
+    let pool = &mut q.pools[root];
+    let idle = pool.threads.saturating_sub(pool.busy.len());
+    let queued = q.heaps[root].len();
+    if pool.stuck == 0 && queued > idle && pool.threads < max_workers(inner.workers) {
+        pool.threads += 1;
+        true
+    } else {
+        false
+    }
+}
+
 /// Whether fills for `target` are declined at once: its root (or file) is not answering
 /// and no peer could supply the block instead.
 fn refused(inner: &Inner, target: &Target) -> bool {
@@ -559,8 +721,9 @@ fn worker(inner: &Inner, root: usize, me: u64) {
             let mut q = inner.queue.lock();
             loop {
                 let pool = &q.pools[root];
-                // Closing, or a stand-in no longer needed (a stuck worker came back).
-                if q.closed || pool.threads - pool.stuck > inner.workers {
+                // Closing, or more workers than a pool may have (a stuck worker came
+                // back to a pool that grew meanwhile).
+                if q.closed || pool.threads - pool.stuck > max_workers(inner.workers) {
                     q.pools[root].threads -= 1;
                     return;
                 }
@@ -617,7 +780,16 @@ fn worker(inner: &Inner, root: usize, me: u64) {
                         });
                         break (job, blocks);
                     }
-                    None => inner.cvs[root].wait(&mut q),
+                    None => {
+                        // A worker above `fill_workers` (started for waiting readers,
+                        // or to stand in for a stuck one) ends once idle for a while.
+                        let idle = inner.cvs[root].wait_for(&mut q, IDLE_RETIRE).timed_out();
+                        let pool = &mut q.pools[root];
+                        if idle && pool.threads - pool.stuck > inner.workers {
+                            pool.threads -= 1;
+                            return;
+                        }
+                    }
                 }
             }
         };
@@ -716,6 +888,9 @@ fn end_flight(inner: &Inner, id: (Key, usize), f: &Arc<Flight>, outcome: FillOut
         let mut flights = inner.flights.lock();
         if flights.get(&id).is_some_and(|g| Arc::ptr_eq(g, f)) {
             flights.remove(&id);
+            if flights.is_empty() {
+                inner.settled.notify_all();
+            }
         }
     }
     f.finish(outcome);
@@ -742,6 +917,7 @@ fn outcome_of(inner: &Inner, t: &Target, index: usize, e: &FillError) -> FillOut
         FillError::Store(StoreError::Io(_)) => FillOutcome::Failed,
         FillError::Source(e) if e.is_stall() => FillOutcome::Declined(Declined::Stalled),
         FillError::Source(_) => FillOutcome::Failed,
+        FillError::Busy => FillOutcome::Declined(Declined::Busy),
     };
     if outcome == FillOutcome::Failed {
         inc(&inner.stats.fill_errors);
@@ -759,7 +935,7 @@ fn fill_and_land(
     prefetch: bool,
     flight: &Arc<Flight>,
 ) -> FillOutcome {
-    let outcome = match fill(inner, target, index, prefetch) {
+    let outcome = match fill(inner, target, index, prefetch, Some(flight)) {
         Ok(()) => FillOutcome::Landed,
         Err(e) => outcome_of(inner, target, index, &e),
     };
@@ -831,7 +1007,10 @@ fn fill_batch_and_land(
             .into_iter()
             .zip(used.iter().map(Vec::as_slice))
             .collect();
-        match inner.store.commit_fills(batch) {
+        let landing = Landing::enter(inner, t.root, false);
+        let landed = inner.store.commit_fills(batch);
+        drop(landing);
+        match landed {
             Ok(()) => {
                 for pos in read {
                     inc(&inner.stats.blocks_filled);
@@ -883,6 +1062,8 @@ enum FillError {
     Store(#[from] StoreError),
     #[error(transparent)]
     Source(#[from] SourceError),
+    #[error("handed to its readers, not kept: the store lands as many blocks as it may")]
+    Busy,
 }
 
 thread_local! {
@@ -891,7 +1072,16 @@ thread_local! {
     static BUFS: std::cell::Cell<Vec<Vec<u8>>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
-fn fill(inner: &Inner, t: &Target, index: usize, prefetch: bool) -> Result<(), FillError> {
+/// Fills block `index` of `t`: reads it from the first source that has it, hands its
+/// bytes to the readers waiting on `flight` (if any waits), and lands it — unless it
+/// was handed over and the root lands as many blocks as it may already (`Busy`).
+fn fill(
+    inner: &Inner,
+    t: &Target,
+    index: usize,
+    prefetch: bool,
+    flight: Option<&Flight>,
+) -> Result<(), FillError> {
     let root = &inner.meta.roots().get(t.root).name;
     let Some(permit) = inner.store.begin_fill(root, &t.stat, index, prefetch)? else {
         return Ok(());
@@ -907,7 +1097,21 @@ fn fill(inner: &Inner, t: &Target, index: usize, prefetch: bool) -> Result<(), F
     let mut bufs = BUFS.take();
     let mut buf = bufs.pop().unwrap_or_default();
     let r = match read_from_sources(inner, &req, &mut buf) {
-        Ok(xxh3) => {
+        Ok(xxh3) => 'land: {
+            // A file of one block (a small file) is handed to its readers as soon as it
+            // is read: its reader is about to wait (or waits), and takes the bytes at
+            // once rather than wait for the landing. Blocks of larger files are waited
+            // for as they land (their readers read ahead of the fills).
+            let small = t.stat.version.size <= u64::from(inner.store.block_size());
+            if let Some(f) = flight.filter(|_| small) {
+                f.read(&buf);
+            }
+            let handed = small && flight.is_some_and(Flight::wanted);
+            let Some(_landing) = Landing::enter(inner, t.root, handed) else {
+                inner.store.abort_fill(permit);
+                inc(&inner.stats.fills_not_kept);
+                break 'land Err(FillError::Busy);
+            };
             let r = match xxh3 {
                 Some(sum) => inner.store.commit_fill_summed(permit, &buf, sum),
                 None => inner.store.commit_fill(permit, &buf),
@@ -1097,6 +1301,129 @@ mod tests {
                 Scheduled::Shed => None,
             }
         }
+    }
+
+    /// Requests `paths` (one block each) at demand priority, marks each flight as one a
+    /// reader waits on, and returns the flights, once all their reads hang in the
+    /// backing store (which the caller then releases).
+    fn demand_while_hung(r: &Rig, paths: &[&str]) -> Vec<Arc<Flight>> {
+        let targets: Vec<_> = paths.iter().map(|p| r.target(p)).collect();
+        r.faults.hang();
+        let flights: Vec<_> = targets
+            .iter()
+            .map(|t| match r.filler.request(t, 0, Priority::Demand) {
+                Scheduled::InFlight(f) => f,
+                s => panic!("not in flight: {s:?}"),
+            })
+            .collect();
+        for f in &flights {
+            assert!(f.wait_ready_until(Instant::now()).is_none());
+        }
+        until(Duration::from_secs(10), "every read under way", || {
+            r.faults.hung.load(Ordering::Relaxed) == paths.len() as u64
+        });
+        flights
+    }
+
+    #[test]
+    fn readers_waiting_get_workers_of_their_own() {
+        // One worker configured; four readers each wait on a file: four reads at once.
+        let r = rig_full(None, 1);
+        let paths = ["a", "b", "c", "d"];
+        for p in paths {
+            r.put(p, 100);
+        }
+        let flights = demand_while_hung(&r, &paths);
+        r.faults.release();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for f in &flights {
+            assert!(matches!(
+                f.wait_ready_until(deadline),
+                Some(Ready::Bytes(_))
+            ));
+        }
+        assert!(r.filler.settle(deadline));
+    }
+
+    #[test]
+    fn a_waiting_reader_gets_the_bytes_before_they_land() {
+        let r = rig_full(None, 2);
+        r.put("a", 3000);
+        let t = r.target("a");
+        r.io.hold();
+        let Scheduled::InFlight(f) = r.filler.request(&t, 0, Priority::Demand) else {
+            panic!("not in flight");
+        };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let Some(Ready::Bytes(b)) = f.wait_ready_until(deadline) else {
+            panic!("no bytes handed over");
+        };
+        let want: Vec<u8> = (0..3000).map(|i| (i % 251) as u8).collect();
+        assert_eq!(&b[..], &want[..]);
+        // Handed over, not landed: no one else sees the block yet.
+        until(Duration::from_secs(10), "the landing under way", || {
+            r.io.held.load(Ordering::Relaxed) == 1
+        });
+        assert!(!r.store.is_present(&t.key, 0));
+        assert_eq!(f.outcome(), None);
+        r.io.release();
+        assert_eq!(f.wait_until(deadline), Some(FillOutcome::Landed));
+        assert!(r.store.is_present(&t.key, 0));
+        assert!(r.filler.settle(deadline));
+    }
+
+    #[test]
+    fn a_handed_block_is_not_kept_while_the_store_lands_all_it_may() {
+        // One worker: the store lands at most two blocks at once.
+        let r = rig_full(None, 1);
+        let paths = ["a", "b", "c"];
+        for p in paths {
+            r.put(p, 1000);
+        }
+        let flights = demand_while_hung(&r, &paths);
+        r.io.hold();
+        r.faults.release();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        // Every reader gets its bytes; two blocks wait in the store's writes, the third
+        // is not kept.
+        for f in &flights {
+            assert!(matches!(
+                f.wait_ready_until(deadline),
+                Some(Ready::Bytes(_))
+            ));
+        }
+        until(
+            Duration::from_secs(10),
+            "two landings under way, one block not kept",
+            || {
+                r.io.held.load(Ordering::Relaxed) == 2
+                    && r.stats.fills_not_kept.load(Ordering::Relaxed) == 1
+            },
+        );
+        let busy: Vec<_> = flights.iter().filter(|f| f.outcome().is_some()).collect();
+        assert_eq!(busy.len(), 1);
+        assert_eq!(
+            busy[0].outcome(),
+            Some(FillOutcome::Declined(Declined::Busy))
+        );
+        // Its readers still get the bytes.
+        assert!(matches!(
+            busy[0].wait_ready_until(deadline),
+            Some(Ready::Bytes(_))
+        ));
+        r.io.release();
+        assert!(r.filler.settle(deadline));
+        let landed = paths
+            .iter()
+            .filter(|p| r.store.is_present(&r.target(p).key, 0))
+            .count();
+        assert_eq!(landed, 2);
+        // Asked for again, it is read and kept.
+        let missing = paths
+            .iter()
+            .find(|p| !r.store.is_present(&r.target(p).key, 0))
+            .unwrap();
+        assert_eq!(r.wait(&r.target(missing), 0), Some(true));
     }
 
     #[test]

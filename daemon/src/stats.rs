@@ -77,6 +77,8 @@ counters!(
     conns_closed_full,
     journal_recoveries,
     peer_forged,
+    handoffs,
+    fills_not_kept,
 );
 
 /// Adds `n` to a counter.

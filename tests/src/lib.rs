@@ -127,6 +127,34 @@ impl Bed {
         self.backing.join(rel)
     }
 
+    /// Waits (at most 10 s) until every one of `paths` (under the backing root, each at
+    /// least one byte long) has a data file in the cache: a reader of a small file gets
+    /// its bytes before they land, so a read alone does not say they have.
+    pub fn until_cached(&self, paths: &[PathBuf]) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        let missing = || {
+            paths
+                .iter()
+                .filter(|p| {
+                    let rel = p.strip_prefix(&self.backing).expect("under the root");
+                    cache_data_file(&self.cache, &self.backing, rel.to_str().expect("utf8"))
+                        .is_none()
+                })
+                .count()
+        };
+        loop {
+            let n = missing();
+            if n == 0 {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{n} files not cached after 10 s"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
     /// Starts the daemon on this bed with extra flags.
     pub fn start(&self, extra: &[&str]) -> Daemon {
         Daemon::start(self, &self.cache, &self.socket, "daemon.log", extra)

@@ -216,6 +216,8 @@ fn evict_by_path_directory_job_and_all_frees_the_bytes_and_reads_stay_right() {
             let (got, _) = read_all(&bed.client(), &bed.path(f)).unwrap();
             assert_eq!(got, content(seed, len), "{f}");
         }
+        let paths: Vec<_> = files.iter().map(|(f, _, _)| bed.path(f)).collect();
+        bed.until_cached(&paths);
     };
     read_everything();
     let s = &bed.socket;

@@ -124,6 +124,10 @@ defs! {
         "Fills refused because nothing could be evicted to make room.";
     FILL_QUEUE_SHED: Counter "shardcache_fill_queue_shed_total" COUNT, [],
         "Fill requests (read-ahead, prefetch) dropped because the fill queue was full.";
+    HANDOFFS: Counter "shardcache_handoffs_total" COUNT, [],
+        "Waits answered with blocks read for the waiting reader before they landed (the reader did not wait for the store's durable write).";
+    FILLS_NOT_KEPT: Counter "shardcache_fills_not_kept_total" COUNT, [],
+        "Blocks read for a waiting reader, handed over, and not kept: the store was landing as many blocks as it may at once.";
     BACKING_STALLED: Gauge "shardcache_backing_stalled" NONE, ["root"],
         "1 while the backing root is stalled (a call stuck and none completed for backing_stall_timeout: its calls are refused, clients read it directly), else 0.";
     BACKING_STUCK_CALLS: Gauge "shardcache_backing_stuck_calls" COUNT, ["root"],
@@ -407,6 +411,8 @@ impl Metrics {
             (&FILL_ERRORS, c.fill_errors),
             (&FILLS_NO_SPACE, c.fills_no_space),
             (&FILL_QUEUE_SHED, c.queue_shed),
+            (&HANDOFFS, c.handoffs),
+            (&FILLS_NOT_KEPT, c.fills_not_kept),
             (&PEER_ERRORS, c.peer_errors),
             (&PEER_REFUSED, c.peer_refused),
             (&PEER_FORGED, c.peer_forged),

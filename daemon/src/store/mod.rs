@@ -225,7 +225,9 @@ pub struct Store {
     space: Space,
     block_size: u32,
     next_generation: AtomicU64,
-    create: Mutex<()>,
+    /// Serialises the first landing of a file (its creation) with other landings of the
+    /// same file, one lock per stripe of keys: files are created side by side.
+    create: Box<[Mutex<()>]>,
     stats: Arc<Stats>,
     _lock: File,
 }
@@ -606,24 +608,74 @@ impl Store {
         self.space.capacity
     }
 
-    /// Makes the data file of `key` exist durably; returns its generation.
-    fn ensure_durable(&self, key: &Key) -> Result<u64, StoreError> {
-        let _g = self.create.lock();
-        let rec = {
+    /// Writes `blocks` of one file version (offset, bytes, checksum, index, length) to
+    /// its data file durably, then records them in one journal group: the file itself
+    /// too, when this is its first landing (the data file is created first; landings of
+    /// the same file wait for it, others run side by side). Returns the blocks' records.
+    fn land(
+        &self,
+        key: &Key,
+        blocks: &[(&Permit, &[u8], u64)],
+    ) -> Result<Vec<BlockMeta>, StoreError> {
+        let stripe = &self.create[stripe_of(key, self.create.len())];
+        let first = stripe.lock();
+        let (generation, durable, size, file_rec) = {
             let idx = self.lock();
             let e = idx.files.get(key).ok_or(StoreError::Gone)?;
-            if e.durable {
-                return Ok(e.generation);
-            }
-            (e.generation, e.version.size, Record::file_added(key, e))
+            (
+                e.generation,
+                e.durable,
+                e.version.size,
+                (!e.durable).then(|| Record::file_added(key, e)),
+            )
         };
-        let (generation, size, rec) = rec;
-        self.io.create(&data_name(key, generation), size)?;
-        self.journal.append(&rec)?;
-        let mut idx = self.lock();
-        let e = idx.files.get_mut(key).ok_or(StoreError::Gone)?;
-        e.durable = true;
-        Ok(generation)
+        if durable {
+            drop(first);
+        }
+        let name = data_name(key, generation);
+        if !durable {
+            self.io.create(&name, size)?;
+        }
+        let writes: Vec<io::Write<'_>> = blocks.iter().map(|(p, d, _)| (p.offset, *d)).collect();
+        // The bytes and an fdatasync, in one submission where the engine can.
+        if let Err(e) = self.io.write_durable(&name, &writes) {
+            if !durable {
+                // Created by this landing and recorded nowhere: not left behind.
+                let _ = self.io.remove(&name);
+            }
+            return Err(e.into());
+        }
+        let metas: Vec<BlockMeta> = blocks
+            .iter()
+            .map(|(p, _, xxh3)| BlockMeta {
+                len: p.len,
+                xxh3: *xxh3,
+                verified: true,
+            })
+            .collect();
+        let records: Vec<_> = file_rec
+            .into_iter()
+            .chain(
+                blocks
+                    .iter()
+                    .zip(&metas)
+                    .map(|((p, _, _), m)| Record::block_added(key, generation, p.index, m)),
+            )
+            .collect();
+        if let Err(e) = self.journal.append_all(&records) {
+            if !durable {
+                let _ = self.io.remove(&name);
+            }
+            return Err(e.into());
+        }
+        if !durable {
+            self.lock()
+                .files
+                .get_mut(key)
+                .ok_or(StoreError::Gone)?
+                .durable = true;
+        }
+        Ok(metas)
     }
 
     /// Writes a filled block durably and makes it visible. `data` must be exactly the
@@ -675,25 +727,9 @@ impl Store {
         {
             return Err(StoreError::Gone);
         }
-        let generation = self.ensure_durable(&key)?;
-        let writes: Vec<io::Write<'_>> = blocks.iter().map(|(p, d)| (p.offset, *d)).collect();
-        self.io
-            .write_durable(&data_name(&key, generation), &writes)?;
-        let metas: Vec<BlockMeta> = blocks
-            .iter()
-            .map(|(p, d)| BlockMeta {
-                len: p.len,
-                xxh3: block_xxh3(d),
-                verified: true,
-            })
-            .collect();
-        let records: Vec<_> = blocks
-            .iter()
-            .zip(&metas)
-            .map(|((p, _), m)| Record::block_added(&key, generation, p.index, m))
-            .collect();
-        self.journal.append_all(&records)?;
-        Ok(metas)
+        let summed: Vec<(&Permit, &[u8], u64)> =
+            blocks.iter().map(|(p, d)| (p, *d, block_xxh3(d))).collect();
+        self.land(&key, &summed)
     }
 
     /// Ends a fill: returns its reservation, records the block if it was `written`, and
@@ -730,24 +766,8 @@ impl Store {
         data: &[u8],
         xxh3: u64,
     ) -> Result<BlockMeta, StoreError> {
-        let generation = self.ensure_durable(&permit.key)?;
-        // The bytes and an fdatasync, in one submission where the engine can.
-        self.io.write_durable(
-            &data_name(&permit.key, generation),
-            &[(permit.offset, data)],
-        )?;
-        let meta = BlockMeta {
-            len: permit.len,
-            xxh3,
-            verified: true,
-        };
-        self.journal.append(&Record::block_added(
-            &permit.key,
-            generation,
-            permit.index,
-            &meta,
-        ))?;
-        Ok(meta)
+        let mut metas = self.land(&permit.key, &[(permit, data, xxh3)])?;
+        metas.pop().ok_or(StoreError::Gone)
     }
 
     /// Rewrites the journal from the index when it has grown well past what the cache
@@ -833,6 +853,22 @@ impl Store {
         File::create(&marker)?.sync_all()?;
         journal::sync_dir(&self.dir)
     }
+}
+
+/// Stripes of the creation lock.
+const CREATE_STRIPES: usize = 256;
+
+/// The creation locks of a store.
+pub(super) fn create_stripes() -> Box<[Mutex<()>]> {
+    (0..CREATE_STRIPES).map(|_| Mutex::new(())).collect()
+}
+
+/// The stripe of `key` among `n`.
+fn stripe_of(key: &Key, n: usize) -> usize {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    key.hash(&mut h);
+    (h.finish() % n.max(1) as u64) as usize
 }
 
 /// A store in `dir` of `capacity` bytes with `block_size` blocks and no free-space

@@ -163,7 +163,7 @@ impl Store {
             space,
             block_size: cfg.block_size,
             next_generation: AtomicU64::new((max_generation + 1).max(now_nanos())),
-            create: Mutex::new(()),
+            create: super::create_stripes(),
             stats,
             _lock: lock,
         })

@@ -26,7 +26,9 @@ use std::time::{Duration, Instant};
 
 use clap::{Parser, Subcommand};
 use shardcache_client::{Client, ClientConfig};
-use shardcache_tests::{Bed, cache_data_file, drop_page_cache, median, quantile_us, write_file};
+use shardcache_tests::{
+    Bed, Daemon, cache_data_file, drop_page_cache, median, quantile_us, write_file,
+};
 
 #[derive(Debug, Parser)]
 #[command(name = "shardcache-bench")]
@@ -35,10 +37,36 @@ struct Cli {
     cmd: Cmd,
 }
 
+#[derive(Debug, clap::Args)]
+struct SmallArgs {
+    /// Directory for the generated data and the cache (local disk).
+    #[arg(long, default_value_os_t = std::env::temp_dir())]
+    dir: PathBuf,
+    /// Number of files.
+    #[arg(long, default_value_t = 4000)]
+    files: u64,
+    /// Size of each file in KiB.
+    #[arg(long, default_value_t = 100)]
+    kib: u64,
+    /// Readers at once (repeat for several rows).
+    #[arg(long, default_values_t = COLD_READERS)]
+    readers: Vec<usize>,
+    /// Rounds per row (alternating which side goes first).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Read the files already under this directory (the first `--files` of them, by
+    /// name) instead of generating them: a mount of shared storage, say
+    /// `../shared/testbed/slow-storage.sh`'s. It is the daemon's backing root.
+    #[arg(long)]
+    root: Option<PathBuf>,
+}
+
 #[derive(Debug, Subcommand)]
 enum Cmd {
     /// The single-node data path: cold fill, warm sequential, small files.
     Foundation(Foundation),
+    /// Cold small files only: N readers through the cache ÷ N plain readers.
+    Small(SmallArgs),
     /// The planner's retention and prefetch against LRU: in a simulated node, then in the
     /// real daemon over a throttled in-memory backing store.
     Policy(PolicyArgs),
@@ -382,6 +410,130 @@ fn secs<F: FnOnce()>(f: F) -> f64 {
     t.elapsed().as_secs_f64()
 }
 
+/// Readers of the cold small-file rows.
+const COLD_READERS: [usize; 2] = [8, 32];
+
+/// Small files, cold, N readers at once: every file read once by a pool of N threads
+/// sharing one work list, the page cache of the files dropped first; through the cache
+/// it is also empty (a fresh daemon), so every open waits for a fill. The baseline is
+/// the same N threads reading the same files directly. Files per second, (plain, cache)
+/// per round, for each number of readers.
+fn cold_small_rows(
+    bed: &Bed,
+    daemon: &mut Daemon,
+    small: &[PathBuf],
+    readers: &[usize],
+    rounds: usize,
+) -> Vec<(usize, Vec<(f64, f64)>)> {
+    let mut out = Vec::new();
+    for &threads in readers {
+        let mut v = Vec::new();
+        for r in 0..rounds {
+            let mut plain = || {
+                drop_all(small);
+                parallel_pass(small, threads, &|p: &Path, b: &mut [u8]| {
+                    read_through(&mut File::open(p).expect("open"), b);
+                })
+            };
+            let mut cached = || {
+                daemon.stop();
+                std::fs::remove_dir_all(bed.cache.join("shardcache-v1")).expect("clear cache");
+                daemon.restart();
+                drop_all(small);
+                let c = Client::at(&bed.socket);
+                parallel_pass(small, threads, &|p: &Path, b: &mut [u8]| {
+                    read_through(&mut c.open(p).expect("open"), b);
+                })
+            };
+            let (x, y) = alternate(r, &mut plain, &mut cached);
+            eprintln!(
+                "small cold, {threads} readers, round {r}: plain {x:.0} f/s, cache {y:.0} f/s"
+            );
+            v.push((x, y));
+        }
+        out.push((threads, v));
+    }
+    out
+}
+
+/// The `small` subcommand: only the cold small-file rows.
+fn small(a: &SmallArgs) {
+    let mut bed = Bed::new_in(&a.dir);
+    let small: Vec<PathBuf> = match &a.root {
+        Some(root) => {
+            bed.backing = root.canonicalize().expect("--root");
+            let mut v: Vec<PathBuf> = std::fs::read_dir(&bed.backing)
+                .expect("list --root")
+                .map(|e| e.expect("entry").path())
+                .filter(|p| p.is_file())
+                .collect();
+            v.sort();
+            v.truncate(a.files as usize);
+            v
+        }
+        None => {
+            let v: Vec<PathBuf> = (0..a.files)
+                .map(|i| bed.path(&format!("small/S{i:05}.bin")))
+                .collect();
+            for (i, p) in v.iter().enumerate() {
+                write_file(p, 1000 + i as u64, a.kib << 10);
+            }
+            v
+        }
+    };
+    let mut daemon = bed.start(&["--min-free", "1GiB", "--log", "warn"]);
+    let rows = cold_small_rows(&bed, &mut daemon, &small, &a.readers, a.rounds);
+    let c = Client::at(&bed.socket).status().expect("status").counters;
+    daemon.stop();
+    println!();
+    println!(
+        "shardcache small-file benchmark: {} files in {}, cold (page cache dropped, cache empty), {} rounds",
+        small.len(),
+        bed.backing.display(),
+        a.rounds
+    );
+    println!(
+        "{:<48}{:>16}{:>16}{:>8}  goal",
+        "measure (medians)", "baseline", "shardcache", "ratio"
+    );
+    for (threads, v) in &rows {
+        row(
+            &format!("small files cold, {threads} readers (÷ plain)"),
+            "f/s",
+            v,
+            "≥ 0.9",
+        );
+    }
+    println!(
+        "last daemon: {} waits, {} handed over before landing, {} blocks filled, {} not kept",
+        c.waits, c.handoffs, c.blocks_filled, c.fills_not_kept
+    );
+}
+
+/// `threads` threads read every path once with `read` (each path by one thread, taken
+/// from a shared list in order); files per second.
+fn parallel_pass(
+    paths: &[PathBuf],
+    threads: usize,
+    read: &(dyn Fn(&Path, &mut [u8]) + Sync),
+) -> f64 {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let t = Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| {
+                let mut b = vec![0u8; 256 << 10];
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(p) = paths.get(i) else { break };
+                    read(p, &mut b);
+                }
+            });
+        }
+    });
+    paths.len() as f64 / t.elapsed().as_secs_f64()
+}
+
 fn drop_all(paths: &[PathBuf]) {
     for p in paths {
         drop_page_cache(p).expect("fadvise");
@@ -448,6 +600,7 @@ fn main() {
     }
     match Cli::parse().cmd {
         Cmd::Foundation(a) => foundation(&a),
+        Cmd::Small(a) => small(&a),
         Cmd::Policy(a) => policy(&a),
         Cmd::PlannerScale { files } => planner_scale(files),
         Cmd::Restart(a) => {
@@ -633,10 +786,36 @@ fn foundation(a: &Foundation) {
         }
     }
 
+    let cold_small = cold_small_rows(&bed, &mut daemon, &small, &COLD_READERS, a.rounds);
+
     // Small files: populate, then warm open+read+close.
     let c = client();
     for p in &small {
         read_through(&mut c.open(p).expect("open"), &mut buf);
+    }
+    // A reader gets its bytes before they land: wait until the last ones have.
+    let landed = |bed: &Bed| {
+        small.iter().all(|p| {
+            let rel = p.strip_prefix(&bed.backing).expect("under root");
+            cache_data_file(&bed.cache, &bed.backing, rel.to_str().expect("utf8")).is_some()
+        })
+    };
+    let t = Instant::now();
+    while !landed(&bed) {
+        if t.elapsed() > Duration::from_secs(10) {
+            let missing = small
+                .iter()
+                .filter(|p| {
+                    let rel = p.strip_prefix(&bed.backing).expect("under root");
+                    cache_data_file(&bed.cache, &bed.backing, rel.to_str().expect("utf8")).is_none()
+                })
+                .count();
+            panic!(
+                "{missing} small files not cached within 10 s: {:?}",
+                c.status().expect("status").counters
+            );
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
     let small_data = cached_copies(&bed, &small);
     let time_each = |paths: &[PathBuf], f: &mut dyn FnMut(&Path)| -> (Vec<Duration>, f64) {
@@ -766,6 +945,14 @@ fn foundation(a: &Foundation) {
         "≥ 0.8",
     );
     row("small files, open_ahead (32 ahead)", "f/s", &ahead, "≥ 0.8");
+    for (threads, v) in &cold_small {
+        row(
+            &format!("small files cold, {threads} readers (÷ plain)"),
+            "f/s",
+            v,
+            "≥ 0.9",
+        );
+    }
     match engines {
         Some((fill, verify)) => {
             row(

@@ -46,12 +46,40 @@ pub struct IoFaults {
     pub durable_writes: AtomicU64,
     /// `(name, offset)` of every read failed by [`Fault::ReadEio`].
     pub failed_reads: Mutex<Vec<(String, u64)>>,
+    /// `write_durable` calls waiting in [`IoFaults::hold`] now.
+    pub held: AtomicU64,
+    /// While true, every `write_durable` waits (before writing) until
+    /// [`IoFaults::release`]: a cache disk slow to land blocks.
+    hold: Mutex<bool>,
+    cv: parking_lot::Condvar,
 }
 
 impl IoFaults {
     /// Arms `fault` for the next call of its kind.
     pub fn arm(&self, fault: Fault) {
         self.lock().push_back(fault);
+    }
+
+    /// From now on every `write_durable` waits until [`IoFaults::release`].
+    pub fn hold(&self) {
+        *self.hold.lock() = true;
+    }
+
+    /// Lets held writes and later ones go on.
+    pub fn release(&self) {
+        *self.hold.lock() = false;
+        self.cv.notify_all();
+    }
+
+    fn wait_while_held(&self) {
+        let mut g = self.hold.lock();
+        if *g {
+            self.held.fetch_add(1, Ordering::Relaxed);
+            while *g {
+                self.cv.wait(&mut g);
+            }
+            self.held.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 
     /// Disarms every fault not yet injected.
@@ -111,6 +139,7 @@ impl BlockIo for FailingIo {
 
     fn write_durable(&self, name: &str, writes: &[Write<'_>]) -> io::Result<()> {
         self.faults.durable_writes.fetch_add(1, Ordering::Relaxed);
+        self.faults.wait_while_held();
         match self
             .faults
             .take(&[Fault::SyncEio, Fault::Enospc, Fault::ShortWrite])

@@ -283,13 +283,15 @@ fn status_text(s: &Status) -> String {
         (
             "fills",
             format!(
-                "{} blocks, {} errors, {} no space, {} shed; {} waits ({} timed out)",
+                "{} blocks, {} errors, {} no space, {} shed, {} not kept; {} waits ({} timed out, {} handed over)",
                 c.blocks_filled,
                 c.fill_errors,
                 c.fills_no_space,
                 c.queue_shed,
+                c.fills_not_kept,
                 c.waits,
-                c.wait_timeouts
+                c.wait_timeouts,
+                c.handoffs
             ),
         ),
     ]);
