@@ -181,3 +181,65 @@ def test_a_job_the_daemon_lost_is_registered_again_at_the_next_epoch(daemon):
     assert (j["epoch"], j["step"], j["lease_holders"]) == (1, 0, 1)
     s.close()
     assert jobs(daemon) == {}
+
+
+class Images:
+    """docs/PYTHON.md's Dataset, as written there (decode: the bytes' length)."""
+
+    def __init__(self, files):
+        self.files = files
+
+    def __len__(self):
+        return len(self.files)
+
+    def __getitem__(self, i):
+        with shardcache.open(self.files[i]) as f:
+            return len(f.read())
+
+    def __getitems__(self, indices):
+        client = shardcache.default_client()
+        out = []
+        for f in client.open_many([self.files[i] for i in indices]):
+            with f:
+                out.append(len(f.read()))
+        return out
+
+
+def _worker(data, batches, q):
+    for k, batch in batches:
+        q.put((k, data.__getitems__(batch)))
+
+
+def test_the_documented_loader_pattern_without_torch(daemon, monkeypatch):
+    """PYTHON.md's example, its DataLoader played by forked workers (batch k to worker
+    k mod W, each reading its batches in order through __getitems__): one leased job,
+    held by the loop's process, every open attributed to it."""
+    import multiprocessing
+
+    monkeypatch.setenv("SHARDCACHE_SOCKET", daemon.socket)
+    for k in LAUNCHER_VARS:
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "doc-run")
+    n, w, b = 64, 4, 8
+    files = [str(daemon.write(f"img/c{i % 4}/x{i:03}.jpg", i, 500 + i)) for i in range(n)]
+    data = Images(files)
+    sampler = shardcache.DistributedShuffleSampler(data, seed=42, files=files, epochs=2, num_replicas=1, rank=0)
+    sampler.set_epoch(0)
+    order = list(sampler)
+    batches = [(k, order[k * b:(k + 1) * b]) for k in range(n // b)]
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_worker, args=(data, batches[i::w], q)) for i in range(w)]
+    for p in procs:
+        p.start()
+    got = dict(q.get(timeout=30) for _ in batches)
+    for p in procs:
+        p.join(timeout=30)
+        assert p.exitcode == 0
+    assert [s for k in sorted(got) for s in got[k]] == [500 + i for i in order]
+    j = jobs(daemon)[sampler.job]
+    assert sampler.job.startswith("img.")
+    assert (j["lease_seconds"], j["lease_holders"], j["lease_holders_alive"]) == (60, 1, 1)
+    assert j["opens"] == n, "every open attributed to the job"
+    sampler.close()
+    assert jobs(daemon) == {}

@@ -35,6 +35,7 @@ __all__ = [
     "ManifestError",
     "ShuffleSampler",
     "SHUFFLE_ALGORITHM",
+    "default_client",
     "default_job_id",
     "make_manifest",
     "node_order",
@@ -50,6 +51,13 @@ _builtin_open = open  # this module's ``open`` reads through the cache
 _lock = threading.Lock()
 _default: Optional["Client"] = None
 _default_pid = -1
+
+
+def default_client() -> "Client":
+    """This process's default client, what :func:`open` uses (a new one after ``fork``:
+    connections are not shared between processes, so a ``DataLoader`` worker gets its
+    own)."""
+    return _default_client()
 
 
 def _default_client() -> "Client":
