@@ -120,18 +120,16 @@ impl Lease {
         }
     }
 
-    /// Removes `holder`, holders found dead on the way; true when no holder is left
-    /// (the job should go). An unknown holder (an operator's `shardcache unregister`,
-    /// another user's tool) leaves none: the caller removes the job.
-    pub(super) fn leave(&mut self, holder: &Holder, procs: &dyn Processes) -> bool {
-        let before = self.holders.len();
+    /// Whether `holder` holds the lease.
+    fn holds(&self, holder: &Holder) -> bool {
+        !holder.key.is_empty() && self.holders.iter().any(|h| h.key == holder.key)
+    }
+
+    /// Removes `holder`, and holders found dead on the way; true when no holder is left
+    /// (the job should go).
+    fn leave(&mut self, holder: &Holder, procs: &dyn Processes) -> bool {
         self.holders
-            .retain(|h| h.key.is_empty() || h.key != holder.key);
-        if self.holders.len() == before {
-            return true;
-        }
-        self.holders
-            .retain(|h| h.process.is_none() || h.alive(procs));
+            .retain(|h| h.key != holder.key && (h.process.is_none() || h.alive(procs)));
         self.holders.is_empty()
     }
 
@@ -214,9 +212,11 @@ impl Jobs {
         }
     }
 
-    /// An unregister of `job` by process `pid` naming holder `holder`: for a leased job
-    /// that other holders still hold, only that holder leaves (`true`, the job stays);
-    /// else the job is unregistered (true if it was registered).
+    /// An unregister of `job` by process `pid` naming holder `holder` (empty: none);
+    /// true if the job was registered. A holder of a leased job leaves it: the job goes
+    /// with its last holder. A release (a `holder` named) by a process that holds no
+    /// lease on the job changes nothing: a rank's exit never ends a scheduler's job or
+    /// other ranks'. Any other unregister (`shardcache unregister`) removes the job.
     pub fn unregister_holder(&self, job: &str, pid: i32, holder: &str) -> bool {
         let h = Holder::of(&*self.procs, pid, holder);
         {
@@ -224,10 +224,13 @@ impl Jobs {
             let Some(j) = info.get_mut(job) else {
                 return false;
             };
-            if let Some(l) = j.lease.as_mut()
-                && !l.leave(&h, &*self.procs)
-            {
-                tracing::info!(job, holder = %h.key, holders = l.holders.len(), "holder left; the job stays for the others");
+            let held = j.lease.as_mut().filter(|l| l.holds(&h));
+            if let Some(l) = held {
+                if !l.leave(&h, &*self.procs) {
+                    tracing::info!(job, holder = %h.key, holders = l.holders.len(), "holder left; the job stays for the others");
+                    return true;
+                }
+            } else if !holder.is_empty() {
                 return true;
             }
         }
@@ -355,6 +358,11 @@ mod tests {
         clock.advance(100 * LEASE);
         assert_eq!(lease_of(&jobs, "k"), Some((0, Duration::ZERO, 0, 0)));
         assert_eq!(jobs.ids(), ["k"], "no lease: lives until unregistered");
+        // A rank letting go does not end it; an unregister does.
+        assert!(jobs.unregister_holder("k", 0, "rank1"));
+        assert_eq!(jobs.ids(), ["k"]);
+        assert!(jobs.unregister_holder("k", 0, ""));
+        assert!(jobs.ids().is_empty());
     }
 
     /// A holder process alive keeps the job past its lease however long nothing renews
@@ -385,9 +393,10 @@ mod tests {
 
     /// Two ranks of one job on one node register it (one plan with both ranks, two
     /// holders): one rank's unregister removes its holder only, the job stays for the
-    /// other; the other's removes the job. An unregister from no holder (`shardcache
-    /// unregister` in a shell) removes the job whoever holds it; a holder named by the
-    /// client (its pid hidden from the daemon) leaves by that name.
+    /// other; the other's removes the job. A holder named by the client (its pid hidden
+    /// from the daemon) leaves by that name; a release naming no holder of the job
+    /// changes nothing; an unregister naming no holder (`shardcache unregister` in a
+    /// shell) removes the job whoever holds it.
     #[test]
     fn one_holders_unregister_keeps_the_others() {
         let (jobs, _, procs) = leased_jobs();
@@ -416,6 +425,10 @@ mod tests {
         }
         assert!(jobs.unregister_holder("j", 0, "a"));
         assert_eq!(jobs.ids(), ["j"]);
+        // A release from a process that holds nothing (again, or never) changes nothing.
+        assert!(jobs.unregister_holder("j", 0, "a"));
+        assert!(jobs.unregister_holder("j", 555, "z"));
+        assert_eq!(lease_of(&jobs, "j").map(|l| l.2), Some(1));
         jobs.register_leased(&shuffle("j", 7, &[0]), &as_pid(0), false, leased("a"))
             .unwrap();
         assert_eq!(lease_of(&jobs, "j").map(|l| l.2), Some(2));
