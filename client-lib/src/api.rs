@@ -329,6 +329,15 @@ mirror! {
         /// file or a directory above it), and over the daemon's limit of held files.
         immutable_not_owned: u64,
         immutable_over_limit: u64,
+        /// The job's lease ([`crate::Client::register_leased`]; docs/MANIFEST.md, "Leases"):
+        /// its length in seconds (0: no lease, the job lives until unregistered), the
+        /// seconds left before it runs out unless renewed or a holder is found alive, and
+        /// its holders (the processes whose registrations hold it) and how many of them the
+        /// daemon sees alive.
+        lease_seconds: u32,
+        lease_remaining_seconds: f64,
+        lease_holders: u32,
+        lease_holders_alive: u32,
     }
 }
 

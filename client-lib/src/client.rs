@@ -255,6 +255,26 @@ impl Client {
     /// sealed memfd the daemon reads. The call waits 10 s (or `timeout` if longer), plus
     /// 2 s per MiB of manifest (the daemon parses and plans it), for the answer.
     pub fn register(&self, manifest_json: &str) -> io::Result<Registered> {
+        self.register_with(manifest_json, 0, String::new())
+    }
+
+    /// Registers a manifest as [`Client::register`] does, with a lease of `lease` (whole
+    /// seconds, at least one): the daemon keeps the job while this process is alive, or
+    /// while the job is renewed within the lease (a registration again, a progress
+    /// report, a read of one of its files), and unregisters it otherwise. This process
+    /// becomes one of the job's holders: [`Client::release`] removes it. See
+    /// docs/MANIFEST.md, "Leases", and [`crate::JobLease`], which does all of it.
+    pub fn register_leased(&self, manifest_json: &str, lease: Duration) -> io::Result<Registered> {
+        let secs = u32::try_from(lease.as_secs().max(1)).unwrap_or(u32::MAX);
+        self.register_with(manifest_json, secs, crate::lease::holder())
+    }
+
+    fn register_with(
+        &self,
+        manifest_json: &str,
+        lease_s: u32,
+        holder: String,
+    ) -> io::Result<Registered> {
         const MAX: usize = shardcache_plan::manifest::MAX_BYTES;
         if manifest_json.len() > MAX {
             return Err(io::Error::new(
@@ -270,6 +290,8 @@ impl Client {
             + Duration::from_secs(2 * (manifest_json.len() >> 20) as u64);
         let inline = request::Kind::Register(pb::RegisterRequest {
             manifest_json: manifest_json.to_owned(),
+            lease_s,
+            holder: holder.clone(),
             ..Default::default()
         });
         // Room for the request's id.
@@ -279,6 +301,8 @@ impl Client {
             let fd = sealed_memfd(manifest_json.as_bytes())?;
             let req = request::Kind::Register(pb::RegisterRequest {
                 manifest_fd: true,
+                lease_s,
+                holder,
                 ..Default::default()
             });
             self.inner.call_fds(req, &[fd.as_fd()], timeout)?
@@ -292,10 +316,22 @@ impl Client {
         }
     }
 
-    /// Forgets a registered job; true if it was registered.
+    /// Forgets a registered job, whoever holds it; true if it was registered.
     pub fn unregister(&self, job: &str) -> io::Result<bool> {
+        self.unregister_as(job, String::new())
+    }
+
+    /// This process stops holding leased job `job` ([`Client::register_leased`]): the
+    /// daemon removes its holder only while other processes hold the job (other ranks on
+    /// this node), else the job. True if the job was registered.
+    pub fn release(&self, job: &str) -> io::Result<bool> {
+        self.unregister_as(job, crate::lease::holder())
+    }
+
+    fn unregister_as(&self, job: &str, holder: String) -> io::Result<bool> {
         let req = request::Kind::Unregister(pb::UnregisterRequest {
             job: job.to_owned(),
+            holder,
         });
         match self.inner.call(req, self.inner.cfg.timeout)? {
             (response::Kind::Unregister(r), _) => Ok(r.found),
@@ -303,7 +339,9 @@ impl Client {
         }
     }
 
-    /// Tells the daemon that `job` is about to read step `step` of epoch `epoch`.
+    /// Tells the daemon that `job` is about to read step `step` of epoch `epoch` (and
+    /// renews its lease); false when the daemon does not know the job (never registered
+    /// there, its lease ran out, or the daemon restarted): register it again.
     pub fn progress(&self, job: &str, epoch: u64, step: u64) -> io::Result<bool> {
         let req = request::Kind::Progress(pb::ProgressRequest {
             job: job.to_owned(),

@@ -27,6 +27,7 @@
 mod api;
 mod client;
 mod clock;
+mod lease;
 mod link;
 mod reader;
 mod report;
@@ -40,6 +41,7 @@ pub use api::{
     FileEntry, JobStatus, ListQuery, ListTarget, Listing, PeerStatus, Registered, Status, Verified,
 };
 pub use client::{Client, ClientConfig, DEFAULT_SOCKET};
+pub use lease::{DEFAULT_LEASE, JobLease};
 pub use reader::{OpenAhead, Reader, ReaderStats, Source};
 /// The local protocol's messages: the wire schema, for callers that print the daemon's
 /// answers as JSON (every type above converts to its message) or speak the protocol

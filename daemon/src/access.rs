@@ -27,7 +27,8 @@ use crate::backing::{Owner, Stat};
 /// A client's credentials, as the kernel reported them at `connect()`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Creds {
-    /// Process id (for logs only; never for decisions).
+    /// Process id: for logs, and to tell whether a job's lease holder lives (0: the
+    /// client is in a pid namespace the daemon cannot see); never for access decisions.
     pub pid: i32,
     /// Effective user id.
     pub uid: u32,

@@ -186,6 +186,14 @@ pub struct JobStatus {
     /// Files of an immutable manifest not held as immutable because they are over the
     /// daemon's limit of held files.
     pub immutable_over_limit: u64,
+    /// The job's lease in seconds (0: no lease, it lives until unregistered).
+    pub lease_seconds: u32,
+    /// Time before the lease runs out unless renewed or a holder is found alive.
+    pub lease_remaining: Duration,
+    /// Processes whose registrations hold the lease.
+    pub lease_holders: u32,
+    /// Of those, the ones the daemon sees alive.
+    pub lease_holders_alive: u32,
 }
 
 /// `d` in seconds, as a float, computed from its nanoseconds (so that a duration built

@@ -359,3 +359,56 @@ fn prefetch_stays_within_its_ops_and_bandwidth_budgets() {
         );
     }
 }
+
+/// Issue 14, the Rust client's half of "jobs bound to their readers": a `JobLease` holds
+/// its job (this process, alive, is its holder), registers it again when the daemon lost
+/// it, and lets go of it when dropped; a scheduler's registration (no lease) under the
+/// same id keeps its explicit lifetime, through the lease joining and letting go.
+#[test]
+fn a_job_lease_holds_its_job_until_dropped() {
+    use shardcache_client::JobLease;
+    let bed = Bed::new();
+    for i in 0..4u64 {
+        write_file(&bed.path(&format!("ds/s{i}")), i, FILE);
+    }
+    let d = bed.start(&[]);
+    let client = bed.client();
+    let manifest = serde_json::json!({
+        "version": 1, "job": "leased", "root": bed.path("ds"), "files": ["s0", "s1", "s2", "s3"],
+        "plan": {"kind": "shuffle", "algorithm": "pcg64-fisher-yates/v1", "seed": 5, "epochs": 2,
+                 "world_size": 1, "ranks": [0]}
+    })
+    .to_string();
+    let lease = JobLease::with_lease(
+        client.clone(),
+        manifest.clone(),
+        std::time::Duration::from_secs(1),
+    )
+    .unwrap();
+    let job =
+        |d: &shardcache_tests::Daemon| d.status().jobs.into_iter().find(|j| j.job == "leased");
+    let j = job(&d).unwrap();
+    assert_eq!(
+        (j.lease_seconds, j.lease_holders, j.lease_holders_alive),
+        (1, 1, 1)
+    );
+    // Lost (unregistered by hand; a daemon restart alike): the next report registers it.
+    assert!(client.unregister("leased").unwrap());
+    assert!(lease.progress(1, 0).unwrap());
+    let j = job(&d).unwrap();
+    assert_eq!((j.epoch, j.lease_holders), (1, 1));
+    drop(lease);
+    assert!(job(&d).is_none(), "let go when dropped");
+    // A scheduler's registration first: the lease that joins it does not shorten it.
+    client.register(&manifest).unwrap();
+    let lease =
+        JobLease::with_lease(client.clone(), manifest, std::time::Duration::from_secs(1)).unwrap();
+    assert_eq!(job(&d).unwrap().lease_seconds, 0);
+    drop(lease);
+    assert_eq!(
+        job(&d).unwrap().lease_seconds,
+        0,
+        "the rank letting go does not end it"
+    );
+    assert!(client.unregister("leased").unwrap());
+}

@@ -253,9 +253,24 @@ impl PyClient {
         }
     }
 
-    /// Registers a manifest (JSON text); returns (job id, number of files).
-    fn register(&self, py: Python<'_>, manifest_json: &str) -> PyResult<(String, u64)> {
-        match py.detach(|| self.inner.register(manifest_json)) {
+    /// Registers a manifest (JSON text), with a lease of `lease_s` seconds when not 0
+    /// (this process then holds the job); returns (job id, number of files).
+    #[pyo3(signature = (manifest_json, lease_s=0.0))]
+    fn register(
+        &self,
+        py: Python<'_>,
+        manifest_json: &str,
+        lease_s: f64,
+    ) -> PyResult<(String, u64)> {
+        let r = py.detach(|| {
+            if lease_s > 0.0 {
+                let lease = std::time::Duration::from_secs_f64(lease_s.ceil().min(u32::MAX as f64));
+                self.inner.register_leased(manifest_json, lease)
+            } else {
+                self.inner.register(manifest_json)
+            }
+        });
+        match r {
             Ok(r) => Ok((r.job, r.files)),
             Err(e) if e.kind() == io::ErrorKind::InvalidInput => {
                 Err(ManifestError::new_err(e.to_string()))
@@ -264,10 +279,18 @@ impl PyClient {
         }
     }
 
-    /// Forgets a job; True if it was registered.
-    fn unregister(&self, py: Python<'_>, job: &str) -> PyResult<bool> {
-        py.detach(|| self.inner.unregister(job))
-            .map_err(|e| PyOSError::new_err(format!("shardcached: {e}")))
+    /// Forgets a job; True if it was registered. With `holder`, only this process's
+    /// hold on a leased job goes (the job stays while other processes hold it).
+    #[pyo3(signature = (job, holder=false))]
+    fn unregister(&self, py: Python<'_>, job: &str, holder: bool) -> PyResult<bool> {
+        py.detach(|| {
+            if holder {
+                self.inner.release(job)
+            } else {
+                self.inner.unregister(job)
+            }
+        })
+        .map_err(|e| PyOSError::new_err(format!("shardcached: {e}")))
     }
 
     /// Tells the daemon where a job is; True if the job is registered.

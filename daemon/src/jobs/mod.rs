@@ -3,7 +3,7 @@
 //! then decides eviction and prefetch.
 //!
 //! By role: `registry.rs` turns a manifest into a plan and decides who may change a
-//! job; `usage.rs` attributes reads to jobs (reads move a job's position, and so does an
+//! job; `lease.rs` keeps a leased job while its readers live or renew it; `usage.rs` attributes reads to jobs (reads move a job's position, and so does an
 //! explicit progress report), measures rates and answers status; `prefetcher.rs` is the
 //! prefetch task ([`Jobs::start_prefetcher`]); `layouts.rs` hands the peers' cluster
 //! layouts to the planner. This file holds the state they share.
@@ -31,6 +31,7 @@ use shardcache_proto::local::v1 as pb;
 
 use crate::access::{self, Creds, Decision};
 use crate::backing::Stat;
+use crate::clock::{Clock, SystemClock};
 use crate::fill::{FillOutcome, Filler, Flight, Priority, Scheduled, Target};
 use crate::lifecycle::{Stop, Task, Wake};
 use crate::meta::{Hold, Meta, Roots, Voucher};
@@ -101,6 +102,8 @@ struct JobInfo {
     rate_mark: (u64, Instant),
     /// Steps per second, once measured.
     rate: Option<f64>,
+    /// Its lease (`None`: it lives until unregistered).
+    lease: Option<lease::Lease>,
 }
 
 /// The registered jobs and their planner.
@@ -133,6 +136,10 @@ pub struct Jobs {
     /// The tag of the job an open of each planned file is reported under (the first
     /// registered job that plans it): answered without the planner lock.
     tags: RwLock<HashMap<FileRef, u64>>,
+    /// The time leases run on.
+    clock: Arc<dyn Clock>,
+    /// Whether a lease's holders are alive.
+    procs: Arc<dyn Processes>,
 }
 
 impl Jobs {
@@ -162,7 +169,17 @@ impl Jobs {
             instruments,
             prefetcher_alive: Arc::new(AtomicBool::new(false)),
             tags: RwLock::new(HashMap::new()),
+            clock: Arc::new(SystemClock),
+            procs: Arc::new(ProcFs),
         }
+    }
+
+    /// The same, its leases on `clock` and the holders' processes as `procs` says
+    /// (tests: a manual clock and made-up processes).
+    pub fn with_lease_seams(mut self, clock: Arc<dyn Clock>, procs: Arc<dyn Processes>) -> Self {
+        self.clock = clock;
+        self.procs = procs;
+        self
     }
 
     /// False when the prefetcher was started and its thread has ended since.
@@ -220,10 +237,12 @@ impl Jobs {
 }
 
 mod layouts;
+mod lease;
 mod prefetcher;
 mod registry;
 mod usage;
 
+pub use lease::{LeaseRequest, ProcFs, Processes};
 pub use prefetcher::PrefetchConfig;
 pub use registry::{JobError, Registered};
 
@@ -236,7 +255,7 @@ mod tests {
     use crate::backing::mem::MemBacking;
     use crate::meta::test_support::one_root;
 
-    fn jobs() -> Arc<Jobs> {
+    pub(super) fn jobs() -> Arc<Jobs> {
         let (meta, _) = one_root(Arc::new(MemBacking::new()));
         let plans = Arc::new(Plans::new(meta.roots().clone(), false));
         let metrics = crate::metrics::Metrics::new();
@@ -292,7 +311,7 @@ mod tests {
         assert_eq!(jobs.status(&|_, _| false, 1 << 30)[0].opens, 1);
     }
 
-    fn shuffle(job: &str, seed: u64, ranks: &[u64]) -> String {
+    pub(super) fn shuffle(job: &str, seed: u64, ranks: &[u64]) -> String {
         let files: Vec<String> = (0..12).map(|i| format!("\"f{i}\"")).collect();
         let ranks: Vec<String> = ranks.iter().map(u64::to_string).collect();
         format!(

@@ -109,8 +109,10 @@ impl Jobs {
         cfg: PrefetchConfig,
         now: Instant,
     ) {
-        // The reads opens left for the planner, before planning on it.
+        // The reads opens left for the planner, before planning on it (they renew
+        // leases, which then run out or not).
         self.settle();
+        self.expire_leases();
         if !self.any() {
             r.flights.clear();
             r.ahead.clear();

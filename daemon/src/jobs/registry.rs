@@ -123,29 +123,66 @@ impl Jobs {
     /// user), replacing a job with the same id — except that a shuffle the same user
     /// registered under that id, identical but for its ranks, gains the new ranks (the
     /// ranks of one job on one node share one node plan; a registration that adds no
-    /// rank changes nothing). The error names the field and nothing changes.
+    /// rank changes nothing). The error names the field and nothing changes. No lease:
+    /// the job lives until unregistered ([`Jobs::register_leased`]).
     pub fn register(
         &self,
         json: &str,
         creds: &Creds,
         operator: bool,
     ) -> Result<Registered, JobError> {
+        self.register_leased(json, creds, operator, None)
+    }
+
+    /// [`Jobs::register`] with a lease (`lease`, when its period is not zero): the job
+    /// lives while the registering process (`creds.pid`) or another holder is alive, or
+    /// while it is renewed within the period (`lease.rs`). A registration again under
+    /// the same id, also one that adds no rank, renews it and adds its holder. A job
+    /// that a registration without a lease made or joined keeps no lease until it is
+    /// unregistered (a scheduler's registration outlives the readers').
+    pub fn register_leased(
+        &self,
+        json: &str,
+        creds: &Creds,
+        operator: bool,
+        lease: Option<LeaseRequest<'_>>,
+    ) -> Result<Registered, JobError> {
         let mut m = Manifest::from_json(json).map_err(|e| JobError::Manifest(e.to_string()))?;
         self.may_change(&m.job, creds.uid, operator)?;
+        let lease = lease.filter(|l| !l.period.is_zero()).map(|l| {
+            (
+                l.period,
+                lease::Holder::of(&*self.procs, creds.pid, l.holder),
+            )
+        });
+        // The lease the job has after this registration, given the one it had (`None`
+        // when it was not registered).
+        let now = self.clock.now();
+        let lease_after = |before: Option<&Option<lease::Lease>>| match (before, &lease) {
+            (None, Some((period, holder))) => Some(lease::Lease::new(*period, now, holder.clone())),
+            (Some(Some(l)), Some((period, holder))) => {
+                let mut l = l.clone();
+                l.join(*period, now, holder.clone());
+                Some(l)
+            }
+            _ => None,
+        };
         // Ranks of one job on one node (each rank's sampler registers its own rank
         // under the job's id): a shuffle identical to the registered one but for its
         // ranks adds them to the node's plan instead of replacing the other ranks'.
         let shape = shape_of(&mut m);
         let mut merged: Option<(u64, Usage)> = None;
         if let (Some(shape), Plan::Shuffle { ranks, .. }) = (shape, &mut m.plan) {
-            let info = self.info.lock();
-            let same = info.get(&m.job).and_then(|j| {
-                let (s, old) = j.shape.as_ref()?;
-                (*s == shape && j.creds.uid == creds.uid).then_some((j, old))
+            let mut info = self.info.lock();
+            let same = info.get_mut(&m.job).filter(|j| {
+                j.creds.uid == creds.uid && j.shape.as_ref().is_some_and(|(s, _)| *s == shape)
             });
-            if let Some((j, old)) = same {
+            if let Some(j) = same {
+                let old = &j.shape.as_ref().map_or(&[][..], |(_, r)| r);
                 if ranks.iter().all(|r| old.contains(r)) {
-                    // Nothing new: the plan stands, its position and usage too.
+                    // Nothing new: the plan stands, its position and usage too; the
+                    // lease is renewed and gains the holder.
+                    j.lease = lease_after(Some(&j.lease));
                     return Ok(j.registered.clone());
                 }
                 let mut all: Vec<u64> = old.iter().chain(ranks.iter()).copied().collect();
@@ -304,7 +341,9 @@ impl Jobs {
             )
         });
         let done = self.plans.planner().steps_done(&m.job).unwrap_or(0);
-        let old = self.info.lock().insert(
+        let mut info = self.info.lock();
+        let lease = lease_after(info.get(&m.job).map(|j| &j.lease));
+        let old = info.insert(
             m.job.clone(),
             JobInfo {
                 creds: creds.clone(),
@@ -319,8 +358,10 @@ impl Jobs {
                 registered: registered.clone(),
                 rate_mark: (done, Instant::now()),
                 rate: None,
+                lease,
             },
         );
+        drop(info);
         if let Some(old) = old {
             self.release(&old);
         }

@@ -60,22 +60,31 @@ impl Jobs {
             }
             read.extend(applied.iter().map(|a| a.file.clone()));
         }
+        let now = self.clock.now();
         let mut info = self.info.lock();
         for a in applied {
             if let Some(j) = info.get_mut(&a.job) {
                 j.usage.opens += 1;
                 j.usage.opens_hit += a.hit as u64;
+                // A read of the job renews its lease.
+                if let Some(l) = j.lease.as_mut() {
+                    l.renew(now);
+                }
             }
         }
     }
-    /// Sets a job's position explicitly: `Ok(false)` when no such job is registered; an
-    /// error when the position is not in its plan (nothing changes).
+    /// Sets a job's position explicitly, and renews its lease: `Ok(false)` when no such
+    /// job is registered; an error when the position is not in its plan (nothing
+    /// changes).
     pub fn progress(&self, job: &str, epoch: u64, step: u64) -> Result<bool, JobError> {
         let found = self
             .plans
             .planner()
             .set_position(job, epoch, step)
             .map_err(JobError::Position)?;
+        if found {
+            self.renew(job);
+        }
         self.poke();
         Ok(found)
     }
@@ -152,14 +161,30 @@ impl Jobs {
     /// can hold it, at most 4096 files.
     pub fn status(&self, cached: &dyn Fn(usize, &str) -> bool, capacity: u64) -> Vec<JobStatus> {
         self.settle();
-        let info: Vec<(String, usize, Usage, Option<f64>, Left)> = self
+        self.expire_leases();
+        let now = self.clock.now();
+        type Row = (
+            String,
+            usize,
+            Usage,
+            Option<f64>,
+            Left,
+            Option<lease::Lease>,
+        );
+        let info: Vec<Row> = self
             .info
             .lock()
             .iter()
-            .map(|(k, v)| (k.clone(), v.files, v.usage, v.rate, Left::of(v)))
+            .map(|(k, v)| {
+                let l = v.lease.clone();
+                (k.clone(), v.files, v.usage, v.rate, Left::of(v), l)
+            })
             .collect();
         let mut out = Vec::new();
-        for (job, files, u, rate, left) in info {
+        for (job, files, u, rate, left, lease) in info {
+            // Looked at without a lock held (it reads /proc).
+            let (lease_seconds, lease_remaining, lease_holders, lease_holders_alive) =
+                lease.map_or((0, Duration::ZERO, 0, 0), |l| l.status(now, &*self.procs));
             let (pos, len, upcoming, placed) = {
                 let mut p = self.plans.planner();
                 let placed = p.placement_status(&job).unwrap_or_default();
@@ -212,6 +237,10 @@ impl Jobs {
                 dirs_denied: left.dirs_denied,
                 immutable_not_owned: left.immutable_not_owned,
                 immutable_over_limit: left.immutable_over_limit,
+                lease_seconds,
+                lease_remaining,
+                lease_holders,
+                lease_holders_alive,
             });
         }
         out

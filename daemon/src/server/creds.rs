@@ -8,15 +8,42 @@ use crate::access::Creds;
 
 /// Reads `SO_PEERCRED` (pid, uid, gid at `connect()`) and `SO_PEERGROUPS`
 /// (supplementary groups, Linux 4.13+; absent on older kernels, which then judge by the
-/// primary group only: stricter, never looser).
+/// primary group only: stricter, never looser). The pid is 0 when the peer is in a pid
+/// namespace the daemon cannot see.
 pub fn peer(conn: &UnixStream) -> io::Result<Creds> {
-    let uc = rustix::net::sockopt::socket_peercred(conn)?;
+    let uc = peer_cred(conn)?;
     Ok(Creds {
-        pid: uc.pid.as_raw_nonzero().get(),
-        uid: uc.uid.as_raw(),
-        gid: uc.gid.as_raw(),
+        pid: uc.pid,
+        uid: uc.uid,
+        gid: uc.gid,
         groups: peer_groups(conn).unwrap_or_default(),
     })
+}
+
+/// `SO_PEERCRED` as the kernel gives it: read into `libc::ucred`, whose pid may be 0
+/// (rustix's `UCred` holds a non-zero `Pid`, which a pid from another namespace is not).
+fn peer_cred(conn: &UnixStream) -> io::Result<libc::ucred> {
+    let mut uc = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `uc` is a live, writable `ucred` of exactly `len` bytes, which is what
+    // SO_PEERCRED writes; the descriptor is owned by `conn` for the call's duration.
+    let r = unsafe {
+        libc::getsockopt(
+            conn.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&raw mut uc).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(uc)
 }
 
 fn peer_groups(conn: &UnixStream) -> io::Result<Vec<u32>> {

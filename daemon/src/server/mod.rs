@@ -36,7 +36,7 @@ use crate::access::{self, Creds};
 use crate::backing::Version;
 use crate::cache::{self, MAX_PATH, MAX_WAIT_BLOCKS, Opened, ReadPath, Refusal, WaitFor, Waited};
 use crate::fill::Filler;
-use crate::jobs::JobError;
+use crate::jobs::{JobError, LeaseRequest};
 use crate::lifecycle::{Gauge, Task};
 use crate::meta::Meta;
 use crate::stats::{Stats, inc};
@@ -591,7 +591,14 @@ fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::K
         ),
         Some(request::Kind::Register(r)) => {
             let operator = access::is_operator(creds);
-            let kind = match ctx.jobs.register(&r.manifest_json, creds, operator) {
+            let lease = (r.lease_s > 0).then(|| LeaseRequest {
+                period: Duration::from_secs(r.lease_s.into()),
+                holder: &r.holder,
+            });
+            let kind = match ctx
+                .jobs
+                .register_leased(&r.manifest_json, creds, operator, lease)
+            {
                 Ok(r) => response::Kind::Register(pb::RegisterReply {
                     job: r.job,
                     files: r.files as u64,
@@ -610,7 +617,7 @@ fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::K
                 .may_change(&u.job, creds.uid, access::is_operator(creds))
             {
                 Ok(()) => response::Kind::Unregister(pb::UnregisterReply {
-                    found: ctx.jobs.unregister(&u.job),
+                    found: ctx.jobs.unregister_holder(&u.job, creds.pid, &u.holder),
                 }),
                 Err(e) => job_error("unregister: ", e),
             };
@@ -942,6 +949,10 @@ fn pb_job(j: JobStatus, prefetching: u64) -> pb::JobStatus {
         dirs_denied,
         immutable_not_owned,
         immutable_over_limit,
+        lease_seconds,
+        lease_remaining,
+        lease_holders,
+        lease_holders_alive,
     } = j;
     pb::JobStatus {
         job,
@@ -970,6 +981,10 @@ fn pb_job(j: JobStatus, prefetching: u64) -> pb::JobStatus {
         dirs_denied,
         immutable_not_owned,
         immutable_over_limit,
+        lease_seconds,
+        lease_remaining_seconds: status::seconds(lease_remaining),
+        lease_holders,
+        lease_holders_alive,
     }
 }
 

@@ -303,12 +303,14 @@ fn kind_strategy(root: String) -> impl Strategy<Value = Option<Kind>> {
                         })
                     },
                 ),
-            1 => ("\\PC{0,40}", any::<bool>()).prop_map(|(manifest_json, manifest_fd)| {
-                Kind::Register(pb::RegisterRequest { manifest_json, manifest_fd })
-            }),
+            1 => ("\\PC{0,40}", any::<bool>(), prop_oneof![Just(0u32), any::<u32>()], "\\PC{0,12}")
+                .prop_map(|(manifest_json, manifest_fd, lease_s, holder)| {
+                    Kind::Register(pb::RegisterRequest { manifest_json, manifest_fd, lease_s, holder })
+                }),
             1 => Just(Kind::Status(pb::StatusRequest {})),
             1 => Just(Kind::Verify(pb::VerifyRequest {})),
-            1 => job.clone().prop_map(|job| Kind::Unregister(pb::UnregisterRequest { job })),
+            1 => (job.clone(), "\\PC{0,12}")
+                .prop_map(|(job, holder)| Kind::Unregister(pb::UnregisterRequest { job, holder })),
             1 => (job.clone(), any::<u64>(), any::<u64>())
                 .prop_map(|(job, epoch, step)| Kind::Progress(pb::ProgressRequest { job, epoch, step })),
             1 => (job, prop::option::of(p.clone()), any::<u32>(), any::<u64>()).prop_map(
@@ -618,6 +620,8 @@ impl World<'_> {
                         kind: Some(Kind::Register(pb::RegisterRequest {
                             manifest_json: json.clone(),
                             manifest_fd: false,
+                            lease_s: 0,
+                            holder: String::new(),
                         })),
                     };
                     if wire::send(c, &req, &[]).is_err() {
@@ -635,7 +639,10 @@ impl World<'_> {
                             let un = pb::Request {
                                 id: 2,
                                 report: None,
-                                kind: Some(Kind::Unregister(pb::UnregisterRequest { job: r.job })),
+                                kind: Some(Kind::Unregister(pb::UnregisterRequest {
+                                    job: r.job,
+                                    holder: String::new(),
+                                })),
                             };
                             let _ = wire::send(c, &un, &[]);
                             let _ = reply(c, None, &self.private)?;

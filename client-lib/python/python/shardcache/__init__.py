@@ -12,11 +12,14 @@ glob or a list of paths. See docs/PYTHON.md.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
 import threading
+import time
 import warnings
+import weakref
 from typing import Any, Iterable, Iterator, Mapping, Optional, Sequence, Union
 
 from . import _shardcache as _native
@@ -32,6 +35,8 @@ __all__ = [
     "ManifestError",
     "ShuffleSampler",
     "SHUFFLE_ALGORITHM",
+    "default_client",
+    "default_job_id",
     "make_manifest",
     "node_order",
     "open",
@@ -41,9 +46,18 @@ __all__ = [
 
 PathLike = Union[str, "os.PathLike[str]"]
 
+_builtin_open = open  # this module's ``open`` reads through the cache
+
 _lock = threading.Lock()
 _default: Optional["Client"] = None
 _default_pid = -1
+
+
+def default_client() -> "Client":
+    """This process's default client, what :func:`open` uses (a new one after ``fork``:
+    connections are not shared between processes, so a ``DataLoader`` worker gets its
+    own)."""
+    return _default_client()
 
 
 def _default_client() -> "Client":
@@ -261,13 +275,30 @@ class Client:
         text = manifest if isinstance(manifest, str) else json.dumps(manifest)
         return tuple(self._native.register(text))
 
+    def register_leased(self, manifest: Union[Mapping[str, Any], str], lease: float = 60.0) -> tuple:
+        """As :meth:`register`, with a lease of ``lease`` seconds: the daemon keeps the
+        job while this process is alive or while it is renewed within the lease (a
+        :meth:`progress` call, a read of one of its files, a registration again), and
+        unregisters it otherwise. This process becomes one of the job's holders
+        (:meth:`release`). See docs/MANIFEST.md, "Leases"."""
+        text = manifest if isinstance(manifest, str) else json.dumps(manifest)
+        return tuple(self._native.register(text, float(lease)))
+
     def unregister(self, job: str) -> bool:
-        """Forgets a job; True if it was registered."""
+        """Forgets a job, whoever holds it; True if it was registered."""
         return self._native.unregister(job)
 
+    def release(self, job: str) -> bool:
+        """This process stops holding leased job ``job``: the daemon removes only this
+        process's hold while other processes (other ranks on this node) hold the job,
+        else the job. True if it was registered."""
+        return self._native.unregister(job, True)
+
     def progress(self, job: str, epoch: int, step: int = 0) -> bool:
-        """Tells the daemon that ``job`` is about to read step ``step`` of ``epoch``;
-        True if the job is registered. Reads through the cache move the position too."""
+        """Tells the daemon that ``job`` is about to read step ``step`` of ``epoch``
+        (this renews a lease); True if the job is registered (False: never registered,
+        its lease ran out, or the daemon restarted; register it again). Reads through the
+        cache move the position too."""
         return self._native.progress(job, epoch, step)
 
     def status(self) -> dict:
@@ -371,6 +402,63 @@ def make_manifest(
     return m
 
 
+def _process_start() -> str:
+    """This process's start time (clock ticks since boot, from /proc), else the time
+    this module was imported: with the pid, unique to this process on this node."""
+    try:
+        with _builtin_open(f"/proc/{os.getpid()}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return repr(_IMPORTED)
+
+
+_IMPORTED = time.time()
+
+
+def _run_identity() -> str:
+    """What every rank of one run shares and other runs do not: torchrun's rendezvous
+    id (``TORCHELASTIC_RUN_ID`` unless ``none``), else the rendezvous address
+    (``MASTER_ADDR:MASTER_PORT``), plus Slurm's job and step ids when set. With none of
+    them (a single process) this process's pid and start time."""
+    env = os.environ
+    parts = []
+    run_id = env.get("TORCHELASTIC_RUN_ID", "")
+    if run_id and run_id != "none":
+        parts.append(f"run={run_id}")
+    elif env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        parts.append(f"master={env['MASTER_ADDR']}:{env['MASTER_PORT']}")
+    for k in ("SLURM_JOB_ID", "SLURM_STEP_ID"):
+        if env.get(k):
+            parts.append(f"{k}={env[k]}")
+    if not parts:
+        parts.append(f"pid={os.getpid()}:{_process_start()}")
+    return ";".join(parts)
+
+
+def default_job_id(root: PathLike, seed: int) -> str:
+    """The job id a sampler registers under by default: the dataset root's basename and
+    a short hash of the real (symlinks resolved) root, the seed and the run's identity
+    (:func:`_run_identity`: torchrun's run id or rendezvous address, Slurm's job and
+    step ids), so that every rank of one run gets the same id and other runs and
+    datasets other ids. Never the rank."""
+    real = os.path.realpath(os.fspath(root))
+    base = os.path.basename(real.rstrip(os.sep)) or "dataset"
+    safe = "".join(c if c.isalnum() or c in "._-" else "_" for c in base)[:64]
+    h = hashlib.sha256(f"{real}\0{int(seed)}\0{_run_identity()}".encode()).hexdigest()[:12]
+    return f"{safe}.{h}"
+
+
+def _release(client: "Client", job: str, pid: int) -> None:
+    """A sampler's hold on its job, let go at exit (in the process that registered it
+    only: a forked worker inherits the finalizer but not the hold)."""
+    if os.getpid() != pid:
+        return
+    try:
+        client.release(job)
+    except Exception:  # noqa: BLE001 - at exit, a daemon gone is no error: the lease ends it
+        pass
+
+
 def _world() -> tuple:
     """(world size, rank) from torch.distributed when it is initialised, else from the
     WORLD_SIZE / RANK environment variables, else (1, 0). Imports torch only if it is
@@ -393,10 +481,19 @@ class DistributedShuffleSampler:
 
     ``dataset`` gives ``n = len(dataset)`` (or pass ``n``). With ``files`` (the file of
     each index, absolute paths), the sampler registers the plan with the daemon on the
-    first ``set_epoch`` or iteration, as job ``job`` (default: derived from the dataset
-    root, seed and rank), and reports each new epoch; the daemon then prefetches the
-    files this rank reads next and keeps what it reads soonest. The daemon being absent
-    or slow never stops the sampler (a warning is issued once).
+    first ``set_epoch`` or iteration, as job ``job`` (default: :func:`default_job_id`,
+    the same on every rank of one run, different across runs and datasets), and
+    reports each new epoch; the daemon then prefetches the files this rank reads next
+    and keeps what it reads soonest. Ranks of one run on one node add to one node plan.
+
+    The registration has a lease of ``lease`` seconds (docs/MANIFEST.md, "Leases"): the
+    daemon keeps the job while this process lives, or while the job's reads and the
+    sampler's reports at each ``set_epoch`` renew it, and drops it otherwise (a job
+    that died leaves nothing prefetching). At a clean exit the sampler lets go of the
+    job (the daemon drops it once no rank on the node holds it); when the daemon no
+    longer knows the job (it restarted, or the lease ran out in a long pause) the next
+    ``set_epoch`` registers it again. The daemon being absent or slow never stops the
+    sampler (a warning is issued once).
 
     Compatible with PyTorch's sampler protocol (``__iter__``, ``__len__``,
     ``set_epoch``); torch itself is not needed.
@@ -416,6 +513,7 @@ class DistributedShuffleSampler:
         job: Optional[str] = None,
         epochs: int = 1000,
         client: Optional[Client] = None,
+        lease: float = 60.0,
     ) -> None:
         if not shuffle:
             raise ValueError("DistributedShuffleSampler always shuffles (shuffle=False is not supported)")
@@ -440,21 +538,38 @@ class DistributedShuffleSampler:
         self.epochs = int(epochs)
         self._files = [os.path.abspath(os.fspath(f)) for f in files] if files is not None else None
         self._client = client
-        self._job = job
+        self.lease = float(lease)
         self._registered: Optional[tuple] = None  # (first epoch, last epoch + 1)
+        self._finalizer: Optional[weakref.finalize] = None
         self._warned = False
+        # Decided now, in the process that made the sampler (from its environment).
+        if job is None and self._files is not None:
+            job = default_job_id(self._root(), self.seed)
+        self._job = job
+
+    def _root(self) -> str:
+        assert self._files is not None
+        return os.path.commonpath(self._files) if len(self._files) > 1 else os.path.dirname(self._files[0])
 
     @property
     def job(self) -> Optional[str]:
         """The job id the plan is registered under (None without ``files``)."""
-        if self._files is None:
-            return None
-        if self._job is None:
-            root = os.path.commonpath(self._files) if len(self._files) > 1 else os.path.dirname(self._files[0])
-            base = os.path.basename(root.rstrip(os.sep)) or "dataset"
-            safe = "".join(c if c.isalnum() or c in "._:-" else "_" for c in base)[:80]
-            self._job = f"{safe}.s{self.seed}.r{self.rank}"
-        return self._job
+        return self._job if self._files is not None else None
+
+    def __getstate__(self) -> dict:
+        # A copy (pickled to another process) holds nothing until it registers itself.
+        d = self.__dict__.copy()
+        d["_finalizer"] = None
+        d["_registered"] = None
+        return d
+
+    def close(self) -> None:
+        """Lets go of the job now (as at exit): the daemon drops it once no other
+        process holds it."""
+        if self._finalizer is not None:
+            self._finalizer()
+            self._finalizer = None
+        self._registered = None
 
     def __len__(self) -> int:
         return samples_per_rank(self.n, self.num_replicas, self.drop_last)
@@ -480,14 +595,16 @@ class DistributedShuffleSampler:
         if self._files is None:
             return
         try:
+            c = self._client_()
             reg = self._registered
-            if reg is not None and reg[0] <= self.epoch < reg[1]:
-                self._client_().progress(self.job, self.epoch, 0)
+            # The report at every epoch guards against partial epochs, and renews the
+            # lease; a job the daemon does not know (restarted, or the lease ran out)
+            # is registered again.
+            if reg is not None and reg[0] <= self.epoch < reg[1] and c.progress(self.job, self.epoch, 0):
                 return
-            root = os.path.commonpath(self._files) if len(self._files) > 1 else os.path.dirname(self._files[0])
             m = make_manifest(
                 self.job,
-                root,
+                self._root(),
                 self._files,
                 seed=self.seed,
                 epochs=self.epochs,
@@ -497,7 +614,12 @@ class DistributedShuffleSampler:
                 first_epoch=self.epoch,
                 immutable=True,
             )
-            self._client_().register(m)
+            if self.lease > 0:
+                c.register_leased(m, self.lease)
+                if self._finalizer is None:
+                    self._finalizer = weakref.finalize(self, _release, c, self.job, os.getpid())
+            else:
+                c.register(m)
             self._registered = (self.epoch, self.epoch + self.epochs)
         except OSError as e:
             if not self._warned:

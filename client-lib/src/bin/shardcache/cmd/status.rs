@@ -166,6 +166,16 @@ fn status_text(s: &Status) -> String {
             ]);
         }
         out.push_str(&t.render());
+        for j in s.jobs.iter().filter(|j| j.lease_seconds > 0) {
+            out.push_str(&format!(
+                "  job {}: lease {} s, {} of {} alive; {:.0} s before it runs out unless renewed or a holder lives\n",
+                j.job,
+                j.lease_seconds,
+                count(j.lease_holders_alive.into(), "holder", "holders"),
+                j.lease_holders,
+                j.lease_remaining_seconds
+            ));
+        }
         for j in &s.jobs {
             if let Some(left) = left_out(j) {
                 out.push_str(&format!(
