@@ -306,6 +306,7 @@ fn other_users_may_not_evict_and_see_only_what_they_may_read() {
     for f in ["public", "private", "closed/inner"] {
         read_all(&bed.client(), &bed.path(f)).unwrap();
     }
+    bed.until_cached(&["public", "private", "closed/inner"].map(|f| bed.path(f)));
     register(&bed, "train", &["public", "private"]);
     let s = &bed.socket;
     let used = d.status().used_bytes;

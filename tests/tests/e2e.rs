@@ -583,6 +583,11 @@ fn open_many_gives_each_path_what_open_would() {
     for i in (0..70).step_by(2) {
         read_all(&client, &bed.path(&format!("s/{i:03}"))).unwrap();
     }
+    let warmed: Vec<_> = (0..70)
+        .step_by(2)
+        .map(|i| bed.path(&format!("s/{i:03}")))
+        .collect();
+    bed.until_cached(&warmed);
     let mut paths: Vec<std::path::PathBuf> =
         (0..70).map(|i| bed.path(&format!("s/{i:03}"))).collect();
     paths.push(bed.path("s/missing"));
