@@ -182,12 +182,11 @@ pub struct ReadPath {
 }
 
 /// A transient copy of a file holding the `blocks` given (each at its place in the
-/// file, the rest a hole), for a reader to read at once: a sealed-off memory file (no
+/// file, the rest a hole), for a reader to read at once: a memory file (no
 /// inode on the cache disk, nothing the store keeps), read-only to the reader. Its
 /// bitmap has exactly those blocks. `None` when no memory file could be made (the
 /// reader then waits for the blocks to land, as before).
 fn handoff(stat: &Stat, block_size: u32, blocks: &[(usize, Arc<[u8]>)]) -> Option<(File, Vec<u8>)> {
-    use std::os::fd::AsRawFd;
     use std::os::unix::fs::FileExt;
     let fd =
         rustix::fs::memfd_create("shardcache-handoff", rustix::fs::MemfdFlags::CLOEXEC).ok()?;
@@ -199,9 +198,14 @@ fn handoff(stat: &Stat, block_size: u32, blocks: &[(usize, Arc<[u8]>)]) -> Optio
         f.write_all_at(b, *i as u64 * u64::from(block_size)).ok()?;
         present[i / 8] |= 1 << (i % 8);
     }
-    // The reader gets its own read-only open of it.
-    let ro = File::open(format!("/proc/self/fd/{}", f.as_raw_fd())).ok()?;
-    Some((ro, present))
+    Some((read_only(&f)?, present))
+}
+
+/// A read-only open of the file `f` is open on (a transient copy handed to a reader,
+/// who must not write to it).
+fn read_only(f: &File) -> Option<File> {
+    use std::os::fd::AsRawFd;
+    File::open(format!("/proc/self/fd/{}", f.as_raw_fd())).ok()
 }
 
 fn is_set(bm: &[u8], i: usize) -> bool {
@@ -470,13 +474,7 @@ impl ReadPath {
             if (0..view.nblocks).all(|i| is_set(&view.present, i) || is_set(&present, i)) {
                 self.store.unpin(&view.key);
             }
-            return Ok(Waited {
-                present,
-                data_gen: TRANSIENT_GEN | self.next_transient.fetch_add(1, Ordering::Relaxed),
-                declined: false,
-                filling: false,
-                data: Some(file),
-            });
+            return Ok(self.transient_reply(file, present));
         }
         // Handed-over blocks not taken here (no memory file could be made) are still
         // landing, or were not kept: asked again, they are waited for or read anew.
@@ -487,13 +485,7 @@ impl ReadPath {
             && let Some((file, present)) =
                 self.transient(peers, &root_name, &stat, first, end, deadline)
         {
-            return Ok(Waited {
-                present,
-                data_gen: TRANSIENT_GEN | self.next_transient.fetch_add(1, Ordering::Relaxed),
-                declined: false,
-                filling: false,
-                data: Some(file),
-            });
+            return Ok(self.transient_reply(file, present));
         }
         if view.npresent == view.nblocks {
             // The reader gets (or has) a descriptor holding every block: eviction from now
@@ -512,6 +504,18 @@ impl ReadPath {
             filling: timed_out || pending,
             data,
         })
+    }
+
+    /// A wait's answer from a transient copy `file` holding the blocks `present`: a
+    /// generation of its own ([`TRANSIENT_GEN`] set), so the reader takes its descriptor.
+    fn transient_reply(&self, file: File, present: Vec<u8>) -> Waited {
+        Waited {
+            present,
+            data_gen: TRANSIENT_GEN | self.next_transient.fetch_add(1, Ordering::Relaxed),
+            declined: false,
+            filling: false,
+            data: Some(file),
+        }
     }
 
     /// The daemon's status: what `shardcache status` shows and the metrics endpoint
@@ -617,7 +621,6 @@ impl ReadPath {
         end: usize,
         deadline: Instant,
     ) -> Option<(File, Vec<u8>)> {
-        use std::os::fd::AsRawFd;
         use std::os::unix::fs::{FileExt, OpenOptionsExt};
         let bs = self.store.block_size() as u64;
         let size = stat.version.size;
@@ -646,9 +649,7 @@ impl ReadPath {
             tmp.write_all_at(&data, i as u64 * bs).ok()?;
             present[i / 8] |= 1 << (i % 8);
         }
-        // The reader gets a read-only descriptor of it.
-        let ro = File::open(format!("/proc/self/fd/{}", tmp.as_raw_fd())).ok()?;
-        Some((ro, present))
+        Some((read_only(&tmp)?, present))
     }
 }
 

@@ -378,10 +378,11 @@ impl<'a> Landing<'a> {
     fn enter(inner: &'a Inner, root: usize, handed: bool) -> Option<Self> {
         let n = &inner.landing[root];
         let limit = inner.workers * LANDING_PER_WORKER;
-        if handed && n.load(Ordering::Relaxed) >= limit {
+        // Counted first, then judged: two workers cannot both pass the last place.
+        if n.fetch_add(1, Ordering::Relaxed) >= limit && handed {
+            n.fetch_sub(1, Ordering::Relaxed);
             return None;
         }
-        n.fetch_add(1, Ordering::Relaxed);
         Some(Self(n))
     }
 }
