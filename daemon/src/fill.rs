@@ -1611,25 +1611,7 @@ mod tests {
             }],
             Duration::from_secs(1),
         ));
-        let stats = Arc::new(Stats::default());
-        let meta = Arc::new(Meta::new(
-            roots,
-            Duration::from_secs(3600),
-            1000,
-            stats.clone(),
-        ));
-        let cfg = test_config(dir.path(), 1 << 30, BLOCK);
-        let store = Arc::new(Store::open(&cfg, stats.clone()).unwrap());
-        let filler = Filler::new(
-            store.clone(),
-            meta.clone(),
-            stats.clone(),
-            Sources::backing(&meta, &stats),
-            1,
-            64,
-            Arc::new(Wake::default()),
-        )
-        .unwrap();
+        let (meta, store, filler) = engine_over(roots, dir.path(), BLOCK, 1);
         let stat = meta.stat(0, "f").unwrap();
         let key = store.view("/r", &stat).unwrap().key;
         let t = Arc::new(Target {
@@ -1660,6 +1642,36 @@ mod tests {
     }
 
     /// Waits (bounded) until `cond` holds.
+    /// A fill engine of `workers` per root over `roots` (the backing store its only
+    /// source), with a store of `block` blocks in `dir`.
+    fn engine_over(
+        roots: Arc<Roots>,
+        dir: &std::path::Path,
+        block: u32,
+        workers: usize,
+    ) -> (Arc<Meta>, Arc<Store>, Filler) {
+        let stats = Arc::new(Stats::default());
+        let meta = Arc::new(Meta::new(
+            roots,
+            Duration::from_secs(3600),
+            1000,
+            stats.clone(),
+        ));
+        let store =
+            Arc::new(Store::open(&test_config(dir, 1 << 30, block), stats.clone()).unwrap());
+        let filler = Filler::new(
+            store.clone(),
+            meta.clone(),
+            stats.clone(),
+            Sources::backing(&meta, &stats),
+            workers,
+            64,
+            Arc::new(Wake::default()),
+        )
+        .unwrap();
+        (meta, store, filler)
+    }
+
     fn until(limit: Duration, what: &str, cond: impl Fn() -> bool) {
         let deadline = Instant::now() + limit;
         while !cond() {
@@ -1707,25 +1719,7 @@ mod tests {
             ],
             STALL,
         ));
-        let stats = Arc::new(Stats::default());
-        let meta = Arc::new(Meta::new(
-            roots,
-            Duration::from_secs(3600),
-            1000,
-            stats.clone(),
-        ));
-        let cfg = test_config(dir.path(), 1 << 30, BS);
-        let store = Arc::new(Store::open(&cfg, stats.clone()).unwrap());
-        let filler = Filler::new(
-            store.clone(),
-            meta.clone(),
-            stats.clone(),
-            Sources::backing(&meta, &stats),
-            4,
-            64,
-            Arc::new(Wake::default()),
-        )
-        .unwrap();
+        let (meta, store, filler) = engine_over(roots, dir.path(), BS, 4);
         TwoRoots {
             _dir: dir,
             faults,
