@@ -129,29 +129,34 @@ impl Bed {
 
     /// Waits (at most 10 s) until every one of `paths` (under the backing root, each at
     /// least one byte long) has a data file in the cache: a reader of a small file gets
-    /// its bytes before they land, so a read alone does not say they have.
+    /// its bytes before they land, so a read alone does not say they have, and a file
+    /// handed over while the cache disk was busy is not kept at all (`fills_not_kept`)
+    /// until it is read again — which this does for each file still missing, as the
+    /// next reader of it would.
     pub fn until_cached(&self, paths: &[PathBuf]) {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
-        let missing = || {
-            paths
+        let client = self.client();
+        loop {
+            let missing: Vec<&PathBuf> = paths
                 .iter()
                 .filter(|p| {
                     let rel = p.strip_prefix(&self.backing).expect("under the root");
                     cache_data_file(&self.cache, &self.backing, rel.to_str().expect("utf8"))
                         .is_none()
                 })
-                .count()
-        };
-        loop {
-            let n = missing();
-            if n == 0 {
+                .collect();
+            if missing.is_empty() {
                 return;
             }
             assert!(
                 std::time::Instant::now() < deadline,
-                "{n} files not cached after 10 s"
+                "{} files not cached after 10 s",
+                missing.len()
             );
             std::thread::sleep(Duration::from_millis(10));
+            for p in missing {
+                read_all(&client, p).expect("read again");
+            }
         }
     }
 

@@ -100,6 +100,7 @@ fn ls_lists_datasets_job_files_and_paths_with_resident_fractions() {
 
     read_all(&bed.client(), &bed.path("a")).unwrap();
     read_all(&bed.client(), &bed.path("sub/c")).unwrap();
+    bed.until_cached(&[bed.path("a"), bed.path("sub/c")]);
 
     // A job's files: exact sizes and resident bytes.
     let v = json(s, &["ls", "--json", "train"]);
