@@ -358,7 +358,10 @@ impl Store {
             let Some(e) = idx.files.get(&key) else {
                 return Err(StoreError::Gone);
             };
-            if e.generation != generation {
+            // A file that turned durable since the first look (its landing finished in
+            // between) may now have blocks present that the descriptor-less view above
+            // cannot serve: look again.
+            if e.generation != generation || e.durable != durable {
                 continue;
             }
             let npresent = e

@@ -1056,3 +1056,47 @@ fn the_store_directory_and_journal_are_private() {
         "it names every cached file"
     );
 }
+
+/// A view taken while a new file lands never says a block is present without a
+/// descriptor to read it from. (The file turns durable, then its blocks present, both
+/// between a view's two looks at the index: the first look saw no data file to open, the
+/// second saw every block present.)
+#[test]
+fn a_view_racing_a_landing_never_reports_blocks_without_a_descriptor() {
+    let dir = tempfile::tempdir().unwrap();
+    let s = Arc::new(Store::open(&cfg(dir.path(), 1 << 30), Arc::default()).unwrap());
+    let files: Vec<Stat> = (0..300)
+        .map(|i| stat(&format!("race{i}"), BS as u64, 1))
+        .collect();
+    let done = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let current = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let viewers: Vec<_> = (0..2)
+        .map(|_| {
+            let (s, files, done, current) =
+                (s.clone(), files.clone(), done.clone(), current.clone());
+            std::thread::spawn(move || {
+                let mut bad = 0u64;
+                // Bounded: at most 2 000 000 views, or until the filler is done.
+                for _ in 0..2_000_000usize {
+                    if done.load(Ordering::Relaxed) {
+                        break;
+                    }
+                    let v = s
+                        .view("/r", &files[current.load(Ordering::Relaxed)])
+                        .unwrap();
+                    if v.npresent > 0 && v.data.is_none() {
+                        bad += 1;
+                    }
+                }
+                bad
+            })
+        })
+        .collect();
+    for (i, st) in files.iter().enumerate() {
+        current.store(i, Ordering::Relaxed);
+        fill(&s, st, 0).unwrap();
+    }
+    done.store(true, Ordering::Relaxed);
+    let bad: u64 = viewers.into_iter().map(|t| t.join().unwrap()).sum();
+    assert_eq!(bad, 0, "views with present blocks and no descriptor");
+}
