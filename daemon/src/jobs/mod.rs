@@ -96,6 +96,8 @@ struct JobInfo {
     /// a registration of the same shuffle for other ranks adds them (see
     /// [`Jobs::register`]).
     shape: Option<(u64, Vec<u64>)>,
+    /// The epochs its plan covers, `[first, end)`.
+    span: (u64, u64),
     /// The reply its registration got (repeated to a registration that adds nothing).
     registered: Registered,
     /// Steps done at the last rate measurement, and when.
@@ -362,6 +364,49 @@ mod tests {
         ));
         jobs.register(&shuffle("j", 8, &[1]), &creds(1000), false)
             .unwrap();
+        assert_eq!(ranks(&jobs), vec![("j".to_owned(), 4, vec![1])]);
+    }
+
+    /// A rank that registers again from the epoch it is at (the daemon restarted, or its
+    /// lease ran out in a pause) while another rank's registration from epoch 0 stands:
+    /// the two add up (before, the differing first epoch made it another shuffle, which
+    /// replaced the other rank's plan). The merged plan starts at the job's current epoch.
+    #[test]
+    fn a_rank_registering_again_later_joins_the_plan() {
+        let jobs = jobs();
+        let ranks = |j: &Jobs| j.plans.planner().shuffles();
+        let later = |job: &str, rank: u64, first: u64| {
+            shuffle(job, 7, &[rank]).replace(
+                r#""epochs": 2,"#,
+                &format!(r#""epochs": 2, "first_epoch": {first},"#),
+            )
+        };
+        jobs.register(&shuffle("j", 7, &[2]), &creds(1000), false)
+            .unwrap();
+        jobs.progress("j", 1, 3).unwrap();
+        jobs.register(&later("j", 0, 1), &creds(1000), false)
+            .unwrap();
+        assert_eq!(ranks(&jobs), vec![("j".to_owned(), 4, vec![0, 2])]);
+        assert_eq!(
+            jobs.plans.planner().position("j"),
+            Some((1, 0)),
+            "the merged plan starts at the epoch the job was at"
+        );
+        let want: Vec<FileRef> = shardcache_plan::shuffle::node_order(12, 7, 1, 4, &[0, 2], false)
+            .into_iter()
+            .map(|i| FileRef {
+                root: 0,
+                path: format!("f{i}"),
+            })
+            .collect();
+        assert_eq!(jobs.plans.planner().upcoming_of("j", 6), want);
+        // Another seed is still another shuffle: it replaces.
+        jobs.register(
+            &later("j", 1, 1).replace(r#""seed": 7"#, r#""seed": 9"#),
+            &creds(1000),
+            false,
+        )
+        .unwrap();
         assert_eq!(ranks(&jobs), vec![("j".to_owned(), 4, vec![1])]);
     }
 }

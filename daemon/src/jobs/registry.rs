@@ -83,17 +83,32 @@ pub struct Registered {
     pub immutable_owner_only: bool,
 }
 
-/// A hash of a shuffle manifest with its ranks left out (`None` for other plans): two
-/// ranks' registrations of one job on one node have the same. The ranks are taken out
-/// for the hash and put back (no copy of a manifest of a million files).
+/// A hash of a shuffle manifest with its ranks and its span of epochs left out (`None`
+/// for other plans): two ranks' registrations of one job on one node have the same, also
+/// when one registers again later, from the epoch it is at (after a daemon restart, or a
+/// lease that ran out in a long pause). The fields are taken out for the hash and put
+/// back (no copy of a manifest of a million files).
 fn shape_of(m: &mut Manifest) -> Option<u64> {
-    let Plan::Shuffle { ranks, .. } = &mut m.plan else {
+    let Plan::Shuffle {
+        ranks,
+        first_epoch,
+        epochs,
+        ..
+    } = &mut m.plan
+    else {
         return None;
     };
-    let ranks = std::mem::take(ranks);
+    let kept = (std::mem::take(ranks), *first_epoch, *epochs);
+    (*first_epoch, *epochs) = (0, 0);
     let bytes = serde_json::to_vec(&*m).ok();
-    if let Plan::Shuffle { ranks: r, .. } = &mut m.plan {
-        *r = ranks;
+    if let Plan::Shuffle {
+        ranks,
+        first_epoch,
+        epochs,
+        ..
+    } = &mut m.plan
+    {
+        (*ranks, *first_epoch, *epochs) = kept;
     }
     Some(crate::checksum::block_xxh3(&bytes?))
 }
@@ -172,7 +187,18 @@ impl Jobs {
         // ranks adds them to the node's plan instead of replacing the other ranks'.
         let shape = shape_of(&mut m);
         let mut merged: Option<(u64, Usage)> = None;
-        if let (Some(shape), Plan::Shuffle { ranks, .. }) = (shape, &mut m.plan) {
+        if let (
+            Some(shape),
+            Plan::Shuffle {
+                ranks,
+                first_epoch,
+                epochs,
+                ..
+            },
+        ) = (shape, &mut m.plan)
+        {
+            // Taken before the job table's lock (never the planner's under it).
+            let at = self.plans.planner().position(&m.job);
             let mut info = self.info.lock();
             let same = info.get_mut(&m.job).filter(|j| {
                 j.creds.uid == creds.uid && j.shape.as_ref().is_some_and(|(s, _)| *s == shape)
@@ -188,14 +214,36 @@ impl Jobs {
                 let mut all: Vec<u64> = old.iter().chain(ranks.iter()).copied().collect();
                 all.sort_unstable();
                 all.dedup();
-                tracing::info!(job = %m.job, ranks = ?all, "ranks added to the node's plan");
+                // The merged plan starts at the epoch the job is at (or the new rank's
+                // first, if earlier: neither rank's current epoch is skipped) and ends
+                // at the later of the two ends.
+                let (first, end) = j.span;
+                let at = at.map_or(first, |(e, _)| e);
+                let start = at.min(*first_epoch);
+                let end = end.max(first_epoch.saturating_add(*epochs));
+                (*first_epoch, *epochs) = (start, end - start);
+                tracing::info!(job = %m.job, ranks = ?all, first_epoch = start, "ranks added to the node's plan");
                 *ranks = all;
                 merged = Some((j.tag, j.usage));
             }
         }
-        let ranks = match &m.plan {
-            Plan::Shuffle { ranks, .. } => ranks.clone(),
-            Plan::Sequence { .. } => Vec::new(),
+        let (ranks, span) = match &m.plan {
+            Plan::Shuffle {
+                ranks,
+                first_epoch,
+                epochs,
+                ..
+            } => (
+                ranks.clone(),
+                (*first_epoch, first_epoch.saturating_add(*epochs)),
+            ),
+            Plan::Sequence {
+                first_epoch,
+                epochs,
+            } => (
+                Vec::new(),
+                (*first_epoch, first_epoch + epochs.len() as u64),
+            ),
         };
         let (root, prefix) = self
             .locate(&m.root)
@@ -355,6 +403,7 @@ impl Jobs {
                 tag,
                 usage,
                 shape: shape.map(|s| (s, ranks)),
+                span,
                 registered: registered.clone(),
                 rate_mark: (done, Instant::now()),
                 rate: None,
