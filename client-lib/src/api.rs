@@ -338,6 +338,9 @@ mirror! {
         lease_remaining_seconds: f64,
         lease_holders: u32,
         lease_holders_alive: u32,
+        /// Bytes the daemon read from the backing store for the job's files (prefetch and
+        /// fills); with `fallback_bytes`, what the job cost the shared file system here.
+        backing_bytes: u64,
     }
 }
 

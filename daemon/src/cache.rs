@@ -709,6 +709,7 @@ mod tests {
             Metrics::new().prefetch(),
             wake,
         ));
+        stats.charge.set(jobs.charger());
         let cache = ReadPath::new(
             meta,
             store.clone(),
@@ -1006,5 +1007,20 @@ mod tests {
             s.space.files, 1,
             "the file read is cached, behind the window"
         );
+        assert_eq!(
+            j.backing_bytes,
+            size(order[0] as usize),
+            "the fill's backing read is charged to the job"
+        );
+
+        // Issue 14: every open of the job's files counts, also one that moves nothing
+        // (the file read again, behind the position); a hit reads nothing more from
+        // the backing store.
+        r.cache.open(&creds(0), &first).unwrap();
+        let s = r.cache.status();
+        let j = &s.jobs[0];
+        assert_eq!((j.epoch, j.step), (0, 1), "a read again does not move it");
+        assert_eq!((j.opens, j.opens_hit), (2, 1), "but is counted");
+        assert_eq!(j.backing_bytes, size(order[0] as usize));
     }
 }

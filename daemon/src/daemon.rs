@@ -311,6 +311,7 @@ impl Daemon {
             metrics.prefetch(),
             prefetch_wake,
         ));
+        stats.charge.set(jobs.charger());
         let listener = server::bind(&cfg.socket, cfg.socket_mode)
             .with_context(|| format!("socket: binding {}", cfg.socket.display()))?;
         let meta_for_prefetch = meta.clone();

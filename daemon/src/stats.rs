@@ -3,6 +3,7 @@
 //! (`metrics/`) renders the same status at each scrape instead of counting again.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 
 use shardcache_proto::local::v1 as pb;
 
@@ -24,6 +25,8 @@ macro_rules! counters {
             pub fallback_reads_by: [AtomicU64; FALLBACK_REASONS],
             /// Client connections open now (a gauge, reported as `StatusReply.connections`).
             pub connections: AtomicU64,
+            /// Where backing reads are charged to jobs.
+            pub charge: Charge,
         }
 
         impl Stats {
@@ -80,6 +83,40 @@ counters!(
     handoffs,
     fills_not_kept,
 );
+
+/// Charges bytes a fill read from a backing store to the job whose plan holds the file
+/// (`jobs` implements it; the daemon wires it once at start, through [`Charge::set`]).
+pub trait ChargeReads: Send + Sync {
+    /// `bytes` of `rel` under root `root` were read from the backing store.
+    fn backing_read(&self, root: usize, rel: &str, bytes: u64);
+}
+
+/// The slot a [`ChargeReads`] is set in once; until then (and in parts tested alone)
+/// nothing is charged.
+#[derive(Default)]
+pub struct Charge(OnceLock<Arc<dyn ChargeReads>>);
+
+impl std::fmt::Debug for Charge {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("Charge")
+            .field(&self.0.get().is_some())
+            .finish()
+    }
+}
+
+impl Charge {
+    /// Sets where reads are charged; a second call changes nothing.
+    pub fn set(&self, to: Arc<dyn ChargeReads>) {
+        let _ = self.0.set(to);
+    }
+
+    /// Charges a backing read (see [`ChargeReads::backing_read`]).
+    pub fn backing_read(&self, root: usize, rel: &str, bytes: u64) {
+        if let Some(c) = self.0.get() {
+            c.backing_read(root, rel, bytes);
+        }
+    }
+}
 
 /// Adds `n` to a counter.
 pub fn add(c: &AtomicU64, n: u64) {

@@ -148,6 +148,10 @@ pub struct JobStatus {
     pub window_bytes: u64,
     /// Bytes of the readiness window's files cached whole.
     pub window_resident_bytes: u64,
+    /// Bytes the daemon read from the backing store for the job's files (its fills:
+    /// prefetch, read-ahead and readers' waits; a file two jobs plan is charged to the
+    /// one registered first).
+    pub backing_bytes: u64,
     /// Bytes the job's clients read from blocks that were cached when they looked
     /// (reported by the clients).
     pub hit_bytes: u64,

@@ -84,6 +84,7 @@ impl BlockSource for BackingSource {
         let n = file.read_full_at(buf, req.offset)?;
         inc(&self.stats.backing_reads);
         add(&self.stats.backing_bytes, n as u64);
+        self.stats.charge.backing_read(t.root, &t.rel, n as u64);
         if n != req.len || file.version()? != t.stat.version {
             return Err(changed());
         }

@@ -64,6 +64,8 @@ enum Prefetched {
 /// Reads of one job, as clients reported them and as the daemon saw them.
 #[derive(Debug, Default, Clone, Copy)]
 struct Usage {
+    /// Bytes the daemon read from the backing store for the job's files.
+    backing_bytes: u64,
     hit_bytes: u64,
     filled_bytes: u64,
     fallback_bytes: u64,

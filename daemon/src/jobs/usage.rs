@@ -60,18 +60,6 @@ impl Jobs {
             }
             read.extend(applied.iter().map(|a| a.file.clone()));
         }
-        let now = self.clock.now();
-        let mut info = self.info.lock();
-        for a in applied {
-            if let Some(j) = info.get_mut(&a.job) {
-                j.usage.opens += 1;
-                j.usage.opens_hit += a.hit as u64;
-                // A read of the job renews its lease.
-                if let Some(l) = j.lease.as_mut() {
-                    l.renew(now);
-                }
-            }
-        }
     }
     /// Sets a job's position explicitly, and renews its lease: `Ok(false)` when no such
     /// job is registered; an error when the position is not in its plan (nothing
@@ -102,6 +90,19 @@ impl Jobs {
             path: rel.to_owned(),
         };
         let tag = self.tags.read().get(&f).copied().unwrap_or(0);
+        if tag != 0 {
+            // Every open of a job's file counts for it (and renews its lease), whether
+            // or not the read moves its position.
+            let now = self.clock.now();
+            let mut info = self.info.lock();
+            if let Some(j) = info.values_mut().find(|j| j.tag == tag) {
+                j.usage.opens += 1;
+                j.usage.opens_hit += u64::from(hit);
+                if let Some(l) = j.lease.as_mut() {
+                    l.renew(now);
+                }
+            }
+        }
         self.plans.defer(Deferred::Access {
             file: f,
             hit,
@@ -113,6 +114,30 @@ impl Jobs {
             self.settle();
         }
         tag
+    }
+
+    /// Charges `bytes` the daemon read from the backing store for `rel` under `root`
+    /// to the job whose plan holds it (the one whose tag names the file).
+    pub fn charge_backing(&self, root: usize, rel: &str, bytes: u64) {
+        if !self.any() {
+            return;
+        }
+        let f = FileRef {
+            root,
+            path: rel.to_owned(),
+        };
+        let Some(tag) = self.tags.read().get(&f).copied() else {
+            return;
+        };
+        if let Some(j) = self.info.lock().values_mut().find(|j| j.tag == tag) {
+            j.usage.backing_bytes += bytes;
+        }
+    }
+
+    /// Where a fill's backing reads are charged (see [`crate::stats::Charge`]): this
+    /// job table, as long as it lives.
+    pub fn charger(self: &Arc<Self>) -> Arc<dyn crate::stats::ChargeReads> {
+        Arc::new(Charger(Arc::downgrade(self)))
     }
 
     /// Adds what a client reported about its reads, per job tag.
@@ -221,6 +246,7 @@ impl Jobs {
                 window_resident: resident,
                 window_bytes,
                 window_resident_bytes: resident_bytes,
+                backing_bytes: u.backing_bytes,
                 hit_bytes: u.hit_bytes,
                 filled_bytes: u.filled_bytes,
                 fallback_bytes: u.fallback_bytes,
@@ -254,5 +280,16 @@ impl Jobs {
     /// True when every registered job's rate has been measured.
     pub(super) fn rates_known(&self) -> bool {
         self.info.lock().values().all(|j| j.rate.is_some())
+    }
+}
+
+/// [`Jobs::charger`]: weak, so that the counters it is set in do not keep the jobs alive.
+struct Charger(std::sync::Weak<Jobs>);
+
+impl crate::stats::ChargeReads for Charger {
+    fn backing_read(&self, root: usize, rel: &str, bytes: u64) {
+        if let Some(j) = self.0.upgrade() {
+            j.charge_backing(root, rel, bytes);
+        }
     }
 }

@@ -203,6 +203,8 @@ defs! {
         "Opens of the job's files.";
     JOB_OPENS_CACHED: Counter "shardcache_job_opens_cached_total" COUNT, ["job_id"],
         "Opens of the job's files that found the file cached whole.";
+    JOB_BACKING_BYTES: Counter "shardcache_job_backing_read_bytes_total" BYTES, ["job_id"],
+        "Bytes the daemon read from the backing store for the job's files (prefetch and fills).";
     JOB_STALL: Counter "shardcache_job_stall_seconds_total" SECONDS, ["job_id", "cause"],
         "Seconds the job's readers were blocked on data (data stall): fill_wait (waiting for the daemon to fetch blocks), fallback_read (reading the backing store themselves).";
     JOB_WINDOW_FILES: Gauge "shardcache_job_window_files" COUNT, ["job_id"],
@@ -547,6 +549,7 @@ impl Writer<'_> {
         }
         self.counter(&JOB_OPENS, &[id], j.opens);
         self.counter(&JOB_OPENS_CACHED, &[id], j.opens_hit);
+        self.counter(&JOB_BACKING_BYTES, &[id], j.backing_bytes);
         for (v, n) in label::NOT_HELD
             .iter()
             .zip([j.immutable_not_owned, j.immutable_over_limit])

@@ -489,7 +489,11 @@ impl Job {
             None => {
                 let len = cur.order.len() as u64;
                 let missing = len - self.step.min(len) - self.consumed.len() as u64;
-                if missing > MAX_READ_AHEAD as u64 || !self.has_epoch(self.epoch + 1) {
+                // The last reads of an epoch still out (at most as many as the readers
+                // run ahead, or a quarter of the epoch): a file read again earlier in
+                // the epoch is no sign the next one began.
+                let tail = self.spread.max(len / 4).min(MAX_READ_AHEAD as u64);
+                if missing > tail || !self.has_epoch(self.epoch + 1) {
                     return None;
                 }
                 let next = self.index(self.epoch + 1)?;

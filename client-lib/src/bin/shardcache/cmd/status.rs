@@ -139,6 +139,7 @@ fn status_text(s: &Status) -> String {
             ("NEXT READS CACHED", Align::Right),
             ("READY", Align::Right),
             ("HIT RATIO", Align::Right),
+            ("FROM BACKING", Align::Right),
             ("STEPS/S", Align::Right),
             ("WAITED", Align::Right),
             ("PREFETCHING", Align::Right),
@@ -160,6 +161,9 @@ fn status_text(s: &Status) -> String {
                 ),
                 percent(j.window_resident_bytes, j.window_bytes),
                 percent(j.hit_bytes, read),
+                // What the job cost the shared file system from this node: the daemon's
+                // fills and its readers' own fallback reads.
+                b(j.backing_bytes + j.fallback_bytes),
                 format!("{:.1}", j.rate),
                 format!("{:.2}s", j.wait_seconds + j.fallback_seconds),
                 j.prefetching.to_string(),
