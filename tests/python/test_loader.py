@@ -16,15 +16,23 @@ import time
 import shardcache
 from conftest import content
 
-N = 192  # files
-SIZE = 48 * 1024  # bytes each (one block)
-W, B, P = 4, 8, 2  # workers, files per batch, prefetch_factor
+N = 384  # files
+SIZE = 24 * 1024  # bytes each (one block)
+W, B, P = 4, 16, 2  # workers, files per batch, prefetch_factor: reads run up to 128 files ahead
 EPOCHS = 4
 SEED = 11
 
 
 def _worker(socket, files, batches, credits, out, seed):
     """One DataLoader worker: its batches (k, indices) in order, each after a credit."""
+    try:
+        _read_batches(socket, files, batches, credits, out, seed)
+    except BaseException as e:  # noqa: BLE001 - the loop is told why, not left waiting
+        out.put((-1, f"worker failed: {e!r}"))
+        raise
+
+
+def _read_batches(socket, files, batches, credits, out, seed):
     rng = random.Random(seed)
     c = shardcache.Client(socket, timeout=5, wait_timeout=20)
     for k, idx in batches:
@@ -33,9 +41,9 @@ def _worker(socket, files, batches, credits, out, seed):
             return
         got = []
         for i in idx:
-            with c.open(files[i]) as f:
+            with c.open(files[i], buffering=0) as f:
                 data = f.read()
-                got.append((i, data == content(i, SIZE), f.source))
+                got.append((i, data == content(i, SIZE)))
             # Decoding and augmenting take uneven time per sample.
             time.sleep(rng.uniform(0, 0.002))
         out.put((k, got))
@@ -69,24 +77,22 @@ def test_a_dataloader_shaped_reader_keeps_the_position_and_the_cache_at_half_the
             p.start()
         try:
             done = {}
-            behind = []
             for k in range(nb):
                 deadline = time.monotonic() + 60
                 while k not in done:
                     got_k, got = out.get(timeout=max(0.1, deadline - time.monotonic()))
                     assert not isinstance(got, str), got
                     done[got_k] = got
-                assert [i for i, _, _ in done[k]] == batches[k][1]
-                assert all(ok for _, ok, _ in done[k]), f"wrong bytes in batch {k}"
+                assert [i for i, _ in done[k]] == batches[k][1]
+                assert all(ok for _, ok in done[k]), f"wrong bytes in batch {k}"
                 # Every file of batches 0..k was opened: the job's position (the first
                 # step not read) is at least past them; and never past what was opened.
                 j = _job(c, sampler.job)
+                opened_at_most = min(nb, k + 1 + W * P) * B
                 if j["epoch"] == epoch:
-                    opened_at_most = min(nb, k + 1 + W * P) * B
                     assert (k + 1) * B <= j["step"] <= opened_at_most, (epoch, k, j["step"])
-                    behind.append((k + 1) * B - j["step"])
                 else:
-                    assert (j["epoch"], k) == (epoch + 1, nb - 1), "rolled over only at the end"
+                    assert (j["epoch"], opened_at_most) == (epoch + 1, N), "rolled over once every file may be read"
                 # The loop's step: then the next batch goes to this batch's worker.
                 time.sleep(0.004)
                 credits[k % W].release()
@@ -99,12 +105,10 @@ def test_a_dataloader_shaped_reader_keeps_the_position_and_the_cache_at_half_the
                     p.kill()
                     p.join(timeout=10)
         after = _job(c, sampler.job)
-        hits = sum(1 for k in done for _, _, src in done[k] if src == "cache")
         per_epoch.append(
             {
                 "opens": after["opens"] - before["opens"],
                 "opens_hit": after["opens_hit"] - before["opens_hit"],
-                "hits_seen": hits,
                 "backing": after["backing_bytes"] - before["backing_bytes"],
                 "fallback": after["fallback_bytes"] - before["fallback_bytes"],
             }
@@ -113,12 +117,14 @@ def test_a_dataloader_shaped_reader_keeps_the_position_and_the_cache_at_half_the
     floor = N * SIZE - capacity
     for e, r in enumerate(per_epoch):
         assert r["opens"] == N, f"epoch {e}: every open attributed to the job: {r}"
-        assert r["fallback"] == 0, f"epoch {e}: no reader went around the cache: {r}"
     for e, r in list(enumerate(per_epoch))[1:]:
         # The ceiling at C/N = 0.5 when the backing store is the bottleneck is half the
         # opens; here it is fast and prefetch may do better, never worse.
         assert r["opens_hit"] >= 0.49 * N, f"epoch {e}: {r}"
         # What the cache cannot hold crosses once per epoch, and no more: eviction
         # follows the true position (a stale one evicts what is read next, refetched).
-        assert r["backing"] <= 1.02 * floor, f"epoch {e}: {r['backing']} bytes read, floor {floor}"
+        # A file whose next use is later than everything cached is not kept (its reader
+        # reads the backing store itself, counted as fallback): both count.
+        read = r["backing"] + r["fallback"]
+        assert read <= 1.02 * floor, f"epoch {e}: {read} bytes from the backing store, floor {floor}: {r}"
     assert c.unregister(sampler.job)

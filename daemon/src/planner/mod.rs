@@ -143,6 +143,9 @@ struct Job {
     /// The widest the readers have spread past the watermark so far (the fastest read's
     /// distance from it): the readers' window, which a prefetch must stay ahead of.
     spread: u64,
+    /// The widest spread seen in the current epoch: at the next epoch it becomes
+    /// `spread`, so that one stray read far ahead inflates it for two epochs at most.
+    spread_now: u64,
     /// Steps per second (1.0 until measured).
     rate: f64,
     /// Steps read so far (every epoch).
@@ -510,6 +513,7 @@ impl Job {
         } else {
             self.consumed.insert(p);
             self.spread = self.spread.max(p + 1 - self.step);
+            self.spread_now = self.spread_now.max(p + 1 - self.step);
             if self.consumed.len() > MAX_READ_AHEAD {
                 // Reads far ahead of positions never read: those are holes.
                 let first = self.consumed.first().copied().unwrap_or(p);
@@ -548,6 +552,7 @@ impl Job {
             self.epoch += 1;
             self.step = 0;
             self.consumed.clear();
+            self.spread = std::mem::take(&mut self.spread_now);
         }
         // The files read (or skipped) are next needed later: new keys.
         for q in from..step.min(len) {
@@ -685,6 +690,7 @@ impl Planner {
             step: 0,
             consumed: BTreeSet::new(),
             spread: 0,
+            spread_now: 0,
             rate: 1.0,
             done: 0,
             epochs: Vec::new(),
@@ -1163,7 +1169,8 @@ impl Planner {
     /// Sets a job's position (the next step it will read) explicitly. `Ok(false)`: no
     /// such job; an error names what is wrong with the position (an epoch outside the
     /// plan, a step past the epoch's end) and changes nothing. The end of an epoch is
-    /// the start of the next one when the plan has it.
+    /// the start of the next one when the plan has it. Within the epoch the job reads
+    /// now, a position never moves back (the reads recorded stay).
     pub fn set_position(&mut self, id: &str, epoch: u64, step: u64) -> Result<bool, String> {
         let Some(j) = self.job_mut(id) else {
             return Ok(false);
@@ -1181,11 +1188,22 @@ impl Planner {
                 "step {step} is past the end of epoch {epoch} ({len} steps)"
             ));
         }
-        if step == len && j.has_epoch(epoch + 1) {
-            (j.epoch, j.step) = (epoch + 1, 0);
+        let (epoch, step) = if step == len && j.has_epoch(epoch + 1) {
+            (epoch + 1, 0)
         } else {
-            (j.epoch, j.step) = (epoch, step);
+            (epoch, step)
+        };
+        if epoch == j.epoch {
+            // Within the epoch the job reads, a position only moves forward: a report
+            // behind the reads (a rank that starts the epoch after another rank of the
+            // node plan has read some of it) would forget them.
+            if step > j.step {
+                j.advance_to(step, &ix);
+                j.sync_placement();
+            }
+            return Ok(true);
         }
+        (j.epoch, j.step) = (epoch, step);
         j.consumed.clear();
         j.rerank_all();
         j.sync_placement();

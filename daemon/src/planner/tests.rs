@@ -609,3 +609,60 @@ fn holes_in_the_reads_are_passed_once_enough_reads_are_ahead_of_them() {
     );
     assert_eq!(p.reads(), n as u64 + 1, "holes counted as passed");
 }
+
+/// Issue 14: a position reported behind the reads of the epoch the job reads (a rank of a
+/// node plan calling `set_epoch` after another rank began the epoch) moves nothing back
+/// and forgets no read; one ahead moves it forward over the reads recorded after it; one
+/// in another epoch sets it.
+#[test]
+fn a_report_behind_the_reads_moves_nothing_back() {
+    let mut p = Planner::new();
+    let fs = files(10);
+    p.register(
+        "j",
+        fs.clone(),
+        seq(0, vec![(0..10).collect(), (0..10).collect()]),
+    )
+    .unwrap();
+    for f in [&fs[0], &fs[1], &fs[3]] {
+        p.on_access(f, READ_WINDOW);
+    }
+    assert_eq!(p.position("j"), Some((0, 2)));
+    assert_eq!(p.set_position("j", 0, 0), Ok(true));
+    assert_eq!(p.position("j"), Some((0, 2)), "not moved back");
+    p.on_access(&fs[2], READ_WINDOW);
+    assert_eq!(p.position("j"), Some((0, 4)), "the read of 3 was kept");
+    assert_eq!(p.set_position("j", 0, 6), Ok(true));
+    assert_eq!(p.position("j"), Some((0, 6)));
+    assert_eq!(p.set_position("j", 1, 0), Ok(true));
+    assert_eq!(p.position("j"), Some((1, 0)));
+    assert_eq!(p.set_position("j", 0, 5), Ok(true));
+    assert_eq!(p.position("j"), Some((0, 5)), "another epoch: set as told");
+}
+
+/// The readers' spread (how far the fastest read ran past the watermark) is learned again
+/// every epoch: one stray read far ahead does not inflate it for the rest of the job.
+#[test]
+fn the_readers_spread_is_learned_again_each_epoch() {
+    let n = 64;
+    let mut p = Planner::new();
+    let fs = files(n);
+    let all: Vec<u32> = (0..n as u32).collect();
+    p.register("j", fs.clone(), seq(0, vec![all.clone(), all.clone(), all]))
+        .unwrap();
+    let spread = |p: &Planner| p.jobs[0].spread;
+    p.on_access(&fs[40], READ_WINDOW);
+    assert_eq!(spread(&p), 41);
+    for (i, f) in fs.iter().enumerate().filter(|(i, _)| *i != 40) {
+        assert_eq!(p.on_access(f, READ_WINDOW), Some("j"), "read {i}");
+    }
+    assert_eq!(p.position("j"), Some((1, 0)));
+    assert_eq!(spread(&p), 41, "the last epoch's widest, for this one");
+    // Epoch 1 read in order, two apart at most.
+    for k in (0..n).step_by(2) {
+        p.on_access(&fs[k + 1], READ_WINDOW);
+        p.on_access(&fs[k], READ_WINDOW);
+    }
+    assert_eq!(p.position("j"), Some((2, 0)));
+    assert_eq!(spread(&p), 2, "the stray read is forgotten");
+}
