@@ -339,8 +339,10 @@ impl Client {
         }
     }
 
-    /// Tells the daemon that `job` is about to read step `step` of epoch `epoch` (and
-    /// renews its lease); false when the daemon does not know the job (never registered
+    /// Tells the daemon that `job` is about to read step `step` of epoch `epoch` (this
+    /// renews its lease; within the epoch the job reads, the position only moves
+    /// forward: a step behind the reads already recorded changes nothing); false when
+    /// the daemon does not know the job (never registered
     /// there, its lease ran out, or the daemon restarted): register it again.
     pub fn progress(&self, job: &str, epoch: u64, step: u64) -> io::Result<bool> {
         let req = request::Kind::Progress(pb::ProgressRequest {

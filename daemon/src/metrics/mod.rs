@@ -229,6 +229,12 @@ defs! {
         "Files of the job its registrant may not read (as the prefetcher last checked them): never fetched for it.";
     JOB_DIRS_DENIED: Gauge "shardcache_job_dirs_denied" COUNT, ["job_id"],
         "Directories the job's glob did not list because its registrant may not list or search them.";
+    JOB_LEASE_SECONDS: Gauge "shardcache_job_lease_seconds" SECONDS, ["job_id"],
+        "The job's lease (0: no lease, it lives until unregistered).";
+    JOB_LEASE_REMAINING: Gauge "shardcache_job_lease_remaining_seconds" SECONDS, ["job_id"],
+        "Seconds before the job's lease runs out unless renewed or a holder is found alive.";
+    JOB_LEASE_HOLDERS_ALIVE: Gauge "shardcache_job_lease_holders_alive" COUNT, ["job_id"],
+        "Processes holding the job's lease that the daemon sees alive.";
     JOB_IMMUTABLE_NOT_HELD: Gauge "shardcache_job_immutable_not_held_files" COUNT, ["job_id", "reason"],
         "Files of an immutable manifest not held as immutable (they follow metadata_ttl), by reason: not_owned (another user owns the file or a directory above it), over_limit (the daemon holds its most).";
 }
@@ -530,6 +536,9 @@ impl Writer<'_> {
             (&JOB_PLACEMENT_DEPARTING, j.placement_departing as f64),
             (&JOB_FILES_DENIED, j.files_denied as f64),
             (&JOB_DIRS_DENIED, j.dirs_denied as f64),
+            (&JOB_LEASE_SECONDS, f64::from(j.lease_seconds)),
+            (&JOB_LEASE_REMAINING, j.lease_remaining.as_secs_f64()),
+            (&JOB_LEASE_HOLDERS_ALIVE, f64::from(j.lease_holders_alive)),
             (
                 &JOB_WINDOW_RESIDENT_RATIO,
                 if j.window_bytes == 0 {
