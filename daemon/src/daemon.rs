@@ -304,14 +304,25 @@ impl Daemon {
                 )?,
             );
         }
-        let jobs = Arc::new(Jobs::new(
-            meta.clone(),
-            plans,
-            peers.clone(),
-            metrics.prefetch(),
-            prefetch_wake,
-        ));
+        let jobs = Arc::new(
+            Jobs::new(
+                meta.clone(),
+                plans,
+                peers.clone(),
+                metrics.prefetch(),
+                prefetch_wake,
+            )
+            .keep_registrations_in(cfg.cache_dir.join("jobs"))
+            .with_context(|| format!("jobs: {}", cfg.cache_dir.join("jobs").display()))?,
+        );
         stats.charge.set(jobs.charger());
+        let restored = jobs.restore();
+        if restored > 0 {
+            tracing::info!(
+                restored,
+                "registrations kept from before this start restored"
+            );
+        }
         let listener = server::bind(&cfg.socket, cfg.socket_mode)
             .with_context(|| format!("socket: binding {}", cfg.socket.display()))?;
         let meta_for_prefetch = meta.clone();

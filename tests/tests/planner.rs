@@ -412,3 +412,98 @@ fn a_job_lease_holds_its_job_until_dropped() {
     );
     assert!(client.unregister("leased").unwrap());
 }
+
+/// Issue 15: registrations survive the daemon. A clean stop keeps each job's plan,
+/// registrant, lease and position; a `kill -9` keeps the plan and its lease (the
+/// position is as last saved); an unregistered job stays gone.
+#[test]
+fn registrations_survive_a_clean_stop_and_a_kill_9() {
+    use shardcache_client::JobLease;
+    let bed = Bed::new();
+    let n = 8u64;
+    for i in 0..n {
+        write_file(&bed.path(&format!("ds/s{i}")), i, FILE);
+    }
+    let mut d = bed.start(&[]);
+    let client = bed.client();
+    let manifest = |job: &str, rank: u64| {
+        serde_json::json!({
+            "version": 1, "job": job, "root": bed.path("ds"),
+            "files": (0..n).map(|i| format!("s{i}")).collect::<Vec<_>>(),
+            "plan": {"kind": "shuffle", "algorithm": "pcg64-fisher-yates/v1", "seed": 3,
+                     "epochs": 4, "world_size": 2, "ranks": [rank]}
+        })
+        .to_string()
+    };
+    // Two ranks of one job, one by one, holding a lease (one holder: this process); a
+    // scheduler's job; a job that is unregistered before the stop.
+    let r0 = JobLease::register(client.clone(), manifest("train", 0)).unwrap();
+    let r1 = JobLease::register(client.clone(), manifest("train", 1)).unwrap();
+    client.register(&manifest("prolog", 0)).unwrap();
+    client.register(&manifest("gone", 0)).unwrap();
+    assert!(client.unregister("gone").unwrap());
+    assert!(client.progress("train", 1, 2).unwrap());
+    let jobs = |d: &shardcache_tests::Daemon| {
+        let mut j: Vec<(String, u64, u64, u64, u32, u32)> = d
+            .status()
+            .jobs
+            .into_iter()
+            .map(|j| {
+                (
+                    j.job,
+                    j.epoch,
+                    j.step,
+                    j.epoch_len,
+                    j.lease_seconds,
+                    j.lease_holders,
+                )
+            })
+            .collect();
+        j.sort();
+        j
+    };
+    let before = jobs(&d);
+    assert_eq!(
+        before,
+        [
+            ("prolog".into(), 0, 0, 4, 0, 0),
+            ("train".into(), 1, 2, 8, 60, 1)
+        ]
+    );
+    assert!(d.stop(), "clean stop");
+    d.restart();
+    assert_eq!(
+        jobs(&d),
+        before,
+        "a clean stop keeps plans, leases and positions"
+    );
+    // The ranks (alive: this process) still hold it: no registration was needed.
+    d.kill9();
+    d.restart();
+    let after = jobs(&d);
+    assert_eq!(
+        after
+            .iter()
+            .map(|j| (&j.0, j.3, j.4, j.5))
+            .collect::<Vec<_>>(),
+        [
+            (&"prolog".to_owned(), 4, 0, 0),
+            (&"train".to_owned(), 8, 60, 1)
+        ],
+        "kill -9 keeps the plans and leases"
+    );
+    assert!(
+        d.log_text().contains("registration restored"),
+        "{}",
+        d.log_text()
+    );
+    // The ranks letting go end the job, also on disk.
+    drop((r0, r1));
+    assert_eq!(jobs(&d).len(), 1);
+    d.kill9();
+    d.restart();
+    assert_eq!(
+        jobs(&d).iter().map(|j| j.0.as_str()).collect::<Vec<_>>(),
+        ["prolog"]
+    );
+}

@@ -175,6 +175,45 @@ impl Lease {
     }
 }
 
+/// A lease as kept on disk with its job's registration (`durable.rs`).
+#[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
+pub(super) struct SavedLease {
+    period_s: u64,
+    /// Each holder's key and process (pid, start time), when the daemon saw it.
+    holders: Vec<(String, Option<(i32, u64)>)>,
+}
+
+impl Lease {
+    pub(super) fn saved(&self) -> SavedLease {
+        SavedLease {
+            period_s: self.period.as_secs(),
+            holders: self
+                .holders
+                .iter()
+                .map(|h| (h.key.clone(), h.process))
+                .collect(),
+        }
+    }
+
+    /// A kept lease at a start: renewed `now` (its holders get one lease to renew it or
+    /// be found alive), the same holders (a process keeps its start time across the
+    /// daemon's restart, so one still running still holds it).
+    pub(super) fn restored(s: &SavedLease, now: Instant) -> Self {
+        Self {
+            period: Duration::from_secs(s.period_s.max(1)),
+            renewed: now,
+            holders: s
+                .holders
+                .iter()
+                .map(|(key, process)| Holder {
+                    key: key.clone(),
+                    process: *process,
+                })
+                .collect(),
+        }
+    }
+}
+
 /// What a registration asks of the lease.
 #[derive(Debug, Clone, Copy)]
 pub struct LeaseRequest<'a> {
@@ -228,6 +267,9 @@ impl Jobs {
             if let Some(l) = held {
                 if !l.leave(&h, &*self.procs) {
                     tracing::info!(job, holder = %h.key, holders = l.holders.len(), "holder left; the job stays for the others");
+                    drop(info);
+                    // Kept without the holder that left.
+                    self.save_registration(job);
                     return true;
                 }
             } else if !holder.is_empty() {

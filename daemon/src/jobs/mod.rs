@@ -100,6 +100,8 @@ struct JobInfo {
     shape: Option<(u64, Vec<u64>)>,
     /// The epochs its plan covers, `[first, end)`.
     span: (u64, u64),
+    /// The manifest as registered (ranks merged), as JSON: what is kept on disk.
+    manifest: serde_json::Value,
     /// The reply its registration got (repeated to a registration that adds nothing).
     registered: Registered,
     /// Steps done at the last rate measurement, and when.
@@ -144,6 +146,11 @@ pub struct Jobs {
     clock: Arc<dyn Clock>,
     /// Whether a lease's holders are alive.
     procs: Arc<dyn Processes>,
+    /// Where registrations are kept across restarts (`durable.rs`; none in tests that
+    /// do not ask).
+    durable: Option<durable::Durable>,
+    /// The positions last saved there.
+    saved_positions: Mutex<HashMap<String, (u64, u64)>>,
 }
 
 impl Jobs {
@@ -175,6 +182,8 @@ impl Jobs {
             tags: RwLock::new(HashMap::new()),
             clock: Arc::new(SystemClock),
             procs: Arc::new(ProcFs),
+            durable: None,
+            saved_positions: Mutex::new(HashMap::new()),
         }
     }
 
@@ -240,6 +249,7 @@ impl Jobs {
     }
 }
 
+mod durable;
 mod layouts;
 mod lease;
 mod prefetcher;

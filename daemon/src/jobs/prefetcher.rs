@@ -84,13 +84,20 @@ impl Jobs {
         cfg: PrefetchConfig,
     ) {
         let mut r = Rounds::new(cfg);
+        let mut saved = Instant::now();
         while !stop.is_stopped() {
             // A fetch that already ended (declined at once) is collected now.
             if !r.any_ended() {
                 self.wake.wait(r.sleep(Instant::now()));
             }
             self.prefetch_round(&mut r, store, filler, meta, cfg, Instant::now());
+            if saved.elapsed() >= durable::SAVE_EVERY {
+                self.save_positions();
+                saved = Instant::now();
+            }
         }
+        // A clean stop keeps where every job is.
+        self.save_positions();
     }
 
     /// One round at `now`: measure rates, collect finished fetches (each outcome

@@ -209,7 +209,11 @@ impl Jobs {
                     // Nothing new: the plan stands, its position and usage too; the
                     // lease is renewed and gains the holder.
                     j.lease = lease_after(Some(&j.lease));
-                    return Ok(j.registered.clone());
+                    let r = j.registered.clone();
+                    drop(info);
+                    // Its holders changed: kept as they are now.
+                    self.save_registration(&m.job);
+                    return Ok(r);
                 }
                 let mut all: Vec<u64> = old.iter().chain(ranks.iter()).copied().collect();
                 all.sort_unstable();
@@ -388,6 +392,7 @@ impl Jobs {
                 Usage::default(),
             )
         });
+        let manifest = serde_json::to_value(&m).unwrap_or_default();
         let done = self.plans.planner().steps_done(&m.job).unwrap_or(0);
         let mut info = self.info.lock();
         let lease = lease_after(info.get(&m.job).map(|j| &j.lease));
@@ -405,6 +410,7 @@ impl Jobs {
                 shape: shape.map(|s| (s, ranks)),
                 span,
                 registered: registered.clone(),
+                manifest,
                 rate_mark: (done, Instant::now()),
                 rate: None,
                 lease,
@@ -415,6 +421,7 @@ impl Jobs {
             self.release(&old);
         }
         self.rebuild_tags();
+        self.save_registration(&m.job);
         tracing::info!(
             job = %m.job,
             files = n,
@@ -463,6 +470,7 @@ impl Jobs {
             self.release(&old);
         }
         let found = self.plans.planner().unregister(job);
+        self.forget_registration(job);
         self.rebuild_tags();
         if found {
             tracing::info!(job, "prefetch manifest unregistered");
