@@ -174,6 +174,18 @@ impl Bed {
         Daemon::start(self, &cache, &socket, &format!("daemon-{node}.log"), extra)
     }
 
+    /// Starts daemon number `node` as [`Bed::start_node`] does, inside network namespace
+    /// `netns` (`ip netns exec`: the process is the daemon itself, stopped by its pid).
+    pub fn start_node_in(&self, node: usize, netns: &str, extra: &[&str]) -> Daemon {
+        let cache = self.tmp.path().join(format!("cache-{node}"));
+        std::fs::create_dir_all(&cache).expect("mkdir");
+        let socket = self.node_socket(node);
+        let mut d = Daemon::new(self, &cache, &socket, &format!("daemon-{node}.log"), extra);
+        d.netns = Some(netns.to_owned());
+        d.spawn();
+        d
+    }
+
     /// The socket of daemon `node` (see [`Bed::start_node`]).
     pub fn node_socket(&self, node: usize) -> PathBuf {
         self.tmp.path().join(format!("node-{node}.sock"))
@@ -239,10 +251,18 @@ pub struct Daemon {
     socket: PathBuf,
     log: PathBuf,
     starts: u32,
+    /// The network namespace it runs in (`None`: the test's own).
+    netns: Option<String>,
 }
 
 impl Daemon {
     fn start(bed: &Bed, cache: &Path, socket: &Path, log: &str, extra: &[&str]) -> Self {
+        let mut d = Self::new(bed, cache, socket, log, extra);
+        d.spawn();
+        d
+    }
+
+    fn new(bed: &Bed, cache: &Path, socket: &Path, log: &str, extra: &[&str]) -> Self {
         let mut args: Vec<String> = vec![
             "--backing-root".into(),
             bed.backing.display().to_string(),
@@ -259,15 +279,14 @@ impl Daemon {
             args.extend(["--metrics-listen".into(), "127.0.0.1:0".into()]);
         }
         args.extend(extra.iter().map(|s| s.to_string()));
-        let mut d = Self {
+        Self {
             child: None,
             args,
             socket: socket.to_owned(),
             log: bed.tmp.path().join(log),
             starts: 0,
-        };
-        d.spawn();
-        d
+            netns: None,
+        }
     }
 
     fn spawn(&mut self) {
@@ -277,7 +296,15 @@ impl Daemon {
             .append(true)
             .open(&self.log)
             .expect("log file");
-        let child = Command::new(bin("shardcached"))
+        let mut cmd = match &self.netns {
+            None => Command::new(bin("shardcached")),
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(bin("shardcached"));
+                c
+            }
+        };
+        let child = cmd
             .args(&self.args)
             .env_remove("SHARDCACHE_SOCKET")
             .stdin(Stdio::null())
@@ -492,5 +519,77 @@ mod tests {
         fill_bytes(3, 3, &mut part);
         assert_eq!(part, whole[3..]);
         assert_ne!(content(4, 1000), whole);
+    }
+}
+
+/// Two network namespaces joined by a veth pair, made for one test and removed when
+/// dropped (root only): `a` at 169.254.1.1, `b` at 169.254.1.2, loopback up in each.
+/// [`NetPair::silence_b`] makes `b` drop every packet silently (its end of the link goes
+/// down: no RST, no ICMP, as a hung host or a firewall's DROP), [`NetPair::heal_b`]
+/// brings it back.
+#[derive(Debug)]
+pub struct NetPair {
+    /// The namespaces' names.
+    pub a: String,
+    /// See `a`.
+    pub b: String,
+    b_if: String,
+}
+
+impl NetPair {
+    /// `a`'s address.
+    pub const A: &str = "169.254.1.1";
+    /// `b`'s address.
+    pub const B: &str = "169.254.1.2";
+
+    /// Makes the pair, named after this process (tests in other processes make their own).
+    pub fn up() -> Self {
+        let id = std::process::id();
+        let me = Self {
+            a: format!("sc-t{id}-a"),
+            b: format!("sc-t{id}-b"),
+            b_if: format!("sct{id}b"),
+        };
+        let a_if = format!("sct{id}a");
+        me.ip(&["netns", "add", &me.a]);
+        me.ip(&["netns", "add", &me.b]);
+        me.ip(&[
+            "link", "add", &a_if, "netns", &me.a, "type", "veth", "peer", "name", &me.b_if,
+            "netns", &me.b,
+        ]);
+        for (ns, dev, addr) in [(&me.a, &a_if, Self::A), (&me.b, &me.b_if, Self::B)] {
+            me.ip(&["-n", ns, "addr", "add", &format!("{addr}/30"), "dev", dev]);
+            me.ip(&["-n", ns, "link", "set", dev, "up"]);
+            me.ip(&["-n", ns, "link", "set", "lo", "up"]);
+        }
+        me
+    }
+
+    fn ip(&self, args: &[&str]) {
+        let out = Command::new("ip").args(args).output().expect("run ip");
+        assert!(
+            out.status.success(),
+            "ip {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// `b` drops every packet, silently.
+    pub fn silence_b(&self) {
+        self.ip(&["-n", &self.b, "link", "set", &self.b_if, "down"]);
+    }
+
+    /// `b` answers again.
+    pub fn heal_b(&self) {
+        self.ip(&["-n", &self.b, "link", "set", &self.b_if, "up"]);
+    }
+}
+
+impl Drop for NetPair {
+    fn drop(&mut self) {
+        for ns in [&self.a, &self.b] {
+            let _ = Command::new("ip").args(["netns", "del", ns]).status();
+        }
     }
 }

@@ -348,7 +348,14 @@ impl DataServer {
                 return;
             }
             let req = match session.read_request(&mut s) {
-                Ok(Some(r)) => r,
+                Ok(Some(r)) => {
+                    // The request's acknowledgement goes out now, not after a delayed-ack
+                    // timer: the caller takes a request unacknowledged for long as a
+                    // silent peer (`super::SILENCE_MAX`), and the answer may take a
+                    // backing read.
+                    let _ = rustix::net::sockopt::set_tcp_quickack(s.tcp(), true);
+                    r
+                }
                 Ok(None) => return,
                 Err(WireError::Forged) => {
                     inc(&self.svc.stats.peer_forged);

@@ -2,10 +2,15 @@
 //!
 //! Peers come from a static list or from a DNS name re-resolved periodically (every
 //! address it gives is a peer: a Kubernetes headless Service lists one per pod). A peer
-//! is healthy until it fails `failures` times in a row (a fetch or health check that
-//! errs or times out); then it is left out of ownership for `backoff`, after which it
-//! is tried again. Health only moves ownership (the ring is computed over healthy
-//! peers): a node that comes back gets its blocks back, nothing else changes.
+//! is healthy until it fails `failures` times in a row (a fetch that errs), or at once
+//! when it does not answer in time (a silent peer: packets dropped, a hung host); then
+//! it is **down**: out of the read path and of ownership until a background probe
+//! ([`super::Peers`] dials it every [`HealthPolicy::probe_every`]) gets an answer. So a
+//! silent peer costs each reader at most one bounded wait, once, however long it stays
+//! silent, and never flips back to healthy without having answered. Each change of
+//! state is logged once. Health moves ownership (the ring is computed over healthy
+//! peers) and the read path, never a job's cluster layout (its ranks and slots stay as
+//! the peer last told them).
 
 use std::collections::BTreeMap;
 use std::net::ToSocketAddrs;
@@ -27,22 +32,34 @@ pub enum Source {
     },
 }
 
-/// When a peer counts as down.
+/// When a peer counts as down, and how soon a down one is probed.
 #[derive(Debug, Clone, Copy)]
 pub struct HealthPolicy {
-    /// Consecutive failures that mark a peer down.
+    /// Consecutive failures that mark a peer down (one that did not answer in time is
+    /// down at once).
     pub failures: u32,
-    /// How long a down peer is left out before it is tried again.
-    pub backoff: Duration,
+    /// How often a down peer is probed (a probe that gets an answer brings it back).
+    pub probe_every: Duration,
 }
 
 impl Default for HealthPolicy {
     fn default() -> Self {
         Self {
             failures: 3,
-            backoff: Duration::from_secs(5),
+            probe_every: Duration::from_millis(500),
         }
     }
+}
+
+/// How an exchange with a peer went.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// It answered (also "not here": a peer that says so is healthy).
+    Answered,
+    /// It failed fast (refused, reset, a bad reply).
+    Failed,
+    /// It did not answer in time: down at once.
+    Silent,
 }
 
 /// One peer's health, as status shows it.
@@ -50,15 +67,15 @@ impl Default for HealthPolicy {
 pub struct Health {
     /// Failures in a row.
     pub failures: u32,
-    /// Left out of ownership until then.
-    pub down_until: Option<Instant>,
+    /// Down (out of the read path and ownership) since then, until a probe answers.
+    pub down_since: Option<Instant>,
     /// Last success.
     pub last_ok: Option<Instant>,
 }
 
 impl Health {
-    fn healthy(&self, now: Instant) -> bool {
-        self.down_until.is_none_or(|t| now >= t)
+    fn healthy(&self) -> bool {
+        self.down_since.is_none()
     }
 }
 
@@ -110,34 +127,71 @@ impl Membership {
         Ok(())
     }
 
-    /// The peers that may own blocks now (this node included), sorted.
+    /// The peers that may own blocks and be read from now (this node included), sorted.
     pub fn healthy(&self) -> Vec<String> {
-        let now = Instant::now();
         self.peers
             .read()
             .iter()
-            .filter(|(id, h)| *id == &self.me || h.healthy(now))
+            .filter(|(id, h)| *id == &self.me || h.healthy())
             .map(|(id, _)| id.clone())
             .collect()
     }
 
-    /// Records the outcome of an exchange with `peer`.
-    pub fn report(&self, peer: &str, ok: bool) {
+    /// The peers that are down (to be probed), sorted.
+    pub fn down(&self) -> Vec<String> {
+        self.peers
+            .read()
+            .iter()
+            .filter(|(id, h)| *id != &self.me && !h.healthy())
+            .map(|(id, _)| id.clone())
+            .collect()
+    }
+
+    /// How often a down peer is probed.
+    pub fn probe_every(&self) -> Duration {
+        self.policy.probe_every
+    }
+
+    /// Records the outcome of an exchange with `peer` (a probe's too: an answer is the
+    /// only way back from down). `why` says what went wrong, for the one log line a
+    /// change of state gets. Returns true when the peer's state changed.
+    pub fn report(&self, peer: &str, outcome: Outcome, why: &str) -> bool {
         let mut peers = self.peers.write();
         let Some(h) = peers.get_mut(peer) else {
-            return;
+            return false;
         };
+        if peer == self.me {
+            return false;
+        }
         let now = Instant::now();
-        if ok {
-            *h = Health {
-                failures: 0,
-                down_until: None,
-                last_ok: Some(now),
-            };
-        } else {
-            h.failures = h.failures.saturating_add(1);
-            if h.failures >= self.policy.failures {
-                h.down_until = Some(now + self.policy.backoff);
+        match outcome {
+            Outcome::Answered => {
+                let was = h.down_since;
+                *h = Health {
+                    failures: 0,
+                    down_since: None,
+                    last_ok: Some(now),
+                };
+                if let Some(since) = was {
+                    tracing::info!(peer, down_for = ?now.duration_since(since), "peer answers again: back in the read path");
+                    return true;
+                }
+                false
+            }
+            Outcome::Failed | Outcome::Silent => {
+                h.failures = h.failures.saturating_add(1);
+                let down = outcome == Outcome::Silent || h.failures >= self.policy.failures;
+                if down && h.down_since.is_none() {
+                    h.down_since = Some(now);
+                    tracing::warn!(
+                        peer,
+                        failures = h.failures,
+                        why,
+                        "peer down: out of the read path until a probe gets an answer"
+                    );
+                    return true;
+                }
+                false
             }
         }
     }
@@ -180,43 +234,57 @@ mod tests {
         );
         m.refresh().unwrap();
         assert_eq!(m.healthy(), ["a:1", "b:1", "c:1"]);
-        for _ in 0..3 {
-            m.report("c:1", false);
-        }
+        assert!(!m.report("c:1", Outcome::Failed, "reset"));
+        assert!(!m.report("c:1", Outcome::Failed, "reset"));
+        assert!(
+            m.report("c:1", Outcome::Failed, "reset"),
+            "a change of state"
+        );
         assert_eq!(m.healthy(), ["a:1", "b:1"], "down after 3 failures");
+        assert_eq!(m.down(), ["c:1"]);
         m.refresh().unwrap();
         assert_eq!(m.healthy(), ["a:1", "b:1"], "a refresh keeps health");
-        m.report("c:1", true);
+        assert!(m.report("c:1", Outcome::Answered, ""));
         assert_eq!(
             m.healthy(),
             ["a:1", "b:1", "c:1"],
-            "one success brings it back"
+            "one answer brings it back"
         );
-        m.report("a:1", false);
-        m.report("a:1", false);
-        m.report("a:1", false);
+        for _ in 0..3 {
+            m.report("a:1", Outcome::Silent, "");
+        }
         assert!(
             m.healthy().contains(&"a:1".to_owned()),
             "a node never rules itself out"
         );
+        assert!(m.down().is_empty());
     }
 
+    /// Issue 15: a peer that did not answer in time is down at once, stays down however
+    /// long (no timed return: only an answer brings it back), and each change of state
+    /// is reported once.
     #[test]
-    fn a_down_peer_is_tried_again_after_the_backoff() {
+    fn a_silent_peer_is_down_at_once_until_it_answers() {
         let m = Membership::new(
             Source::Static(vec!["b:1".into()]),
             "a:1",
             HealthPolicy {
-                failures: 1,
-                backoff: Duration::from_millis(50),
+                failures: 3,
+                probe_every: Duration::from_millis(1),
             },
         );
         m.refresh().unwrap();
-        m.report("b:1", false);
+        assert!(m.report("b:1", Outcome::Silent, "no ack in 100 ms"));
         assert_eq!(m.healthy(), ["a:1"]);
-        std::thread::sleep(Duration::from_millis(60));
-        assert_eq!(m.healthy(), ["a:1", "b:1"], "back in after the backoff");
-        m.report("unknown:1", false); // ignored
+        std::thread::sleep(Duration::from_millis(5));
+        assert_eq!(m.healthy(), ["a:1"], "no way back by the clock");
+        assert!(!m.report("b:1", Outcome::Silent, "again"), "logged once");
+        assert!(!m.report("b:1", Outcome::Failed, "probe refused"));
+        assert_eq!(m.down(), ["b:1"]);
+        assert!(m.report("b:1", Outcome::Answered, ""));
+        assert!(!m.report("b:1", Outcome::Answered, ""));
+        assert_eq!(m.healthy(), ["a:1", "b:1"]);
+        m.report("unknown:1", Outcome::Silent, ""); // ignored
     }
 
     #[test]

@@ -48,7 +48,7 @@ use crate::blocks::BlockProvider;
 use crate::meta::Meta;
 use crate::policy::Plans;
 use crate::stats::{Stats, add, inc};
-use membership::Membership;
+use membership::{Membership, Outcome};
 
 /// The generated gRPC code.
 #[allow(missing_docs, clippy::all, clippy::pedantic, unreachable_pub)]
@@ -100,6 +100,15 @@ const RANKS_CHECK: Duration = Duration::from_millis(100);
 const RANKS_REFRESH: Duration = Duration::from_secs(5);
 /// Nodes asked for a block before its owner (each "not here" costs a round trip).
 const MAX_HOLDERS: usize = 3;
+/// The longest a read waits on a peer that does not answer at all before it reads the
+/// backing store instead (the peer is then down until a probe gets an answer): a dial
+/// whose connection is not accepted in this long, or a request whose bytes the peer's
+/// host has not acknowledged in `8 × its smoothed round trip`, at least [`SILENCE_MIN`]
+/// and at most this. A peer that acknowledged the request is alive (it may be reading
+/// the backing store for it, once for the cluster) and gets `peer_timeout`.
+pub const SILENCE_MAX: Duration = Duration::from_millis(100);
+/// The least time a request waits for its acknowledgement (delayed acks, scheduling).
+const SILENCE_MIN: Duration = Duration::from_millis(20);
 
 pub use crate::planner::ring::{file_id, file_owner};
 
@@ -126,6 +135,8 @@ pub struct Peers {
     ranks: Mutex<HashMap<(String, u64), String>>,
     /// (job, node) → the job's files that node's cache holds.
     slots: Mutex<HashMap<(String, String), u64>>,
+    /// Down peers being probed now (one probe at a time each).
+    probing: Mutex<std::collections::HashSet<String>>,
 }
 
 impl std::fmt::Debug for Peers {
@@ -324,6 +335,7 @@ impl Peers {
             plans,
             ranks: Mutex::new(HashMap::new()),
             slots: Mutex::new(HashMap::new()),
+            probing: Mutex::new(std::collections::HashSet::new()),
             closed: std::sync::atomic::AtomicBool::new(false),
             rt: Mutex::new(None),
         });
@@ -338,6 +350,35 @@ impl Peers {
                 if p.ranks_incomplete() || last.elapsed() >= RANKS_REFRESH {
                     p.refresh_ranks().await;
                     last = tokio::time::Instant::now();
+                }
+            }
+        });
+        // Probes the peers that are down: only an answer brings one back into the read
+        // path (a weak reference: the task ends with them).
+        let weak = Arc::downgrade(&peers);
+        rt.spawn(async move {
+            let every = match weak.upgrade() {
+                Some(p) => p.membership.probe_every(),
+                None => return,
+            };
+            let mut tick = tokio::time::interval(every);
+            loop {
+                tick.tick().await;
+                let Some(p) = weak.upgrade() else { return };
+                if p.closed.load(std::sync::atomic::Ordering::Acquire) {
+                    return;
+                }
+                for peer in p.membership.down() {
+                    if !p.probing.lock().insert(peer.clone()) {
+                        continue;
+                    }
+                    let weak = Arc::downgrade(&p);
+                    tokio::task::spawn_blocking(move || {
+                        if let Some(p) = weak.upgrade() {
+                            p.probe(&peer);
+                            p.probing.lock().remove(&peer);
+                        }
+                    });
                 }
             }
         });
@@ -369,8 +410,15 @@ impl Peers {
             }
             slots.insert((s.job, me.clone()), s.slots);
         }
-        for peer in self.membership.healthy() {
+        let down = self.membership.down();
+        for (peer, _) in self.membership.all() {
             if peer == me {
+                continue;
+            }
+            if down.contains(&peer) {
+                // Down for now: what it said last still stands (its health never changes
+                // a job's layout); it is asked again once a probe brought it back.
+                self.keep_ranks_of(&peer, &mut map, &mut slots);
                 continue;
             }
             let ask = async {
@@ -432,8 +480,8 @@ impl Peers {
         }
     }
 
-    /// Keeps what a healthy peer that did not answer this time said last time (a busy
-    /// peer is not a changed one: the cluster placement stays as it is).
+    /// Keeps what a peer that did not answer this time (busy, or down) said last time (a
+    /// busy or silent peer is not a changed one: the cluster placement stays as it is).
     fn keep_ranks_of(
         &self,
         peer: &str,
@@ -657,7 +705,7 @@ impl Peers {
         let got = self.fetch_from(peer, req, len, Instant::now() + self.timeout, buf);
         match got {
             Ok(sum) => {
-                self.membership.report(peer, true);
+                self.membership.report(peer, Outcome::Answered, "");
                 inc(&self.stats.peer_blocks_in);
                 add(&self.stats.peer_bytes_in, len as u64);
                 Some(sum)
@@ -671,12 +719,18 @@ impl Peers {
                     FetchError::Forged => {
                         tracing::warn!(peer = %peer, path = %req.path, index = req.index, error = %e, "peer fetch: refused the reply; reading elsewhere");
                         inc(&self.stats.peer_forged);
-                        self.membership.report(peer, false);
+                        self.membership
+                            .report(peer, Outcome::Failed, "a forged reply");
                         inc(&self.stats.peer_errors);
                     }
-                    FetchError::Failed(_) => {
+                    FetchError::Failed(ref why) => {
                         tracing::debug!(peer = %peer, error = %e, "peer fetch failed; trying the next source");
-                        self.membership.report(peer, false);
+                        self.membership.report(peer, Outcome::Failed, why);
+                        inc(&self.stats.peer_errors);
+                    }
+                    FetchError::Silent(ref why) => {
+                        tracing::debug!(peer = %peer, error = %e, "peer did not answer; trying the next source");
+                        self.membership.report(peer, Outcome::Silent, why);
                         inc(&self.stats.peer_errors);
                     }
                 }
@@ -737,7 +791,7 @@ impl Peers {
         loop {
             let (mut conn, kept) = match self.take_idle(peer) {
                 Some(c) => (c, true),
-                None => (self.dial(peer, deadline)?, false),
+                None => (self.dial(peer, deadline, SILENCE_MAX)?, false),
             };
             match exchange(&mut conn, req, len, deadline, buf) {
                 Ok(got) => {
@@ -745,7 +799,11 @@ impl Peers {
                     self.keep_idle(peer, conn);
                     return got;
                 }
-                Err(Broken::BeforeAnswer(_)) if kept => continue,
+                // A kept connection the peer closed meanwhile: once more on a new one
+                // (not when the peer is silent: that would only wait again).
+                Err(Broken::BeforeAnswer(e)) if kept && !matches!(e, FetchError::Silent(_)) => {
+                    continue;
+                }
                 Err(Broken::BeforeAnswer(e) | Broken::Midway(e)) => return Err(e),
             }
         }
@@ -774,17 +832,19 @@ impl Peers {
         }
     }
 
-    /// A new block-stream connection to `peer`, past the handshake.
-    fn dial(&self, peer: &str, deadline: Instant) -> Result<Conn, FetchError> {
-        let failed =
-            |what: &str, e: &dyn std::fmt::Display| FetchError::Failed(format!("{what}: {e}"));
+    /// A new block-stream connection to `peer`, past the handshake, by `deadline`; the
+    /// connection itself accepted within `accept` (a peer that does not accept one in
+    /// that long is silent).
+    fn dial(&self, peer: &str, deadline: Instant, accept: Duration) -> Result<Conn, FetchError> {
+        let failed = |what: &str, e: &std::io::Error| io_failure(what, e);
         let addr = peer
             .to_socket_addrs()
             .map_err(|e| failed("resolving", &e))?
             .next()
             .ok_or_else(|| FetchError::Failed("resolving: no address".into()))?;
         let t = left(deadline).map_err(|e| failed("connecting", &e))?;
-        let s = TcpStream::connect_timeout(&addr, t).map_err(|e| failed("connecting", &e))?;
+        let s = TcpStream::connect_timeout(&addr, t.min(accept))
+            .map_err(|e| failed("connecting", &e))?;
         let setup = s
             .set_nodelay(true)
             .and_then(|()| s.set_read_timeout(Some(left(deadline)?)))
@@ -794,9 +854,108 @@ impl Peers {
             None => tls::Stream::Plain(s),
             Some(t) => t.connect(s).map_err(|e| failed("TLS", &e))?,
         };
-        let session =
-            wire::client_handshake(&mut s, &self.key).map_err(|e| failed("handshake", &e))?;
+        let session = wire::client_handshake(&mut s, &self.key)
+            .map_err(|e| FetchError::Failed(format!("handshake: {e}")))?;
         Ok(Conn { io: s, session })
+    }
+
+    /// Probes down peer `peer`: a new block-stream connection past its handshake within
+    /// `peer_timeout` brings it back (the connection is kept for the next fetch).
+    fn probe(&self, peer: &str) {
+        match self.dial(peer, Instant::now() + self.timeout, self.timeout) {
+            Ok(conn) => {
+                self.keep_idle(peer, conn);
+                self.membership.report(peer, Outcome::Answered, "");
+            }
+            Err(e) => {
+                tracing::debug!(peer, error = %e, "probe: still down");
+                self.membership
+                    .report(peer, Outcome::Failed, &e.to_string());
+            }
+        }
+    }
+}
+
+/// A socket error as a fetch error: a timeout is a peer that did not answer.
+fn io_failure(what: &str, e: &std::io::Error) -> FetchError {
+    match e.kind() {
+        std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock => {
+            FetchError::Silent(format!("{what}: no answer ({e})"))
+        }
+        _ => FetchError::Failed(format!("{what}: {e}")),
+    }
+}
+
+/// The smoothed round trip of a connected socket (`TCP_INFO`).
+fn round_trip(tcp: &TcpStream) -> Option<Duration> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: `tcp_info` is plain old data (zeroes are a valid value); getsockopt writes
+    // at most `len` bytes into it and sets `len` to what it wrote.
+    let mut info: libc::tcp_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::tcp_info>() as libc::socklen_t;
+    // SAFETY: a valid descriptor, a buffer of `len` bytes, a pointer to `len`.
+    let r = unsafe {
+        libc::getsockopt(
+            tcp.as_raw_fd(),
+            libc::IPPROTO_TCP,
+            libc::TCP_INFO,
+            std::ptr::from_mut(&mut info).cast(),
+            &raw mut len,
+        )
+    };
+    (r == 0).then(|| Duration::from_micros(info.tcpi_rtt.into()))
+}
+
+/// Bytes written to a connected socket that the peer's host has not acknowledged, sent
+/// or not yet (`SIOCOUTQ`).
+fn unacknowledged(tcp: &TcpStream) -> Option<u32> {
+    use std::os::fd::AsRawFd;
+    let mut n: libc::c_int = 0;
+    // SAFETY: a valid descriptor; SIOCOUTQ writes one int.
+    let r = unsafe { libc::ioctl(tcp.as_raw_fd(), libc::TIOCOUTQ, &raw mut n) };
+    (r == 0).then_some(n.max(0) as u32)
+}
+
+/// How long a request on `tcp` may wait for its acknowledgement: 8 round trips, within
+/// [`SILENCE_MIN`]..=[`SILENCE_MAX`].
+fn silence_bound(rtt: Duration) -> Duration {
+    (rtt * 8).clamp(SILENCE_MIN, SILENCE_MAX)
+}
+
+/// Waits up to the silence bound for the first byte of the answer to the request just
+/// sent on `tcp`; if none came and the peer's host did not even acknowledge the
+/// request, the peer is silent (dropped packets, a hung host): `Err`. A peer that
+/// acknowledged it is alive and gets the rest of the deadline.
+fn await_answer(tcp: &TcpStream, deadline: Instant) -> Result<(), FetchError> {
+    let Some(rtt) = round_trip(tcp) else {
+        return Ok(());
+    };
+    let bound = silence_bound(rtt);
+    let t = left(deadline)
+        .map_err(|e| io_failure("waiting", &e))?
+        .min(bound);
+    tcp.set_read_timeout(Some(t))
+        .map_err(|e| io_failure("waiting", &e))?;
+    let mut one = [0u8; 1];
+    match tcp.peek(&mut one) {
+        // Bytes (or the peer's close, which the read below reports): it answers.
+        Ok(_) => Ok(()),
+        Err(e)
+            if matches!(
+                e.kind(),
+                std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
+            ) =>
+        {
+            match unacknowledged(tcp) {
+                Some(unacked) if unacked > 0 => Err(FetchError::Silent(format!(
+                    "the request was not acknowledged in {} ms",
+                    bound.as_millis()
+                ))),
+                _ => Ok(()),
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => Ok(()),
+        Err(e) => Err(io_failure("waiting", &e)),
     }
 }
 
@@ -806,9 +965,12 @@ enum FetchError {
     /// The peer does not have the block (and may not fill it): it is healthy.
     #[error("not found: {0}")]
     NotFound(String),
-    /// The peer failed, refused, timed out, or sent bytes that are not the block.
+    /// The peer failed, refused, or sent bytes that are not the block.
     #[error("{0}")]
     Failed(String),
+    /// The peer did not answer in time (down at once, until a probe gets an answer).
+    #[error("{0}")]
+    Silent(String),
     /// The reply failed its MAC: forged, changed on the way, or replayed.
     #[error("{}", wire::WireError::Forged)]
     Forged,
@@ -855,17 +1017,19 @@ fn exchange(
     deadline: Instant,
     data: &mut Vec<u8>,
 ) -> Result<Result<u64, FetchError>, Broken> {
-    let before = |e: std::io::Error| Broken::BeforeAnswer(FetchError::Failed(e.to_string()));
+    let before = |e: std::io::Error| Broken::BeforeAnswer(io_failure("sending", &e));
+    let midway_io = |e: std::io::Error| Broken::Midway(io_failure("receiving", &e));
     let midway = |e: String| Broken::Midway(FetchError::Failed(e));
     let wire_err = |e: wire::WireError| match e {
         wire::WireError::Forged => Broken::Midway(FetchError::Forged),
-        wire::WireError::Io(e) => midway(e.to_string()),
+        wire::WireError::Io(e) => midway_io(e),
     };
     let Conn { io: s, session } = conn;
     s.tcp()
         .set_write_timeout(Some(left(deadline).map_err(before)?))
         .map_err(before)?;
     session.send_request(s, req).map_err(before)?;
+    await_answer(s.tcp(), deadline).map_err(Broken::BeforeAnswer)?;
     s.tcp()
         .set_read_timeout(Some(left(deadline).map_err(before)?))
         .map_err(before)?;
@@ -896,16 +1060,14 @@ fn exchange(
     let mut hash = crate::checksum::BlockHasher::new();
     let (mut at, mut hashed) = (0, 0);
     while at < len {
-        let t = left(deadline).map_err(|e| midway(e.to_string()))?;
-        s.tcp()
-            .set_read_timeout(Some(t))
-            .map_err(|e| midway(e.to_string()))?;
+        let t = left(deadline).map_err(midway_io)?;
+        s.tcp().set_read_timeout(Some(t)).map_err(midway_io)?;
         let end = ((at / STEP + 1) * STEP).min(len);
         let n = match s.read(&mut data[at..end]) {
             Ok(0) => return Err(midway(format!("{at} of {len} bytes"))),
             Ok(n) => n,
             Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(midway(e.to_string())),
+            Err(e) => return Err(midway_io(e)),
         };
         at += n;
         if at == end {
