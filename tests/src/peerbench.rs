@@ -40,8 +40,9 @@ const SECRET: &str = "benchmark cluster shared secret";
 /// node B's.
 #[derive(Debug, Clone)]
 pub struct Link {
-    /// `(network namespace, IPv4 address)` of node A, then node B.
-    pub nodes: [(String, String); 2],
+    /// `(network namespace, IPv4 address)` of node A, then node B (then the others, on a
+    /// testbed of more nodes).
+    pub nodes: Vec<(String, String)>,
 }
 
 /// Moves the calling thread into network namespace `ns` (`ip netns` name); `None`: stays.
@@ -87,6 +88,11 @@ impl Testbed {
     /// Brings up two nodes at `rate` (`none`: unshaped veth). Refuses when a testbed
     /// is already up (someone else's: it is left alone).
     pub fn up(script: &Path, rate: &str) -> anyhow::Result<Self> {
+        Self::up_nodes(script, 2, rate)
+    }
+
+    /// Brings up `n` nodes at `rate`, as [`Testbed::up`] does.
+    pub fn up_nodes(script: &Path, n: usize, rate: &str) -> anyhow::Result<Self> {
         let list = std::process::Command::new("ip")
             .args(["netns", "list"])
             .output()
@@ -101,14 +107,13 @@ impl Testbed {
         let me = Self {
             script: script.to_owned(),
             link: Link {
-                nodes: [
-                    ("sc-n1".into(), String::new()),
-                    ("sc-n2".into(), String::new()),
-                ],
+                nodes: (1..=n)
+                    .map(|k| (format!("sc-n{k}"), String::new()))
+                    .collect(),
             },
         };
         // From here on, dropping `me` takes down whatever `up` made.
-        me.call(&["up", "2", rate])?;
+        me.call(&["up", &n.to_string(), rate])?;
         let mut me = me;
         for (k, node) in me.link.nodes.iter_mut().enumerate() {
             let out = std::process::Command::new(&me.script)
@@ -119,7 +124,8 @@ impl Testbed {
         Ok(me)
     }
 
-    fn call(&self, args: &[&str]) -> anyhow::Result<()> {
+    /// Runs the testbed script with `args` (e.g. `blackhole 4`, `heal 4`).
+    pub fn call(&self, args: &[&str]) -> anyhow::Result<()> {
         let st = std::process::Command::new(&self.script)
             .args(args)
             .status()
@@ -156,17 +162,35 @@ fn cluster(
     block: u64,
     capacity: u64,
     tls: bool,
-    link: Option<&Link>,
+    link: Option<&[(String, String)]>,
+) -> anyhow::Result<(Vec<Daemon>, Vec<String>, Vec<PathBuf>)> {
+    cluster_with(dir, backing, m, block, capacity, tls, link, |_| {})
+}
+
+/// [`cluster`], each node's configuration changed by `tune` before it starts.
+#[allow(clippy::too_many_arguments)]
+fn cluster_with(
+    dir: &Path,
+    backing: &Path,
+    m: usize,
+    block: u64,
+    capacity: u64,
+    tls: bool,
+    link: Option<&[(String, String)]>,
+    tune: impl Fn(&mut Config),
 ) -> anyhow::Result<(Vec<Daemon>, Vec<String>, Vec<PathBuf>)> {
     let secret = dir.join("secret");
     std::fs::write(&secret, SECRET)?;
     let ca = tls.then(|| crate::certs::Ca::new("bench"));
-    anyhow::ensure!(link.is_none() || m == 2, "the testbed link has two nodes");
-    let ns = |i: usize| link.map(|l| l.nodes[i].0.as_str());
+    anyhow::ensure!(
+        link.is_none_or(|l| l.len() == m),
+        "the testbed has a node per daemon"
+    );
+    let ns = |i: usize| link.map(|l| l[i].0.as_str());
     let addrs: Vec<String> = (0..m)
         .map(|i| match link {
             // Fresh namespaces: nothing else listens there.
-            Some(l) => Ok(format!("{}:7411", l.nodes[i].1)),
+            Some(l) => Ok(format!("{}:7411", l[i].1)),
             None => free_port().map(|p| format!("127.0.0.1:{p}")),
         })
         .collect::<anyhow::Result<_>>()?;
@@ -177,7 +201,7 @@ fn cluster(
         let files = ca
             .as_ref()
             .map(|ca| ca.issue(&dir.join(format!("tls-{i}")), &[ca]));
-        let cfg = Config {
+        let mut cfg = Config {
             peer_tls_cert: files.as_ref().map(|f| f.cert.clone()),
             peer_tls_key: files.as_ref().map(|f| f.key.clone()),
             peer_tls_ca: files.as_ref().map(|f| f.ca.clone()),
@@ -202,6 +226,7 @@ fn cluster(
                 .unwrap_or(Config::default().fill_workers),
             ..Config::default()
         };
+        tune(&mut cfg);
         let node = inside(ns(i), || Daemon::start(&cfg)).with_context(|| format!("node {i}"))?;
         nodes.push(node);
         sockets.push(socket);
@@ -272,8 +297,15 @@ pub fn transfer(
     let backing = tmp.path().join("backing");
     std::fs::create_dir_all(&backing)?;
     let backing = backing.canonicalize()?;
-    let (nodes, addrs, sockets) =
-        cluster(tmp.path(), &backing, 2, block, (8 * mib) << 20, tls, link)?;
+    let (nodes, addrs, sockets) = cluster(
+        tmp.path(),
+        &backing,
+        2,
+        block,
+        (8 * mib) << 20,
+        tls,
+        link.map(|l| &l.nodes[..]),
+    )?;
     let root = backing.display().to_string();
     // A file node 0 owns.
     let rel = (0..1000)
@@ -687,5 +719,153 @@ pub fn run(dir: &Path, mib: u64, rounds: usize, tls: bool, net: &Net) -> anyhow:
     println!(
         "cache use: the nodes' caches hold up to their capacity, plus the copies they keep until another node has taken them"
     );
+    Ok(())
+}
+
+/// Read latencies of one phase of [`silent`], in seconds.
+#[derive(Debug, Clone, Default)]
+pub struct Phase {
+    /// Every read's latency.
+    pub reads: Vec<f64>,
+}
+
+impl Phase {
+    fn quantile(&self, q: f64) -> f64 {
+        let mut v = self.reads.clone();
+        v.sort_by(f64::total_cmp);
+        v.get(((v.len() as f64 - 1.0) * q).round() as usize)
+            .copied()
+            .unwrap_or(0.0)
+    }
+}
+
+/// The silent-peer benchmark (`shardcache-bench silent`): `n` nodes on the testbed
+/// (`cluster-net.sh up n rate`), each a daemon of this process in its namespace with a
+/// cache of an eighth of the dataset (so reads keep crossing to the files' owners, a
+/// quarter of them the node that goes silent) and the default `peer_timeout` (2 s).
+/// The other nodes' readers read files of `file_kib` KiB at random, one reader per node,
+/// through `before` seconds of a healthy cluster, `outage` seconds with the last node
+/// black-holed (`cluster-net.sh blackhole`: every frame to and from it dropped, no RST,
+/// no ICMP), and `after` seconds once it is healed. Returns each phase's latencies.
+pub fn silent(
+    dir: &Path,
+    script: &Path,
+    n: usize,
+    rate: &str,
+    files: u64,
+    file_kib: u64,
+    phases: [std::time::Duration; 3],
+) -> anyhow::Result<[Phase; 3]> {
+    anyhow::ensure!(n >= 2, "two nodes at least");
+    let size = file_kib << 10;
+    let tmp = tempfile::tempdir_in(dir)?;
+    let backing = tmp.path().join("backing");
+    std::fs::create_dir_all(backing.join("ds"))?;
+    let backing = backing.canonicalize()?;
+    for i in 0..files {
+        write_file(&backing.join(format!("ds/f{i:05}")), i, size);
+    }
+    let bed = Testbed::up_nodes(script, n, rate)?;
+    let capacity = (files * size / 8).max(size);
+    let (nodes, _addrs, sockets) = cluster(
+        tmp.path(),
+        &backing,
+        n,
+        1 << 20,
+        capacity,
+        false,
+        Some(&bed.link.nodes[..]),
+    )?;
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    let phase = AtomicUsize::new(0);
+    let out: std::sync::Mutex<[Phase; 3]> = std::sync::Mutex::new(Default::default());
+    let silent_node = n.to_string();
+    std::thread::scope(|s| -> anyhow::Result<()> {
+        let mut readers = Vec::new();
+        for (r, socket) in sockets.iter().enumerate().take(n - 1) {
+            let (stop, phase, out, backing) = (&stop, &phase, &out, &backing);
+            readers.push(s.spawn(move || -> anyhow::Result<()> {
+                let client = Client::at(socket);
+                let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ r as u64;
+                let mut buf = Vec::new();
+                while !stop.load(Ordering::Relaxed) {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    let i = x % files;
+                    let p = phase.load(Ordering::Relaxed);
+                    let t = Instant::now();
+                    buf.clear();
+                    client
+                        .open(backing.join(format!("ds/f{i:05}")))?
+                        .read_to_end(&mut buf)?;
+                    let took = t.elapsed().as_secs_f64();
+                    anyhow::ensure!(buf == content(i, size), "file {i}: wrong bytes");
+                    out.lock().unwrap_or_else(|e| e.into_inner())[p]
+                        .reads
+                        .push(took);
+                }
+                Ok(())
+            }));
+        }
+        std::thread::sleep(phases[0]);
+        bed.call(&["blackhole", &silent_node])?;
+        phase.store(1, Ordering::Relaxed);
+        std::thread::sleep(phases[1]);
+        bed.call(&["heal", &silent_node])?;
+        phase.store(2, Ordering::Relaxed);
+        std::thread::sleep(phases[2]);
+        stop.store(true, Ordering::Relaxed);
+        for r in readers {
+            r.join()
+                .map_err(|_| anyhow::anyhow!("a reader panicked"))??;
+        }
+        Ok(())
+    })?;
+    drop(nodes);
+    drop(bed);
+    Ok(out.into_inner().unwrap_or_else(|e| e.into_inner()))
+}
+
+/// Prints [`silent`]'s table.
+pub fn run_silent(
+    dir: &Path,
+    script: &Path,
+    rate: &str,
+    files: u64,
+    file_kib: u64,
+    outage_s: u64,
+) -> anyhow::Result<()> {
+    use std::time::Duration;
+    let n = 4;
+    let phases = [
+        Duration::from_secs(5),
+        Duration::from_secs(outage_s),
+        Duration::from_secs(5),
+    ];
+    let got = silent(dir, script, n, rate, files, file_kib, phases)?;
+    println!(
+        "silent peer: {n} nodes on the testbed (tbf {rate}), {files} files of {file_kib} KiB, each cache 1/8 of them, peer_timeout 2 s; \
+         one reader on each of nodes 1-{}, random files; node {n} black-holed (every frame dropped) for {outage_s} s",
+        n - 1
+    );
+    println!(
+        "{:<28} {:>7} {:>9} {:>9} {:>9} {:>12}",
+        "phase", "reads", "p50 ms", "p99 ms", "max ms", "> 100 ms"
+    );
+    for (name, p) in ["healthy (5 s)", "node silent", "healed (5 s)"]
+        .iter()
+        .zip(&got)
+    {
+        println!(
+            "{:<28} {:>7} {:>9.1} {:>9.1} {:>9.1} {:>12}",
+            name,
+            p.reads.len(),
+            p.quantile(0.5) * 1e3,
+            p.quantile(0.99) * 1e3,
+            p.quantile(1.0) * 1e3,
+            p.reads.iter().filter(|&&t| t > 0.1).count()
+        );
+    }
     Ok(())
 }

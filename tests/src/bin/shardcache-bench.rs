@@ -96,6 +96,28 @@ enum Cmd {
         #[arg(long, env = "SHARDCACHE_TESTBED")]
         testbed: Option<PathBuf>,
     },
+    /// A silent peer: read latency on the healthy nodes of a 4-node testbed while one
+    /// node drops every packet (root only; `cluster-net.sh` with nftables).
+    Silent {
+        /// Directory for the data and the caches.
+        #[arg(long, default_value_os_t = std::env::temp_dir())]
+        dir: PathBuf,
+        /// The testbed script (`cluster-net.sh`); taken down at the end, on failure too.
+        #[arg(long, env = "SHARDCACHE_TESTBED")]
+        testbed: PathBuf,
+        /// The links' `tc` rate.
+        #[arg(long, default_value = "1gbit")]
+        link: String,
+        /// Files in the dataset.
+        #[arg(long, default_value_t = 400)]
+        files: u64,
+        /// Size of each file in KiB.
+        #[arg(long, default_value_t = 1024)]
+        file_kib: u64,
+        /// Seconds the node is silent.
+        #[arg(long, default_value_t = 15)]
+        outage: u64,
+    },
     /// The first epoch after a restart (every block checked on first use) against the
     /// same read before it and a raw read of the cache's data files.
     Restart(RestartArgs),
@@ -615,6 +637,17 @@ fn main() {
                 readers: a.readers,
             })
             .expect("restart benchmark")
+        }
+        Cmd::Silent {
+            dir,
+            testbed,
+            link,
+            files,
+            file_kib,
+            outage,
+        } => {
+            shardcache_tests::peerbench::run_silent(&dir, &testbed, &link, files, file_kib, outage)
+                .expect("silent-peer benchmark")
         }
         Cmd::Peers {
             dir,
