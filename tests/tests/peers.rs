@@ -325,6 +325,20 @@ fn a_killed_node_costs_no_read_and_the_cluster_converges_when_it_returns() {
 /// shared file system is hardly read again, and every read is right.
 #[test]
 fn a_distributed_shuffle_reads_the_backing_store_once_per_cluster() {
+    distributed_shuffle(4, None);
+}
+
+/// Issue 15: a node killed (`kill -9`) after the second epoch and started again restores
+/// the job's registration from its cache directory (nobody registers it again), and the
+/// cluster is back at its floor within one epoch; no read fails or is wrong meanwhile.
+#[test]
+fn after_a_node_is_killed_and_restarted_the_cluster_is_back_at_its_floor_within_an_epoch() {
+    distributed_shuffle(5, Some(1));
+}
+
+/// The shuffle of the two tests above over `epochs` epochs; node 2 killed and restarted
+/// after epoch `restart` when given (the epoch after it may read above the floor).
+fn distributed_shuffle(epochs: u64, restart: Option<u64>) {
     let bed = Bed::new();
     let secret = "shuffle cluster shared secret";
     let n = 120u64;
@@ -333,13 +347,12 @@ fn a_distributed_shuffle_reads_the_backing_store_once_per_cluster() {
         write_file(&bed.path(&format!("ds/s{i:03}")), i, file);
     }
     let cap = format!("{}", n / 2 * file);
-    let (nodes, _) = cluster_with(
+    let (mut nodes, _) = cluster_with(
         &bed,
         &[secret, secret, secret],
         &["--capacity", &cap, "--min-free", "0"],
     );
     let files: Vec<String> = (0..n).map(|i| format!("s{i:03}")).collect();
-    let epochs = 4u64;
     for rank in 0..3u64 {
         let m = serde_json::json!({
             "version": 1, "job": "train", "root": bed.path("ds"), "files": files,
@@ -379,11 +392,20 @@ fn a_distributed_shuffle_reads_the_backing_store_once_per_cluster() {
         eprintln!(
             "epoch {epoch}: backing {share:.3} of the dataset; {local} of {n} opens found the file local"
         );
-        if epoch > 0 {
+        let recovering = restart.is_some_and(|r| epoch == r + 1);
+        if epoch > 0 && !recovering {
             assert!(
                 share <= 0.01,
                 "epoch {epoch}: the backing store read {share:.3} of the dataset"
             );
+        }
+        if restart == Some(epoch) {
+            // Its counters start again at 0: the next epoch is measured from here.
+            nodes[2].kill9();
+            nodes[2].restart();
+            let jobs = nodes[2].status().jobs;
+            assert_eq!(jobs.len(), 1, "restored from the cache directory");
+            assert!(nodes[2].log_text().contains("registration restored"));
         }
     }
     // Every node runs the job's cluster placement over the 3 nodes, and holds at most
