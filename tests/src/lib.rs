@@ -128,23 +128,29 @@ impl Bed {
     }
 
     /// Waits (at most 10 s) until every one of `paths` (under the backing root, each at
-    /// least one byte long) has a data file in the cache: a reader of a small file gets
-    /// its bytes before they land, so a read alone does not say they have, and a file
-    /// handed over while the cache disk was busy is not kept at all (`fills_not_kept`)
-    /// until it is read again — which this does for each file still missing, as the
-    /// next reader of it would.
+    /// least one byte long) is cached whole, as the daemon's listing says (its landed
+    /// blocks: a data file exists from the start of its landing, before its bytes are
+    /// durable and visible): a reader of a small file gets its bytes before they land,
+    /// so a read alone does not say they have, and a file handed over while the cache
+    /// disk was busy is not kept at all (`fills_not_kept`) until it is read again —
+    /// which this does for each file still missing, as the next reader of it would.
     pub fn until_cached(&self, paths: &[PathBuf]) {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         let client = self.client();
+        let whole = |p: &PathBuf| {
+            let q = shardcache_client::ListQuery {
+                target: shardcache_client::ListTarget::Path(p.display().to_string()),
+                limit: 1,
+                offset: 0,
+            };
+            client
+                .list(q, Duration::from_secs(5))
+                .ok()
+                .and_then(|l| l.files.into_iter().next())
+                .is_some_and(|f| f.size > 0 && f.resident_bytes == f.size)
+        };
         loop {
-            let missing: Vec<&PathBuf> = paths
-                .iter()
-                .filter(|p| {
-                    let rel = p.strip_prefix(&self.backing).expect("under the root");
-                    cache_data_file(&self.cache, &self.backing, rel.to_str().expect("utf8"))
-                        .is_none()
-                })
-                .collect();
+            let missing: Vec<&PathBuf> = paths.iter().filter(|p| !whole(p)).collect();
             if missing.is_empty() {
                 return;
             }

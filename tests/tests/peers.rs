@@ -329,12 +329,21 @@ fn a_distributed_shuffle_reads_the_backing_store_once_per_cluster() {
 }
 
 /// Issue 15: a node killed (`kill -9`) after the second epoch and started again restores
-/// the job's registration from its cache directory (nobody registers it again), and the
-/// cluster is back at its floor within one epoch; no read fails or is wrong meanwhile.
+/// the job's registration from its cache directory (nobody registers it again), every
+/// read stays right, and the cluster is back at its floor the epoch after next: the
+/// epoch right after the restart reads at most [`AFTER_RESTART`] of the dataset from
+/// the backing store (measured: 0.03–0.06), every later one at most 0.01 (measured: 0).
+/// Before, the restarted node had no job and the others no complete layout; and a node
+/// that had just started answered the others' `Ranks` with no slots yet, which kept
+/// the layout from forming for 5 s on every node.
 #[test]
 fn after_a_node_is_killed_and_restarted_the_cluster_is_back_at_its_floor_within_an_epoch() {
     distributed_shuffle(5, Some(1));
 }
+
+/// The most of the dataset the epoch right after a node's restart reads from the
+/// backing store.
+const AFTER_RESTART: f64 = 0.2;
 
 /// The shuffle of the two tests above over `epochs` epochs; node 2 killed and restarted
 /// after epoch `restart` when given (the epoch after it may read above the floor).
@@ -370,6 +379,10 @@ fn distributed_shuffle(epochs: u64, restart: Option<u64>) {
         // The ranks read in lockstep, as the ranks of one training job do (their
         // collective operations keep them together).
         let clients: Vec<_> = (0..3).map(|r| bed.node_client(r)).collect();
+        // Each rank reports the epoch it starts, as the sampler's `set_epoch` does.
+        for c in &clients {
+            assert!(c.progress("train", epoch, 0).unwrap(), "the job is known");
+        }
         let orders: Vec<Vec<u64>> = (0..3u64)
             .map(|rank| shardcache_plan::shuffle::rank_order(n, 11, epoch, 3, rank, false))
             .collect();
@@ -393,10 +406,15 @@ fn distributed_shuffle(epochs: u64, restart: Option<u64>) {
             "epoch {epoch}: backing {share:.3} of the dataset; {local} of {n} opens found the file local"
         );
         let recovering = restart.is_some_and(|r| epoch == r + 1);
-        if epoch > 0 && !recovering {
+        let bound = if recovering { AFTER_RESTART } else { 0.01 };
+        if epoch > 0 {
             assert!(
-                share <= 0.01,
-                "epoch {epoch}: the backing store read {share:.3} of the dataset"
+                share <= bound,
+                "epoch {epoch}: the backing store read {share:.3} of the dataset; peers seen down: {:?}",
+                nodes
+                    .iter()
+                    .map(|d| d.log_text().matches("peer down").count())
+                    .collect::<Vec<_>>()
             );
         }
         if restart == Some(epoch) {

@@ -102,13 +102,18 @@ const RANKS_REFRESH: Duration = Duration::from_secs(5);
 const MAX_HOLDERS: usize = 3;
 /// The longest a read waits on a peer that does not answer at all before it reads the
 /// backing store instead (the peer is then down until a probe gets an answer): a dial
-/// whose connection is not accepted in this long, or a request whose bytes the peer's
-/// host has not acknowledged in `8 × its smoothed round trip`, at least [`SILENCE_MIN`]
-/// and at most this. A peer that acknowledged the request is alive (it may be reading
-/// the backing store for it, once for the cluster) and gets `peer_timeout`.
+/// whose connection is not accepted in this long; or a request whose bytes the peer's
+/// host has not acknowledged within one step (`8 ×` the connection's smoothed round
+/// trip, within [`STEP_MIN`]..=[`STEP_MAX`]) *and* to which a new connection is not
+/// accepted within a second step — the peer's kernel accepts a connection at once
+/// whatever its daemon does, while an acknowledgement may wait for the daemon to read
+/// the request or for a delayed-ack timer. A peer that acknowledged the request, or
+/// accepts a connection, is alive (it may be reading the backing store for the
+/// request, once for the cluster) and gets `peer_timeout`.
 pub const SILENCE_MAX: Duration = Duration::from_millis(100);
-/// The least time a request waits for its acknowledgement (delayed acks, scheduling).
-const SILENCE_MIN: Duration = Duration::from_millis(20);
+/// Bounds of one step of [`SILENCE_MAX`] (two steps fit in it).
+const STEP_MIN: Duration = Duration::from_millis(20);
+const STEP_MAX: Duration = Duration::from_millis(50);
 
 pub use crate::planner::ring::{file_id, file_owner};
 
@@ -386,13 +391,21 @@ impl Peers {
         Ok(peers)
     }
 
-    /// True when a shuffle registered here has a rank no node is known to run.
+    /// True when a shuffle registered here has a rank no node is known to run, or run
+    /// by a node whose slots for it are not known (none yet: a node that just started,
+    /// this one included, answers before it has computed them). Either keeps the
+    /// layout from forming: the peers are asked again at once, not in [`RANKS_REFRESH`].
     fn ranks_incomplete(&self) -> bool {
         let map = self.ranks.lock();
-        self.plans
-            .shuffles()
-            .into_iter()
-            .any(|s| (0..s.world.min(4096)).any(|r| !map.contains_key(&(s.job.clone(), r))))
+        let slots = self.slots.lock();
+        self.plans.shuffles().into_iter().any(|s| {
+            (0..s.world.min(4096)).any(|r| match map.get(&(s.job.clone(), r)) {
+                None => true,
+                Some(node) => slots
+                    .get(&(s.job.clone(), node.clone()))
+                    .is_none_or(|&n| n == 0),
+            })
+        })
     }
 
     /// Asks every healthy peer which ranks it runs, and replaces the rank map.
@@ -916,21 +929,22 @@ fn unacknowledged(tcp: &TcpStream) -> Option<u32> {
     (r == 0).then_some(n.max(0) as u32)
 }
 
-/// How long a request on `tcp` may wait for its acknowledgement: 8 round trips, within
-/// [`SILENCE_MIN`]..=[`SILENCE_MAX`].
-fn silence_bound(rtt: Duration) -> Duration {
-    (rtt * 8).clamp(SILENCE_MIN, SILENCE_MAX)
+/// One step of the silence check on a connection of smoothed round trip `rtt`: 8 round
+/// trips, within [`STEP_MIN`]..=[`STEP_MAX`].
+fn silence_step(rtt: Duration) -> Duration {
+    (rtt * 8).clamp(STEP_MIN, STEP_MAX)
 }
 
-/// Waits up to the silence bound for the first byte of the answer to the request just
-/// sent on `tcp`; if none came and the peer's host did not even acknowledge the
-/// request, the peer is silent (dropped packets, a hung host): `Err`. A peer that
-/// acknowledged it is alive and gets the rest of the deadline.
+/// Waits up to one step for the first byte of the answer to the request just sent on
+/// `tcp`; if none came and the peer's host has not acknowledged the request, a new
+/// connection to the peer confirms it is there within another step — else the peer is
+/// silent (dropped packets, a hung host): `Err`. A peer that acknowledged the request
+/// or accepted the connection is alive and gets the rest of the deadline.
 fn await_answer(tcp: &TcpStream, deadline: Instant) -> Result<(), FetchError> {
     let Some(rtt) = round_trip(tcp) else {
         return Ok(());
     };
-    let bound = silence_bound(rtt);
+    let bound = silence_step(rtt);
     let t = left(deadline)
         .map_err(|e| io_failure("waiting", &e))?
         .min(bound);
@@ -946,12 +960,25 @@ fn await_answer(tcp: &TcpStream, deadline: Instant) -> Result<(), FetchError> {
                 std::io::ErrorKind::TimedOut | std::io::ErrorKind::WouldBlock
             ) =>
         {
-            match unacknowledged(tcp) {
-                Some(unacked) if unacked > 0 => Err(FetchError::Silent(format!(
-                    "the request was not acknowledged in {} ms",
-                    bound.as_millis()
-                ))),
-                _ => Ok(()),
+            if unacknowledged(tcp).is_none_or(|n| n == 0) {
+                return Ok(());
+            }
+            // Not acknowledged yet: the peer's daemon may not have read it (a busy or
+            // starved thread, a delayed ack). Its kernel answers a new connection at
+            // once if the host is there.
+            let Ok(addr) = tcp.peer_addr() else {
+                return Ok(());
+            };
+            match TcpStream::connect_timeout(&addr, bound) {
+                Ok(_) => Ok(()),
+                Err(e) => Err(match io_failure("confirming", &e) {
+                    FetchError::Silent(_) => FetchError::Silent(format!(
+                        "the request was not acknowledged in {} ms, nor a new connection accepted in {} ms more",
+                        bound.as_millis(),
+                        bound.as_millis()
+                    )),
+                    other => other,
+                }),
             }
         }
         Err(e) if e.kind() == std::io::ErrorKind::Interrupted => Ok(()),
