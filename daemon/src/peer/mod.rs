@@ -98,6 +98,8 @@ pub use crate::policy::Shuffle;
 /// [`RANKS_REFRESH`] anyway (a job that moved, a node that left).
 const RANKS_CHECK: Duration = Duration::from_millis(100);
 const RANKS_REFRESH: Duration = Duration::from_secs(5);
+/// The largest world (ranks of one job) a cluster placement is computed for.
+const MAX_WORLD: u64 = 1 << 20;
 /// Nodes asked for a block before its owner (each "not here" costs a round trip).
 const MAX_HOLDERS: usize = 3;
 /// The longest a read waits on a peer that does not answer at all before it reads the
@@ -140,6 +142,9 @@ pub struct Peers {
     ranks: Mutex<HashMap<(String, u64), String>>,
     /// (job, node) → the job's files that node's cache holds.
     slots: Mutex<HashMap<(String, String), u64>>,
+    /// The shuffles whose layout inputs are all known (every rank's node and every such
+    /// node's slots), with their world, as of the last refresh of the rank map.
+    complete: Mutex<HashMap<String, u64>>,
     /// Down peers being probed now (one probe at a time each).
     probing: Mutex<std::collections::HashSet<String>>,
 }
@@ -341,6 +346,7 @@ impl Peers {
             ranks: Mutex::new(HashMap::new()),
             slots: Mutex::new(HashMap::new()),
             probing: Mutex::new(std::collections::HashSet::new()),
+            complete: Mutex::new(HashMap::new()),
             closed: std::sync::atomic::AtomicBool::new(false),
             rt: Mutex::new(None),
         });
@@ -396,16 +402,39 @@ impl Peers {
     /// this one included, answers before it has computed them). Either keeps the
     /// layout from forming: the peers are asked again at once, not in [`RANKS_REFRESH`].
     fn ranks_incomplete(&self) -> bool {
-        let map = self.ranks.lock();
-        let slots = self.slots.lock();
-        self.plans.shuffles().into_iter().any(|s| {
-            (0..s.world.min(4096)).any(|r| match map.get(&(s.job.clone(), r)) {
-                None => true,
-                Some(node) => slots
-                    .get(&(s.job.clone(), node.clone()))
-                    .is_none_or(|&n| n == 0),
-            })
-        })
+        let complete = self.complete.lock();
+        self.plans
+            .shuffles()
+            .into_iter()
+            .any(|s| complete.get(&s.job) != Some(&s.world))
+    }
+
+    /// The shuffles whose every rank (of a world of `world`) has a node, and every such
+    /// node its slots, in `map` and `slots`: job → world. One pass over the map, at
+    /// each refresh (every rank counted, however large the world).
+    fn completeness(
+        map: &HashMap<(String, u64), String>,
+        slots: &HashMap<(String, String), u64>,
+        worlds: &HashMap<String, u64>,
+    ) -> HashMap<String, u64> {
+        let mut known: HashMap<String, (u64, bool)> = HashMap::new();
+        for ((job, rank), node) in map {
+            let Some(&world) = worlds.get(job) else {
+                continue;
+            };
+            let e = known.entry(job.clone()).or_insert((0, true));
+            if *rank < world {
+                e.0 += 1;
+            }
+            e.1 &= slots
+                .get(&(job.clone(), node.clone()))
+                .is_some_and(|&n| n > 0);
+        }
+        known
+            .into_iter()
+            .filter(|(job, (n, ok))| *ok && worlds.get(job) == Some(n))
+            .map(|(job, (n, _))| (job, n))
+            .collect()
     }
 
     /// Asks every healthy peer which ranks it runs, and replaces the rank map.
@@ -417,6 +446,7 @@ impl Peers {
         let me = self.membership.me().to_owned();
         let mut map = HashMap::new();
         let mut slots = HashMap::new();
+        let worlds: HashMap<String, u64> = local.iter().map(|s| (s.job.clone(), s.world)).collect();
         for s in local {
             for r in s.ranks {
                 map.insert((s.job.clone(), r), me.clone());
@@ -466,6 +496,7 @@ impl Peers {
                 }
             }
         }
+        *self.complete.lock() = Self::completeness(&map, &slots, &worlds);
         *self.ranks.lock() = map;
         *self.slots.lock() = slots;
     }
@@ -518,7 +549,7 @@ impl Peers {
     /// The cluster layout of shuffle `job` over `world` ranks, once every rank's node
     /// and every such node's slots are known (see [`crate::planner::placement`]).
     pub fn layout(&self, job: &str, world: u64) -> Option<crate::planner::placement::Layout> {
-        if world == 0 || world > u16::MAX as u64 {
+        if world == 0 || world > MAX_WORLD || self.complete.lock().get(job) != Some(&world) {
             return None;
         }
         let map = self.ranks.lock();
@@ -528,6 +559,9 @@ impl Peers {
         let mut nodes: Vec<String> = owners.iter().map(|s| (*s).clone()).collect();
         nodes.sort_unstable();
         nodes.dedup();
+        if nodes.len() >= usize::from(u16::MAX) {
+            return None; // node indexes are u16, one value meaning none
+        }
         let slots = self.slots.lock();
         let slots: Vec<u64> = nodes
             .iter()
@@ -1108,4 +1142,42 @@ fn exchange(
         return Err(midway("checksum mismatch: bytes dropped".into()));
     }
     Ok(Ok(head.xxh3))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Issue 15: every rank of a world of 2^20 is counted (a rank past the 4 096th
+    /// missing keeps the layout incomplete), and a node whose slots are not known yet
+    /// (0: it has just started) too.
+    #[test]
+    fn a_layout_is_complete_only_with_every_rank_and_every_nodes_slots() {
+        let world = 1u64 << 20;
+        let job = "j".to_owned();
+        let worlds = HashMap::from([(job.clone(), world)]);
+        let nodes = ["a:1", "b:1", "c:1"];
+        let mut map: HashMap<(String, u64), String> = (0..world)
+            .map(|r| ((job.clone(), r), nodes[(r % 3) as usize].to_owned()))
+            .collect();
+        let mut slots: HashMap<(String, String), u64> = nodes
+            .iter()
+            .map(|n| ((job.clone(), (*n).to_owned()), 10))
+            .collect();
+        assert_eq!(
+            Peers::completeness(&map, &slots, &worlds).get(&job),
+            Some(&world)
+        );
+        slots.insert((job.clone(), "b:1".to_owned()), 0);
+        assert!(
+            Peers::completeness(&map, &slots, &worlds).is_empty(),
+            "b's slots"
+        );
+        slots.insert((job.clone(), "b:1".to_owned()), 10);
+        map.remove(&(job.clone(), world - 7));
+        assert!(
+            Peers::completeness(&map, &slots, &worlds).is_empty(),
+            "a rank far past 4096"
+        );
+    }
 }

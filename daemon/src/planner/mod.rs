@@ -196,16 +196,14 @@ pub const PLACEMENT_LOOKAHEAD: u64 = 16;
 /// within it (which stay where they are read) would take more than a quarter of the
 /// smallest node's slots; 2 at least.
 fn lookahead_for(l: &placement::Layout) -> u64 {
-    let per_node = (0..l.nodes.len())
-        .map(|n| {
-            l.node_of_rank
-                .iter()
-                .filter(|r| **r == Some(n as u16))
-                .count() as u64
-        })
-        .max()
-        .unwrap_or(1)
-        .max(1);
+    // Ranks per node, in one pass over the world.
+    let mut ranks = vec![0u64; l.nodes.len()];
+    for n in l.node_of_rank.iter().flatten() {
+        if let Some(c) = ranks.get_mut(usize::from(*n)) {
+            *c += 1;
+        }
+    }
+    let per_node = ranks.into_iter().max().unwrap_or(1).max(1);
     let slots = l.slots.iter().copied().min().unwrap_or(0);
     (slots / (4 * per_node)).clamp(2, PLACEMENT_LOOKAHEAD)
 }
