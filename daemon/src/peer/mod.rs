@@ -106,7 +106,7 @@ const MAX_HOLDERS: usize = 3;
 /// backing store instead (the peer is then down until a probe gets an answer): a dial
 /// whose connection is not accepted in this long; or a request whose bytes the peer's
 /// host has not acknowledged within one step (`8 ×` the connection's smoothed round
-/// trip, within [`STEP_MIN`]..=[`STEP_MAX`]) *and* to which a new connection is not
+/// trip, within `STEP_MIN..=STEP_MAX`: 20–50 ms) *and* to which a new connection is not
 /// accepted within a second step — the peer's kernel accepts a connection at once
 /// whatever its daemon does, while an acknowledgement may wait for the daemon to read
 /// the request or for a delayed-ack timer. A peer that acknowledged the request, or
