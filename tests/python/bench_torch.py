@@ -33,6 +33,14 @@ What it does
    ``sync; echo 3 > /proc/sys/vm/drop_caches`` runs before *every* epoch of every row:
    no epoch is served from page cache warmed by an earlier one (plain rows included).
 
+   sshfs (mounted without ``-o use_ino``) numbers inodes afresh when the kernel forgets
+   them, which ``drop_caches`` makes it do; the daemon's version of a backing file
+   includes its inode, so after each drop every file would look changed to a daemon that
+   has no immutable manifest for it (the shim rows). The parent therefore holds an
+   ``O_PATH`` descriptor of every file of the dataset while its rows run (inode numbers
+   stay put, as on a shared file system with stable inodes; page cache is still dropped);
+   ``--no-pin-inodes`` turns that off.
+
 The loader: ``DataLoader(num_workers=4, persistent_workers=True, prefetch_factor=2)``;
 small files in batches of 64 through ``Dataset.__getitems__`` (``open_many`` as in
 docs/PYTHON.md); shards with ``batch_size=None``, each item a shard read as a stream
@@ -45,7 +53,8 @@ compute-bound, the link does not).
 
 Per epoch (printed, and saved to ``target/bench-torch/results.json`` and ``results.md``):
 
-- wall: seconds from ``sampler.set_epoch`` (which registers the plan in epoch 0) to the end of the last batch's compute;
+- wall: seconds from ``sampler.set_epoch`` (which registers the plan in epoch 0) to the
+  end of the last batch's compute;
 - stall = (time blocked in ``next(loader)``) / wall; AU = compute / wall;
 - stall floor: M = bytes that must cross the link this epoch (the dataset N for ``plain``
   and for every row's epoch 0; 0 later for caches ≥ N; (1 − C/N)·N later for the half
@@ -66,6 +75,7 @@ import io
 import json
 import os
 import pathlib
+import resource
 import shutil
 import signal
 import subprocess
@@ -295,8 +305,8 @@ def child(spec: dict) -> None:
             for k in ("opens", "opens_full", "backing_bytes", "fallback_bytes", "fallback_opens",
                       "waits", "evicted_files", "fills_no_space", "hit_bytes", "filled_bytes"):
                 r["d_" + k] = c1.get(k, 0) - c0.get(k, 0)
-            r["prefetching"] = st1.get("prefetching")
-            r["space"] = {k: st1.get(k) for k in ("capacity_bytes", "used_bytes", "files", "blocks")}
+            r["space"] = {k: st1.get(k)
+                          for k in ("capacity_bytes", "used_bytes", "files", "blocks")}
             job = getattr(sampler, "job", None)
             j0 = next((j for j in st0.get("jobs", []) if j["job"] == job), None)
             j1 = next((j for j in st1.get("jobs", []) if j["job"] == job), None)
@@ -461,6 +471,15 @@ class Bench:
             r["t_link"] = t_link
         return res
 
+    def pin(self, files: list) -> list:
+        """O_PATH descriptors of ``files`` (see the module's doc: stable sshfs inodes)."""
+        need = len(files) + 4096
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < need:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (need, max(hard, need)))
+        with concurrent.futures.ThreadPoolExecutor(8) as ex:
+            return list(ex.map(lambda f: os.open(f, os.O_PATH), files))
+
     def run(self):
         a = self.a
         OUT.mkdir(parents=True, exist_ok=True)
@@ -482,11 +501,16 @@ class Bench:
                 f"({a.compute_frac} × link-bound; {a.compute_frac / B * 1e9:.3f} s per GB"
                 + (f", {a.compute_frac / B * a.file_kib * 1024 * 1e3:.2f} ms per sample"
                    if kind == "small" else "") + ")")
-            rows = {}
-            for row in a.row:
-                rows[row] = self.run_row(row, kind, files, total, B)
-                out["datasets"][kind] = {"files": len(files), "bytes": total, "rows": rows}
-                self.save(out)
+            pinned = self.pin(files) if a.pin_inodes else []
+            try:
+                rows = {}
+                for row in a.row:
+                    rows[row] = self.run_row(row, kind, files, total, B)
+                    out["datasets"][kind] = {"files": len(files), "bytes": total, "rows": rows}
+                    self.save(out)
+            finally:
+                for fd in pinned:
+                    os.close(fd)
         return out
 
     def save(self, out):
@@ -495,20 +519,26 @@ class Bench:
 
 
 def table(out) -> str:
-    lines = [f"link B = {out['link_bytes_per_s'] / 1e6:.1f} MB/s; page cache dropped before "
-             "every epoch; daemon in a memory cgroup; stall floor = max(0, M/B − compute) / "
-             "max(M/B, compute), M = bytes that must cross the link", ""]
+    a = out["args"]
+    lines = [f"link B = {out['link_bytes_per_s'] / 1e6:.1f} MB/s ({a['rate']}); compute = "
+             f"{a['compute_frac']} × bytes / B; page cache dropped before every epoch; daemon in "
+             f"a {a['cgroup_mib']} MiB memory cgroup; inodes pinned: {a.get('pin_inodes')}; "
+             "stall floor = max(0, M/B − compute) / max(M/B, compute), M = bytes that must "
+             "cross the link (the link floor); clients' fallback = bytes the Python clients read "
+             "from the mount themselves (reported to the daemon; the shim reports none)", ""]
     for kind, d in out["datasets"].items():
         lines += [f"### {kind}: {d['files']} files, {d['bytes'] / 1e9:.2f} GB", "",
                   "| row | epoch | wall s | stall (floor) | AU | link GB (floor) | "
-                  "daemon backing GB | opens cached whole (daemon) | job hits | job step |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "daemon backing GB | clients' fallback GB | opens cached whole (daemon) | "
+                  "job hits | job step |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for row, res in d["rows"].items():
             for r in res:
                 w = r["wall"]
                 dae = (f"{r['d_backing_bytes'] / 1e9:.3f}" if "d_backing_bytes" in r else "–")
                 if "job_d_backing_bytes" in r:
                     dae += f" (job {r['job_d_backing_bytes'] / 1e9:.3f})"
+                fb = f"{r['d_fallback_bytes'] / 1e9:.3f}" if "d_fallback_bytes" in r else "–"
                 hits = (f"{r['d_opens_full']}/{r['d_opens']}" if "d_opens" in r else "–")
                 jh = (f"{r['job_d_opens_hit']}/{r['job_d_opens']}"
                       f" ({r['job_d_opens_hit'] / max(1, r['job_d_opens']):.2f})"
@@ -516,9 +546,10 @@ def table(out) -> str:
                 js = (f"{r['job']['step']}/{r['job']['epoch_len']} e{r['job']['epoch']}"
                       if "job" in r else "–")
                 lines.append(
-                    f"| {row} | {r['epoch']} | {w:.1f} | {r['wait'] / w:.2f} ({r['stall_floor']:.2f}) | "
-                    f"{r['compute'] / w:.2f} | {r['link_bytes'] / 1e9:.3f} ({r['link_floor'] / 1e9:.3f}) | "
-                    f"{dae} | {hits} | {jh} | {js} |")
+                    f"| {row} | {r['epoch']} | {w:.1f} | "
+                    f"{r['wait'] / w:.2f} ({r['stall_floor']:.2f}) | {r['compute'] / w:.2f} | "
+                    f"{r['link_bytes'] / 1e9:.3f} ({r['link_floor'] / 1e9:.3f}) | "
+                    f"{dae} | {fb} | {hits} | {jh} | {js} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -559,9 +590,12 @@ def main() -> None:
     p.add_argument("--dataset", action="append", choices=DATASETS,
                    help="repeat; default both")
     p.add_argument("--row", action="append", choices=ROWS, help="repeat; default all")
+    p.add_argument("--no-pin-inodes", dest="pin_inodes", action="store_false",
+                   help="do not hold O_PATH descriptors of the dataset's files")
     p.add_argument("--daemon-arg", action="append", default=[],
                    help="extra shardcached argument (repeat)")
-    p.add_argument("--slow-storage", default=os.environ.get("SLOW_STORAGE") or default_slow_storage())
+    p.add_argument("--slow-storage",
+                   default=os.environ.get("SLOW_STORAGE") or default_slow_storage())
     a = p.parse_args()
     a.dataset = a.dataset or list(DATASETS)
     a.row = a.row or list(ROWS)
