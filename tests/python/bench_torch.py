@@ -6,8 +6,7 @@ package) and runs this script; extra arguments come here (``--help``).
 
 What it does
 ------------
-1. Generates, under ``target/bench-torch/export/`` (kept between runs, regenerated only
-   when the parameters change): ``small/``: ``--small-files`` files of ``--file-kib`` KiB
+1. Generates, under ``target/bench-torch/export-<parameters>/`` (kept between runs): ``small/``: ``--small-files`` files of ``--file-kib`` KiB
    of random bytes in subdirectories of 1 000; ``shards/``: ``--shards`` real tar files of
    about ``--shard-mib`` MiB each (samples of ``--file-kib`` KiB); ``calib/``: 4 × 32 MiB.
 2. Mounts the export with ``slow-storage.sh up EXPORT MNT RATE`` (sshfs over a veth pair
@@ -336,13 +335,14 @@ def child(spec: dict) -> None:
 class Bench:
     def __init__(self, a):
         self.a = a
-        self.export = OUT / "export"
+        self.export = OUT / (f"export-{a.small_files}x{a.file_kib}k-{a.shards}x{a.shard_mib}m")
         self.mnt = OUT / "mnt"
         self.slow = pathlib.Path(a.slow_storage)
         self.cgroup = pathlib.Path(f"/sys/fs/cgroup/memory/shardcache-bench-{os.getpid()}")
         self.daemon = None
         self.child = None
         self.mounted = False
+        self.pinners = []
 
     # -- lifecycle
     def storage_up(self):
@@ -416,6 +416,7 @@ class Bench:
 
     def cleanup(self):
         self.stop_child()
+        self.unpin()
         self.stop_daemon()
         self.cgroup_remove()
         self.storage_down()
@@ -471,14 +472,26 @@ class Bench:
             r["t_link"] = t_link
         return res
 
-    def pin(self, files: list) -> list:
-        """O_PATH descriptors of ``files`` (see the module's doc: stable sshfs inodes)."""
-        need = len(files) + 4096
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if soft < need:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (need, max(hard, need)))
-        with concurrent.futures.ThreadPoolExecutor(8) as ex:
-            return list(ex.map(lambda f: os.open(f, os.O_PATH), files))
+    def pin(self, files: list) -> None:
+        """O_PATH descriptors of ``files`` (see the module's doc: stable sshfs inodes), held
+        by helper processes (each within the descriptor limit) until :meth:`unpin`."""
+        _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        per = max(1000, hard - 1024)
+        for i in range(0, len(files), per):
+            lst = OUT / f"pin-{i // per}.json"
+            lst.write_text(json.dumps(files[i:i + per]))
+            h = subprocess.Popen([sys.executable, __file__, "--pin", str(lst)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            self.pinners.append(h)
+            if h.stdout.readline().strip() != b"pinned":
+                raise RuntimeError("pinning the dataset's inodes failed")
+
+    def unpin(self) -> None:
+        for h in self.pinners:
+            if h.poll() is None:
+                h.kill()
+            h.wait()
+        self.pinners = []
 
     def run(self):
         a = self.a
@@ -501,7 +514,8 @@ class Bench:
                 f"({a.compute_frac} × link-bound; {a.compute_frac / B * 1e9:.3f} s per GB"
                 + (f", {a.compute_frac / B * a.file_kib * 1024 * 1e3:.2f} ms per sample"
                    if kind == "small" else "") + ")")
-            pinned = self.pin(files) if a.pin_inodes else []
+            if a.pin_inodes:
+                self.pin(files)
             try:
                 rows = {}
                 for row in a.row:
@@ -509,8 +523,7 @@ class Bench:
                     out["datasets"][kind] = {"files": len(files), "bytes": total, "rows": rows}
                     self.save(out)
             finally:
-                for fd in pinned:
-                    os.close(fd)
+                self.unpin()
         return out
 
     def save(self, out):
@@ -571,9 +584,24 @@ def default_slow_storage() -> str:
     return str(REPO.parent / tail)
 
 
+def pin_helper(files: list) -> None:
+    """Holds an O_PATH descriptor of each file until stdin closes (or it is killed)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    with concurrent.futures.ThreadPoolExecutor(8) as ex:
+        fds = list(ex.map(lambda f: os.open(f, os.O_PATH), files))
+    print("pinned", flush=True)
+    sys.stdin.read()
+    for fd in fds:
+        os.close(fd)
+
+
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         child(json.loads(pathlib.Path(sys.argv[2]).read_text()))
+        return
+    if len(sys.argv) == 3 and sys.argv[1] == "--pin":
+        pin_helper(json.loads(pathlib.Path(sys.argv[2]).read_text()))
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--small-files", type=int, default=20000)
