@@ -133,7 +133,8 @@ impl Bed {
     /// durable and visible): a reader of a small file gets its bytes before they land,
     /// so a read alone does not say they have, and a file handed over while the cache
     /// disk was busy is not kept at all (`fills_not_kept`) until it is read again —
-    /// which this does for each file still missing, as the next reader of it would.
+    /// which this does for each file still missing after a second (and every second
+    /// after), as the next reader of it would.
     pub fn until_cached(&self, paths: &[PathBuf]) {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         let client = self.client();
@@ -149,6 +150,7 @@ impl Bed {
                 .and_then(|l| l.files.into_iter().next())
                 .is_some_and(|f| f.size > 0 && f.resident_bytes == f.size)
         };
+        let mut last_read = std::time::Instant::now();
         loop {
             let missing: Vec<&PathBuf> = paths.iter().filter(|p| !whole(p)).collect();
             if missing.is_empty() {
@@ -160,8 +162,13 @@ impl Bed {
                 missing.len()
             );
             std::thread::sleep(Duration::from_millis(10));
-            for p in missing {
-                read_all(&client, p).expect("read again");
+            // A landing in progress ends on its own; a file still missing after a
+            // second was not kept, and is read again (once a second at most).
+            if last_read.elapsed() >= Duration::from_secs(1) {
+                for p in missing {
+                    read_all(&client, p).expect("read again");
+                }
+                last_read = std::time::Instant::now();
             }
         }
     }

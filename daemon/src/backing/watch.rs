@@ -17,6 +17,11 @@
 //! - **Hung file.** A call in flight for the stall bound makes its file (path) *stuck*:
 //!   further calls on that file are refused while it lasts, even when the rest of the
 //!   root answers.
+//! - **Slow is not hung.** Both rules measure a call against the stall bound or four
+//!   times what the root's calls take now (the longest recent one, decaying with each
+//!   completion), whichever is longer, at most [`MAX_STALL_FACTOR`] bounds: on a store
+//!   slow for everyone — a congested link, calls queued behind each other — a call as
+//!   slow as its neighbours is not stuck, while one far slower than them is.
 //! - **Bounded threads.** At most [`MAX_CALLS`] calls are in flight on one root; `stat`
 //!   runs on a small pool of the root's own threads ([`STAT_THREADS`], then a queue of
 //!   [`STAT_QUEUE`]) and its caller waits at most [`STAT_DEADLINE`] for it (a client is
@@ -47,6 +52,10 @@ use crate::lifecycle::{Stop, Task};
 pub const DEFAULT_STALL: Duration = Duration::from_secs(1);
 /// Most calls in flight on one root; more are refused at once.
 pub const MAX_CALLS: usize = 256;
+/// The most the stall bound stretches on a root whose calls are all slow: a call is
+/// stuck past the stall bound or four times the root's recent calls, whichever is
+/// longer, and at most this many stall bounds.
+pub const MAX_STALL_FACTOR: u32 = 30;
 /// While a root is stalled, no probe is let through once this many calls are stuck.
 pub const MAX_STUCK_PROBES: usize = 16;
 /// Threads per root that run `stat` calls (more wait for one, up to [`STAT_QUEUE`]).
@@ -85,6 +94,9 @@ struct State {
     last_probe: Option<Instant>,
     /// The stall is being logged (one line when it starts, one when it ends).
     logged: bool,
+    /// How long calls on the root take now: the longest recent one, decaying by a
+    /// sixteenth at each completion (see [`Watch::bound`]).
+    typical: Duration,
 }
 
 /// A root's health, as the status reports it.
@@ -122,10 +134,16 @@ pub struct CallGuard {
 impl Drop for CallGuard {
     fn drop(&mut self) {
         let mut s = self.watch.state.lock();
+        let mut started = None;
         if let Some(i) = s.calls.iter().position(|c| c.id == self.id) {
-            s.calls.swap_remove(i);
+            started = Some(s.calls.swap_remove(i).started);
         }
-        s.last_done = Instant::now();
+        let now = Instant::now();
+        if let Some(started) = started {
+            let took = now.duration_since(started);
+            s.typical = took.max(s.typical - s.typical / 16);
+        }
+        s.last_done = now;
         if s.logged {
             s.logged = false;
             tracing::info!(root = %self.watch.root, "backing root answers again");
@@ -146,6 +164,7 @@ impl Watch {
                 last_done: Instant::now(),
                 last_probe: None,
                 logged: false,
+                typical: Duration::ZERO,
             }),
             refused: AtomicU64::new(0),
         })
@@ -156,13 +175,22 @@ impl Watch {
         self.stall
     }
 
-    fn is_stuck(&self, c: &Call, now: Instant) -> bool {
-        !self.stall.is_zero() && now.duration_since(c.started) >= self.stall
+    /// How long a call may run before it counts as stuck: the stall bound, or four
+    /// times what calls on the root take now when that is longer — a store that is
+    /// slow for everyone (a congested link, a busy file server: calls queued behind
+    /// each other) is not a hung one; a call far slower than its neighbours is. At most
+    /// [`MAX_STALL_FACTOR`] times the stall bound.
+    fn bound(&self, s: &State) -> Duration {
+        (s.typical * 4).clamp(self.stall, self.stall * MAX_STALL_FACTOR)
+    }
+
+    fn is_stuck(&self, s: &State, c: &Call, now: Instant) -> bool {
+        !self.stall.is_zero() && now.duration_since(c.started) >= self.bound(s)
     }
 
     fn stalled_in(&self, s: &State, now: Instant) -> bool {
-        now.duration_since(s.last_done) >= self.stall
-            && s.calls.iter().any(|c| self.is_stuck(c, now))
+        now.duration_since(s.last_done) >= self.bound(s)
+            && s.calls.iter().any(|c| self.is_stuck(s, c, now))
     }
 
     /// Why a call on `file` would be refused now (`None`: it would go through), and
@@ -182,7 +210,7 @@ impl Watch {
             && let Some(c) = s
                 .calls
                 .iter()
-                .find(|c| c.file == file && self.is_stuck(c, now))
+                .find(|c| c.file == file && self.is_stuck(s, c, now))
         {
             return Err(format!(
                 "a call on this file of the backing root {} has not returned for {:.1} s",
@@ -193,7 +221,7 @@ impl Watch {
         if !self.stalled_in(s, now) {
             return Ok(false);
         }
-        let stuck = s.calls.iter().filter(|c| self.is_stuck(c, now)).count();
+        let stuck = s.calls.iter().filter(|c| self.is_stuck(s, c, now)).count();
         let probe_due = s
             .last_probe
             .is_none_or(|p| now.duration_since(p) >= self.stall);
@@ -280,7 +308,7 @@ impl Watch {
         Health {
             stalled: !self.stall.is_zero() && self.stalled_in(&s, now),
             in_flight: s.calls.len() as u64,
-            stuck: s.calls.iter().filter(|c| self.is_stuck(c, now)).count() as u64,
+            stuck: s.calls.iter().filter(|c| self.is_stuck(&s, c, now)).count() as u64,
             oldest_seconds: s
                 .calls
                 .iter()
@@ -835,6 +863,29 @@ mod tests {
         assert!(watch.refuses(file_id("a")));
         assert!(matches!(w.stat("a"), Err(BackingError::Stalled(_))));
         assert!(w.stat("b").is_ok());
+    }
+
+    /// Issue 14: a store slow for everyone (a congested link: every call takes longer
+    /// than the stall bound) is not a hung one — a call as slow as its neighbours does
+    /// not make its file stuck nor the root stalled — while a call far slower than them
+    /// still does. (Before: the PyTorch benchmark's tar shards on a busy 400 mbit sshfs
+    /// link had their files refused, and the clients read the link a second time.)
+    #[test]
+    fn a_store_slow_for_everyone_is_not_a_hung_one() {
+        let (_mem, w) = fixture();
+        let watch = w.watch().clone();
+        for _ in 0..3 {
+            let g = watch.enter(file_id("x")).unwrap();
+            std::thread::sleep(STALL * 3 / 2);
+            drop(g);
+        }
+        let slow = watch.enter(file_id("a")).unwrap();
+        std::thread::sleep(STALL * 3 / 2);
+        assert!(!watch.refuses(file_id("a")), "as slow as the others");
+        assert!(!watch.stalled());
+        std::thread::sleep(STALL * 5);
+        assert!(watch.refuses(file_id("a")), "far slower than the others");
+        drop(slow);
     }
 
     /// The root's threads (a stat thread, the closer) stop and are joined at shutdown;
