@@ -154,7 +154,7 @@ fn free_port() -> anyhow::Result<u16> {
 
 /// Starts `m` daemons sharing `backing`, each with `capacity` bytes of cache; with
 /// `tls`, mutual TLS on the peer port (certificates from one test CA). On loopback, or
-/// (`link`, two nodes) each in its namespace of the testbed.
+/// (`link`: a `(namespace, address)` per node) each in its namespace of the testbed.
 fn cluster(
     dir: &Path,
     backing: &Path,
@@ -163,21 +163,6 @@ fn cluster(
     capacity: u64,
     tls: bool,
     link: Option<&[(String, String)]>,
-) -> anyhow::Result<(Vec<Daemon>, Vec<String>, Vec<PathBuf>)> {
-    cluster_with(dir, backing, m, block, capacity, tls, link, |_| {})
-}
-
-/// [`cluster`], each node's configuration changed by `tune` before it starts.
-#[allow(clippy::too_many_arguments)]
-fn cluster_with(
-    dir: &Path,
-    backing: &Path,
-    m: usize,
-    block: u64,
-    capacity: u64,
-    tls: bool,
-    link: Option<&[(String, String)]>,
-    tune: impl Fn(&mut Config),
 ) -> anyhow::Result<(Vec<Daemon>, Vec<String>, Vec<PathBuf>)> {
     let secret = dir.join("secret");
     std::fs::write(&secret, SECRET)?;
@@ -201,7 +186,7 @@ fn cluster_with(
         let files = ca
             .as_ref()
             .map(|ca| ca.issue(&dir.join(format!("tls-{i}")), &[ca]));
-        let mut cfg = Config {
+        let cfg = Config {
             peer_tls_cert: files.as_ref().map(|f| f.cert.clone()),
             peer_tls_key: files.as_ref().map(|f| f.key.clone()),
             peer_tls_ca: files.as_ref().map(|f| f.ca.clone()),
@@ -226,7 +211,6 @@ fn cluster_with(
                 .unwrap_or(Config::default().fill_workers),
             ..Config::default()
         };
-        tune(&mut cfg);
         let node = inside(ns(i), || Daemon::start(&cfg)).with_context(|| format!("node {i}"))?;
         nodes.push(node);
         sockets.push(socket);
@@ -763,20 +747,20 @@ pub fn run(dir: &Path, mib: u64, rounds: usize, tls: bool, net: &Net) -> anyhow:
     Ok(())
 }
 
-/// Read latencies of one phase of [`silent`], in seconds.
+/// Read latencies of one phase of [`silent`].
 #[derive(Debug, Clone, Default)]
 pub struct Phase {
     /// Every read's latency.
-    pub reads: Vec<f64>,
+    pub reads: Vec<std::time::Duration>,
 }
 
 impl Phase {
-    fn quantile(&self, q: f64) -> f64 {
-        let mut v = self.reads.clone();
-        v.sort_by(f64::total_cmp);
-        v.get(((v.len() as f64 - 1.0) * q).round() as usize)
-            .copied()
-            .unwrap_or(0.0)
+    /// The `q` quantile in milliseconds (0 without reads).
+    fn ms(&self, q: f64) -> f64 {
+        if self.reads.is_empty() {
+            return 0.0;
+        }
+        crate::quantile_us(&mut self.reads.clone(), q) / 1e3
     }
 }
 
@@ -840,7 +824,7 @@ pub fn silent(
                     client
                         .open(backing.join(format!("ds/f{i:05}")))?
                         .read_to_end(&mut buf)?;
-                    let took = t.elapsed().as_secs_f64();
+                    let took = t.elapsed();
                     anyhow::ensure!(buf == content(i, size), "file {i}: wrong bytes");
                     out.lock().unwrap_or_else(|e| e.into_inner())[p]
                         .reads
@@ -902,10 +886,13 @@ pub fn run_silent(
             "{:<28} {:>7} {:>9.1} {:>9.1} {:>9.1} {:>12}",
             name,
             p.reads.len(),
-            p.quantile(0.5) * 1e3,
-            p.quantile(0.99) * 1e3,
-            p.quantile(1.0) * 1e3,
-            p.reads.iter().filter(|&&t| t > 0.1).count()
+            p.ms(0.5),
+            p.ms(0.99),
+            p.ms(1.0),
+            p.reads
+                .iter()
+                .filter(|&&t| t > Duration::from_millis(100))
+                .count()
         );
     }
     Ok(())
