@@ -78,6 +78,7 @@ pub(crate) struct Pending {
     was_pooled: bool,
     id: u64,
     report: Option<pb::ReadReport>,
+    sent: Instant,
 }
 
 /// How the link behaves (from [`crate::ClientConfig`]).
@@ -101,6 +102,9 @@ pub(crate) struct Link {
     pool: Mutex<Vec<Box<dyn Connection>>>,
     next_id: AtomicU64,
     down_until: Mutex<Option<Instant>>,
+    /// Recent answer time, in nanoseconds (a moving average): a receive polls only while
+    /// answers come within the spin ([`Link::spin`]).
+    recent_ns: AtomicU64,
 }
 
 impl std::fmt::Debug for Link {
@@ -125,12 +129,35 @@ impl Link {
             pool: Mutex::new(Vec::new()),
             next_id: AtomicU64::new(1),
             down_until: Mutex::new(None),
+            recent_ns: AtomicU64::new(0),
         }
     }
 
     /// The clock deadlines are kept on.
     pub(crate) fn clock(&self) -> &dyn Clock {
         &*self.clock
+    }
+
+    /// How long the next receive polls before it sleeps: the configured spin while the
+    /// daemon's recent answers came within about twice it, else none. Polling pays for
+    /// an answer that is microseconds away (a cached file's open); for one that waits on
+    /// a fill (a cold file) it only takes a core from the threads doing the work, which
+    /// on a small machine is the daemon's.
+    fn spin(&self) -> Duration {
+        let recent = Duration::from_nanos(self.recent_ns.load(Ordering::Relaxed));
+        if recent <= self.cfg.spin * 2 {
+            self.cfg.spin
+        } else {
+            Duration::ZERO
+        }
+    }
+
+    /// Counts an answer that took `took` into the recent answer time (weight 1/8).
+    fn answered_in(&self, took: Duration) {
+        let took = took.as_nanos().min(u128::from(u32::MAX)) as u64;
+        let old = self.recent_ns.load(Ordering::Relaxed);
+        self.recent_ns
+            .store(old - old / 8 + took / 8, Ordering::Relaxed);
     }
 
     fn is_down(&self) -> bool {
@@ -245,6 +272,7 @@ impl Link {
             was_pooled,
             id,
             report: piggyback,
+            sent: self.clock.now(),
         };
         match sent {
             Ok(()) => Ok(pending),
@@ -260,7 +288,9 @@ impl Link {
         timeout: Duration,
         report: &Report,
     ) -> Result<(response::Kind, Vec<OwnedFd>), CallError> {
-        match pending.conn.recv(timeout, self.cfg.spin) {
+        let r = pending.conn.recv(timeout, self.spin());
+        self.answered_in(self.clock.now().saturating_duration_since(pending.sent));
+        match r {
             // Id 0 with an error: the daemon could not read the request (over its limit)
             // and says why; the connection stays in step.
             Ok((resp, fds))

@@ -46,6 +46,10 @@ pub const MAX_PATH: usize = shardcache_proto::wire::MAX_PATH;
 /// How long a file stays pinned after a reader was told it is being filled (see
 /// [`Store::pin`]); each wait of that reader (each slice of it) renews it.
 const PIN: Duration = Duration::from_secs(2);
+/// Longest an open of a cold small file waits for its bytes before it answers without
+/// them (the reader then waits in slices, as after any open): well under the client's
+/// own open timeout (1 s by default), so a slow backing store is never a fallback.
+pub const OPEN_WAIT: Duration = Duration::from_millis(250);
 /// Generations of transient copies (blocks of a file this node declined, fetched from
 /// the peer that owns it into an unlinked file): never those of a data file.
 pub const TRANSIENT_GEN: u64 = 1 << 63;
@@ -113,6 +117,20 @@ pub struct Opened {
     pub job_tag: u64,
     /// A read-only descriptor of the data file, when there is one.
     pub data: Option<File>,
+}
+
+/// An open begun ([`ReadPath::open`]): the answer so far, and the fill of a cold small
+/// file its reader is about to wait for.
+struct Begun {
+    opened: Opened,
+    stat: Arc<Stat>,
+    cold: Option<Cold>,
+}
+
+/// The fill an open waits on for a small file with nothing cached.
+struct Cold {
+    flight: Arc<crate::fill::Flight>,
+    root_name: String,
 }
 
 /// A wait for blocks of a file a reader opened.
@@ -345,8 +363,29 @@ impl ReadPath {
     }
 
     /// Opens `path` for a reader with `creds`: what is cached of it, and a descriptor of
-    /// the data file; missing blocks are queued for read-ahead.
+    /// the data file; missing blocks are queued for read-ahead. A small file (one block)
+    /// with nothing cached is filled at once, and the open answers with its bytes as
+    /// soon as they are read ([`OPEN_WAIT`] at most): one exchange, not an open and a
+    /// wait (see [`ReadPath::open_many`]).
     pub fn open(&self, creds: &Creds, path: &str) -> Result<Opened, Refusal> {
+        let begun = self.open_begin(creds, path)?;
+        Ok(self.open_finish(begun, Instant::now() + OPEN_WAIT))
+    }
+
+    /// Opens several paths, as [`ReadPath::open`] does each, with the fills of their
+    /// cold small files all started before any is waited for (a loader's batch is filled
+    /// with the fill engine's concurrency, not one file after another).
+    pub fn open_many(&self, creds: &Creds, paths: &[String]) -> Vec<Result<Opened, Refusal>> {
+        let begun: Vec<_> = paths.iter().map(|p| self.open_begin(creds, p)).collect();
+        let deadline = Instant::now() + OPEN_WAIT;
+        begun
+            .into_iter()
+            .map(|b| b.map(|b| self.open_finish(b, deadline)))
+            .collect()
+    }
+
+    /// The first half of an open: everything but waiting for a cold small file's bytes.
+    fn open_begin(&self, creds: &Creds, path: &str) -> Result<Begun, Refusal> {
         inc(&self.stats.opens);
         let (root, rel, stat) = self.authorize(creds, path)?;
         tracing::trace!(path = %rel, "open");
@@ -363,6 +402,7 @@ impl ReadPath {
         }
         let job_tag = self.jobs.on_open(root, &rel, hit);
         let mut view = view.map_err(|e| self.refuse_store(e))?;
+        let mut cold = None;
         if hit {
             inc(&self.stats.opens_full);
         } else {
@@ -372,16 +412,72 @@ impl ReadPath {
                 inc(&self.stats.opens_empty);
             }
             let t = target(root, rel, stat.clone(), &view);
-            self.readahead(&t, &view, 0, self.cfg.readahead);
+            if view.nblocks == 1 {
+                // A small file with nothing cached: its reader waits for it next. Fill it
+                // for the reader now, and hand its bytes over with this answer.
+                if let Scheduled::InFlight(f) = self.filler.request(&t, 0, Priority::Demand) {
+                    f.want();
+                    cold = Some(Cold {
+                        flight: f,
+                        root_name: root_name.clone(),
+                    });
+                }
+            } else {
+                self.readahead(&t, &view, 0, self.cfg.readahead);
+            }
         }
-        Ok(Opened {
-            version: stat.version,
-            block_size: view.block_size,
-            present: std::mem::take(&mut view.present),
-            data_gen: view.data_gen,
-            job_tag,
-            data: view.data.take(),
+        Ok(Begun {
+            opened: Opened {
+                version: stat.version,
+                block_size: view.block_size,
+                present: std::mem::take(&mut view.present),
+                data_gen: view.data_gen,
+                job_tag,
+                data: view.data.take(),
+            },
+            stat,
+            cold,
         })
+    }
+
+    /// The second half of an open: a cold small file's bytes, waited for until
+    /// `deadline`. Past it (or when the fill lands nothing) the reader is answered with
+    /// what the store holds and waits as after any open.
+    fn open_finish(&self, begun: Begun, deadline: Instant) -> Opened {
+        let Begun {
+            mut opened,
+            stat,
+            cold,
+        } = begun;
+        let Some(Cold { flight, root_name }) = cold else {
+            return opened;
+        };
+        match flight.wait_ready_until(deadline) {
+            Some(Ready::Bytes(b)) => {
+                if let Some((file, present)) = handoff(&stat, opened.block_size, &[(0, b)]) {
+                    inc(&self.stats.handoffs);
+                    let w = self.transient_reply(file, present);
+                    opened.present = w.present;
+                    opened.data_gen = w.data_gen;
+                    opened.data = w.data;
+                }
+            }
+            Some(Ready::Done(outcome)) if outcome.landed() => {
+                if let Ok(mut view) = self.store.view(&root_name, &stat)
+                    && view.npresent == view.nblocks
+                {
+                    self.store.unpin(&view.key);
+                    opened.present = std::mem::take(&mut view.present);
+                    if view.data_gen != opened.data_gen || opened.data.is_none() {
+                        opened.data_gen = view.data_gen;
+                        opened.data = view.data.take();
+                    }
+                }
+            }
+            // Declined, failed or still running: the reader's wait says which.
+            _ => {}
+        }
+        opened
     }
 
     /// Serves one wait: fills the blocks asked for with demand priority and answers when
@@ -807,6 +903,48 @@ mod tests {
         let s = r.stats.snapshot();
         assert_eq!((s.opens, s.opens_full, s.opens_empty), (2, 1, 1));
         assert_eq!(s.waits, 1);
+    }
+
+    #[test]
+    fn a_cold_small_file_is_answered_with_its_bytes_in_one_exchange() {
+        let r = rig();
+        let small: Vec<(String, Vec<u8>)> = (0..5u8)
+            .map(|i| (format!("s{i}"), bytes(1000 + usize::from(i) * 333, 10 + i)))
+            .collect();
+        for (name, data) in &small {
+            r.mem.put(name, data.clone(), owner(0, 0o644));
+        }
+        // One open: every byte readable through the descriptor it answers with, no wait.
+        let o = r.cache.open(&creds(0), "/r/s0").unwrap();
+        assert!(is_set(&o.present, 0), "the open carries the file's bytes");
+        let f = o.data.expect("a descriptor");
+        assert_eq!(read_all(&f, small[0].1.len()), small[0].1);
+        // A batch: every file's fill starts before any is waited for.
+        let paths: Vec<String> = small[1..].iter().map(|(n, _)| format!("/r/{n}")).collect();
+        for (o, (_, data)) in r
+            .cache
+            .open_many(&creds(0), &paths)
+            .into_iter()
+            .zip(&small[1..])
+        {
+            let o = o.unwrap();
+            assert!(is_set(&o.present, 0));
+            assert_eq!(read_all(&o.data.expect("a descriptor"), data.len()), *data);
+        }
+        let s = r.stats.snapshot();
+        assert_eq!((s.opens, s.opens_empty, s.waits), (5, 5, 0));
+        assert_eq!(s.handoffs + s.opens_full, 5, "each answered with its bytes");
+        // And the store keeps them: a later open is a hit.
+        assert!(r.settle());
+        let again = r.cache.open(&creds(0), "/r/s3").unwrap();
+        assert!(is_set(&again.present, 0));
+        assert_eq!(r.stats.snapshot().opens_full, 1);
+        // A file the backing store cannot read is answered without bytes (the reader's
+        // wait then says declined), never with wrong ones.
+        r.mem.put("bad", bytes(500, 99), owner(0, 0o644));
+        r.faults.fail_reads.store(true, Ordering::SeqCst);
+        let o = r.cache.open(&creds(0), "/r/bad").unwrap();
+        assert!(!is_set(&o.present, 0));
     }
 
     #[test]

@@ -169,6 +169,12 @@ impl Flight {
         }
     }
 
+    /// Marks the flight as one a reader is about to wait on: its bytes are kept for
+    /// the reader once read (see [`Flight::wait_ready_until`]).
+    pub fn want(&self) {
+        self.wanted.store(true, Ordering::Release);
+    }
+
     /// True once a reader waits on the flight.
     fn wanted(&self) -> bool {
         self.wanted.load(Ordering::Acquire)

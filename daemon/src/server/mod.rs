@@ -571,8 +571,8 @@ fn handle(ctx: &Ctx, creds: &Creds, kind: Option<request::Kind>) -> (response::K
             }
             let mut results = Vec::with_capacity(m.paths.len());
             let mut fds = Vec::new();
-            for p in &m.paths {
-                let (r, fd) = open(ctx, creds, p);
+            for o in ctx.cache.open_many(creds, &m.paths) {
+                let (r, fd) = opened(o);
                 results.push(pb::OpenReply { result: Some(r) });
                 fds.extend(fd);
             }
@@ -748,7 +748,12 @@ fn version(v: &pb::Version) -> Version {
 
 /// An open, adapted: the read path's outcome as the wire's reply and descriptor.
 fn open(ctx: &Ctx, creds: &Creds, path: &str) -> (pb::open_reply::Result, Option<File>) {
-    match ctx.cache.open(creds, path) {
+    opened(ctx.cache.open(creds, path))
+}
+
+/// An open's outcome as the wire's reply and descriptor.
+fn opened(o: Result<Opened, Refusal>) -> (pb::open_reply::Result, Option<File>) {
+    match o {
         Ok(Opened {
             version,
             block_size,
