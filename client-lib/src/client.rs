@@ -43,8 +43,9 @@ pub struct ClientConfig {
     /// Most idle connections kept. Default 8.
     pub pool: usize,
     /// How long to poll for the daemon's answer before sleeping (waking a sleeping
-    /// thread costs tens of microseconds on virtual machines). Default 50 µs
-    /// (`$SHARDCACHE_SPIN_US`).
+    /// thread costs tens of microseconds on virtual machines), while the daemon's recent
+    /// answers came within about twice it (never for answers that wait on fills).
+    /// Default 50 µs (`$SHARDCACHE_SPIN_US`).
     pub spin: Duration,
 }
 

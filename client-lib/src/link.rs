@@ -347,3 +347,41 @@ impl Link {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use crate::transport::mem::{Answer, MemTransport, Script};
+
+    #[test]
+    fn a_receive_polls_only_while_answers_come_within_the_spin() {
+        let clock = Arc::new(ManualClock::default());
+        let spin = Duration::from_micros(50);
+        let cfg = LinkConfig {
+            send_timeout: Duration::from_secs(1),
+            retry_after: Duration::from_secs(2),
+            pool: 8,
+            spin,
+        };
+        let transport = Arc::new(MemTransport::new(
+            Script::new(|_| Answer::Hang),
+            clock.clone(),
+        ));
+        let link = Link::new(cfg, transport, clock);
+        assert_eq!(link.spin(), spin, "polls until answers say otherwise");
+        // Answers that wait on fills (milliseconds): sleep instead.
+        for _ in 0..16 {
+            link.answered_in(Duration::from_millis(3));
+        }
+        assert_eq!(link.spin(), Duration::ZERO);
+        // Cached files again (tens of microseconds): poll again.
+        for _ in 0..64 {
+            link.answered_in(Duration::from_micros(20));
+        }
+        assert_eq!(link.spin(), spin);
+        // One slow answer among fast ones does not stop the polling.
+        link.answered_in(Duration::from_micros(400));
+        assert_eq!(link.spin(), spin);
+    }
+}

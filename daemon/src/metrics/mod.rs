@@ -125,7 +125,7 @@ defs! {
     FILL_QUEUE_SHED: Counter "shardcache_fill_queue_shed_total" COUNT, [],
         "Fill requests (read-ahead, prefetch) dropped because the fill queue was full.";
     HANDOFFS: Counter "shardcache_handoffs_total" COUNT, [],
-        "Waits answered with blocks read for the waiting reader before they landed (the reader did not wait for the store's durable write).";
+        "Opens of a cold small file and waits answered with blocks read for the reader before they landed (the reader did not wait for the store's durable write).";
     FILLS_NOT_KEPT: Counter "shardcache_fills_not_kept_total" COUNT, [],
         "Blocks read for a waiting reader, handed over, and not kept: the store was landing as many blocks as it may at once.";
     BACKING_STALLED: Gauge "shardcache_backing_stalled" NONE, ["root"],
