@@ -583,6 +583,16 @@ impl ReadPath {
         {
             return Ok(self.transient_reply(file, present));
         }
+        if !declined && !timed_out && !pending && !missing.is_empty() {
+            tracing::debug!(
+                path = %stat.path,
+                first,
+                end,
+                missing = missing.len(),
+                flights = flights.len(),
+                "wait ends with blocks missing and no fill running"
+            );
+        }
         if view.npresent == view.nblocks {
             // The reader gets (or has) a descriptor holding every block: eviction from now
             // on unlinks a file it keeps reading.

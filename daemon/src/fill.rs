@@ -9,9 +9,10 @@
 //! dropped and counted, and a waiting client falls back to the backing store itself.
 //!
 //! **A root that stops answering costs the others nothing.** Its fills block only its
-//! own workers. A watchdog thread releases the waiters of a fill that has run longer
-//! than the root's stall bound (`backing_stall_timeout`: the client falls back at once)
-//! and starts a stand-in worker for it (at most `fill_workers` per root: a stuck thread
+//! own workers. A watchdog thread releases the waiters of a fill that is stuck — a
+//! backing call of it stuck by the watch's judgement (the stall bound,
+//! `backing_stall_timeout`, stretched on a store slow for everyone), its root stalled,
+//! or running past four of the watch's bounds (the client falls back at once) — and starts a stand-in worker for it (at most `fill_workers` per root: a stuck thread
 //! cannot be cancelled, so its count is what is bounded); while the root is stalled
 //! ([`crate::backing::watch`]) its queued fills are released and new ones declined at
 //! once, until a call on it completes again. Shutdown waits a few seconds for workers,
@@ -242,6 +243,8 @@ struct Busy {
     worker: u64,
     started: Instant,
     key: Key,
+    /// The backing file it reads (the watch's id of its path).
+    file: u64,
     blocks: Vec<(usize, Arc<Flight>)>,
     /// Running for longer than the root's stall bound (its waiters were released and a
     /// replacement worker started).
@@ -782,6 +785,7 @@ fn worker(inner: &Inner, root: usize, me: u64) {
                             worker: me,
                             started: Instant::now(),
                             key: job.target.key,
+                            file: file_id(&job.target.stat.path),
                             blocks: blocks.clone(),
                             stuck: false,
                         });
@@ -816,8 +820,7 @@ fn worker(inner: &Inner, root: usize, me: u64) {
     }
 }
 
-/// Watches the workers: a fill running for longer than its root's stall bound releases
-/// its waiters (they fall back) and gets a stand-in worker (at most `workers` per root),
+/// Watches the workers: a stuck fill (see the module documentation) releases its waiters (they fall back) and gets a stand-in worker (at most `workers` per root),
 /// so that a store that never answers holds no more than its own workers; the queue of a
 /// stalled root is emptied (its waiters released) as soon as the root is stalled.
 fn watchdog(inner: &Arc<Inner>) {
@@ -849,8 +852,26 @@ fn watchdog(inner: &Arc<Inner>) {
             if stall.is_zero() {
                 continue;
             }
+            // A fill is stuck when a backing call of it is (the watch's judgement: the
+            // stall bound, or four times what the root's calls take when the store is
+            // slow for everyone), when the root is stalled, or — stuck anywhere else, in
+            // the store's own writes say — past four of the watch's bounds. A fill on a
+            // congested link, reading its block piece by piece, is slow, not stuck.
+            let stalled = watch.stalled();
+            let backstop = watch.bound_now() * 4;
             for b in &mut pool.busy {
-                if !b.stuck && now.duration_since(b.started) >= stall {
+                let running = now.duration_since(b.started);
+                if !b.stuck
+                    && running >= stall
+                    && (stalled || running >= backstop || watch.stuck_on(b.file).is_some())
+                {
+                    tracing::debug!(
+                        root = r,
+                        blocks = b.blocks.len(),
+                        running_ms = now.duration_since(b.started).as_millis() as u64,
+                        bound_ms = stall.as_millis() as u64,
+                        "fill stuck: its waiters are released"
+                    );
                     b.stuck = true;
                     pool.stuck += 1;
                     for (i, f) in &b.blocks {
@@ -1644,6 +1665,67 @@ mod tests {
             waits.into_iter().map(|w| w.join().unwrap()).collect()
         });
         assert_eq!(outcomes, vec![FillOutcome::Landed; 12]);
+        filler.close();
+    }
+
+    #[test]
+    fn fills_on_a_store_slow_for_everyone_are_not_released_as_stuck() {
+        use crate::backing::throttle::ThrottledBacking;
+        const BLOCK: u32 = 256 << 10;
+        let dir = tempfile::tempdir().unwrap();
+        let mem = Arc::new(MemBacking::new());
+        mem.put(
+            "f",
+            vec![5; 16 * BLOCK as usize],
+            Owner {
+                mode: 0o644,
+                ..Owner::default()
+            },
+        );
+        // 2 MiB/s after a 1 MiB burst: one reader gets a block in 125 ms, two at once in
+        // about 250 ms each — longer than the 200 ms stall bound, well under four times
+        // what the root's calls take.
+        let slow = Arc::new(ThrottledBacking::new(mem, 2 << 20));
+        let roots = Arc::new(Roots::watched(
+            vec![Root {
+                path: "/r".into(),
+                name: "/r".into(),
+                backing: slow,
+            }],
+            Duration::from_millis(200),
+        ));
+        let (meta, store, filler) = engine_over(roots, dir.path(), BLOCK, 2);
+        let stat = meta.stat(0, "f").unwrap();
+        let key = store.view("/r", &stat).unwrap().key;
+        let t = Arc::new(Target {
+            peer_ok: true,
+            root: 0,
+            rel: "f".into(),
+            stat,
+            key,
+        });
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let fill = |blocks: std::ops::Range<usize>| -> Vec<FillOutcome> {
+            let flights: Vec<Arc<Flight>> = blocks
+                .map(|i| match filler.request(&t, i, Priority::Readahead) {
+                    Scheduled::InFlight(f) => f,
+                    other => panic!("block {i}: {other:?}"),
+                })
+                .collect();
+            std::thread::scope(|s| {
+                let waits: Vec<_> = flights
+                    .iter()
+                    .map(|f| s.spawn(move || f.wait_until(deadline).expect("ended")))
+                    .collect();
+                waits.into_iter().map(|w| w.join().unwrap()).collect()
+            })
+        };
+        // The burst, then blocks one at a time: the root's calls take about 125 ms.
+        for i in 0..6 {
+            assert_eq!(fill(i..i + 1), [FillOutcome::Landed], "block {i}");
+        }
+        // Now two at a time, each past the stall bound: slow, not stuck.
+        assert_eq!(fill(6..16), vec![FillOutcome::Landed; 10]);
         filler.close();
     }
 

@@ -18,8 +18,8 @@
 //!   further calls on that file are refused while it lasts, even when the rest of the
 //!   root answers.
 //! - **Slow is not hung.** Both rules measure a call against the stall bound or four
-//!   times what the root's calls take now (the longest recent one, decaying with each
-//!   completion), whichever is longer, at most [`MAX_STALL_FACTOR`] bounds: on a store
+//!   times what the root's calls take now (the longest recent one, halving every
+//!   [`TYPICAL_HALF_LIFE`]), whichever is longer, at most [`MAX_STALL_FACTOR`] bounds: on a store
 //!   slow for everyone — a congested link, calls queued behind each other — a call as
 //!   slow as its neighbours is not stuck, while one far slower than them is.
 //! - **Bounded threads.** At most [`MAX_CALLS`] calls are in flight on one root; `stat`
@@ -56,6 +56,10 @@ pub const MAX_CALLS: usize = 256;
 /// stuck past the stall bound or four times the root's recent calls, whichever is
 /// longer, and at most this many stall bounds.
 pub const MAX_STALL_FACTOR: u32 = 30;
+/// How fast the root's typical call time forgets a slow call: it halves in this time
+/// (by time, not by count: a congested link's slow reads are not washed out by the
+/// quick `stat`s between them).
+pub const TYPICAL_HALF_LIFE: Duration = Duration::from_secs(10);
 /// While a root is stalled, no probe is let through once this many calls are stuck.
 pub const MAX_STUCK_PROBES: usize = 16;
 /// Threads per root that run `stat` calls (more wait for one, up to [`STAT_QUEUE`]).
@@ -94,9 +98,11 @@ struct State {
     last_probe: Option<Instant>,
     /// The stall is being logged (one line when it starts, one when it ends).
     logged: bool,
-    /// How long calls on the root take now: the longest recent one, decaying by a
-    /// sixteenth at each completion (see [`Watch::bound`]).
+    /// How long calls on the root take now: the longest recent one, halving every
+    /// [`TYPICAL_HALF_LIFE`] (see [`Watch::bound`]), as of `typical_at`.
     typical: Duration,
+    /// When `typical` was last set.
+    typical_at: Instant,
 }
 
 /// A root's health, as the status reports it.
@@ -141,7 +147,8 @@ impl Drop for CallGuard {
         let now = Instant::now();
         if let Some(started) = started {
             let took = now.duration_since(started);
-            s.typical = took.max(s.typical - s.typical / 16);
+            s.typical = took.max(typical_at(&s, now));
+            s.typical_at = now;
         }
         s.last_done = now;
         if s.logged {
@@ -149,6 +156,13 @@ impl Drop for CallGuard {
             tracing::info!(root = %self.watch.root, "backing root answers again");
         }
     }
+}
+
+/// The root's typical call time as of `now`: `s.typical` halved for every
+/// [`TYPICAL_HALF_LIFE`] since it was set.
+fn typical_at(s: &State, now: Instant) -> Duration {
+    let halvings = now.duration_since(s.typical_at).as_secs_f64() / TYPICAL_HALF_LIFE.as_secs_f64();
+    s.typical.mul_f64(0.5f64.powf(halvings))
 }
 
 impl Watch {
@@ -165,6 +179,7 @@ impl Watch {
                 last_probe: None,
                 logged: false,
                 typical: Duration::ZERO,
+                typical_at: Instant::now(),
             }),
             refused: AtomicU64::new(0),
         })
@@ -175,21 +190,31 @@ impl Watch {
         self.stall
     }
 
+    /// How long a call started now may run before it counts as stuck ([`Watch::stall`]
+    /// adapted to what calls on the root take now; zero when the stall bound is off).
+    /// What a fill's own watchdog must judge its calls by, as the watch does.
+    pub fn bound_now(&self) -> Duration {
+        if self.stall.is_zero() {
+            return Duration::ZERO;
+        }
+        self.bound(&self.state.lock(), Instant::now())
+    }
+
     /// How long a call may run before it counts as stuck: the stall bound, or four
     /// times what calls on the root take now when that is longer — a store that is
     /// slow for everyone (a congested link, a busy file server: calls queued behind
     /// each other) is not a hung one; a call far slower than its neighbours is. At most
     /// [`MAX_STALL_FACTOR`] times the stall bound.
-    fn bound(&self, s: &State) -> Duration {
-        (s.typical * 4).clamp(self.stall, self.stall * MAX_STALL_FACTOR)
+    fn bound(&self, s: &State, now: Instant) -> Duration {
+        (typical_at(s, now) * 4).clamp(self.stall, self.stall * MAX_STALL_FACTOR)
     }
 
     fn is_stuck(&self, s: &State, c: &Call, now: Instant) -> bool {
-        !self.stall.is_zero() && now.duration_since(c.started) >= self.bound(s)
+        !self.stall.is_zero() && now.duration_since(c.started) >= self.bound(s, now)
     }
 
     fn stalled_in(&self, s: &State, now: Instant) -> bool {
-        now.duration_since(s.last_done) >= self.bound(s)
+        now.duration_since(s.last_done) >= self.bound(s, now)
             && s.calls.iter().any(|c| self.is_stuck(s, c, now))
     }
 
@@ -294,6 +319,21 @@ impl Watch {
         let now = Instant::now();
         let s = self.state.lock();
         !matches!(self.verdict(&s, file, now), Ok(false))
+    }
+
+    /// How long the oldest call on `file` has been in flight, when it is stuck now (a
+    /// fill stuck in the backing store, as opposed to one making progress call by call).
+    pub fn stuck_on(&self, file: u64) -> Option<Duration> {
+        if self.stall.is_zero() {
+            return None;
+        }
+        let now = Instant::now();
+        let s = self.state.lock();
+        s.calls
+            .iter()
+            .filter(|c| c.file == file && self.is_stuck(&s, c, now))
+            .map(|c| now.duration_since(c.started))
+            .max()
     }
 
     /// Whether the root is stalled now.
