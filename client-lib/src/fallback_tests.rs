@@ -716,6 +716,51 @@ fn local_copy_waits_for_every_block_and_hands_out_the_copy() {
     assert_eq!(read_all(&r), data);
 }
 
+#[test]
+fn local_copy_waits_for_a_file_that_lands_block_by_block() {
+    // A large file on a slow link: each wait sees one more block land (the first one it
+    // asked for). The copy is handed out once every block is there, however many waits
+    // that takes; the shim read such files from the backing store after three waits.
+    let b = bed();
+    let (path, data) = b.file("f", 12);
+    let p = path.clone();
+    let landed = AtomicU64::new(1);
+    b.script.set(move |c| match &c.req.kind {
+        Some(request::Kind::Open(_)) => opened(&p, &[0]),
+        Some(request::Kind::Wait(_)) => {
+            let n = landed.fetch_add(1, Ordering::SeqCst) + 1;
+            let present: Vec<u64> = (0..n).collect();
+            waited(&present, n < 12, false, Duration::from_millis(400))
+        }
+        _ => status_reply(),
+    });
+    let r = b.client.open(&path).unwrap();
+    let f = r.local_copy().expect("a complete copy");
+    let mut got = vec![0u8; data.len()];
+    std::os::unix::fs::FileExt::read_exact_at(&f, &mut got, 0).unwrap();
+    assert_eq!(got, data);
+    let waits = b.script.take_log().iter().filter_map(wait_req).count();
+    assert_eq!(waits, 11);
+
+    // A fill that stops making progress still ends the wait within `wait_timeout`.
+    let b = bed();
+    let (path, _) = b.file("f", 4);
+    let p = path.clone();
+    b.script.set(move |c| match &c.req.kind {
+        Some(request::Kind::Open(_)) => opened(&p, &[0]),
+        Some(request::Kind::Wait(w)) => waited(
+            &[0],
+            true,
+            false,
+            Duration::from_millis(u64::from(w.timeout_ms)),
+        ),
+        _ => status_reply(),
+    });
+    let r = b.client.open(&path).unwrap();
+    assert!(r.local_copy().is_none());
+    assert!(b.elapsed() <= b.client.inner.cfg.wait_timeout + b.client.inner.cfg.timeout);
+}
+
 // The client's calls: what goes by descriptor, and what the daemon's refusals become.
 
 #[test]

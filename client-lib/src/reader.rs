@@ -554,9 +554,12 @@ impl Reader {
     /// provide one: no daemon, the file is read from the backing store, the daemon
     /// refused or declined, a wait timed out, or the file is empty.
     pub fn local_copy(&self) -> Option<File> {
-        // Each round either completes the file, gives up, or fills up to 64 blocks.
+        // Each round completes the file, gives up (a wait that saw no block land within
+        // `wait_timeout`, or a refusal), or has at least its first missing block land:
+        // a file landing block by block over a slow link is waited for as long as it
+        // keeps landing, and every round makes progress, so there are at most `nblocks`.
         let rounds = match &*lock(&self.state) {
-            State::Cached(c) => c.nblocks / MAX_WAIT_BLOCKS + 3,
+            State::Cached(c) => c.nblocks + 1,
             State::Direct(_) => return None,
         };
         for _ in 0..rounds {
