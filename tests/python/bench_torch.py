@@ -302,8 +302,16 @@ def child(spec: dict) -> None:
         if st0 and st1:
             c0, c1 = st0["counters"], st1["counters"]
             for k in ("opens", "opens_full", "backing_bytes", "fallback_bytes", "fallback_opens",
-                      "waits", "evicted_files", "fills_no_space", "hit_bytes", "filled_bytes"):
+                      "waits", "evicted_files", "fills_no_space", "hit_bytes", "filled_bytes",
+                      "wait_timeouts", "handoffs", "fills_not_kept"):
                 r["d_" + k] = c1.get(k, 0) - c0.get(k, 0)
+            # Clients' fallbacks by reason (opens and reads reported in this epoch).
+            f0 = {f["reason"]: f for f in st0.get("fallbacks", [])}
+            r["d_fallbacks"] = {
+                f["reason"]: [f["opens"] - f0.get(f["reason"], {}).get("opens", 0),
+                              f["reads"] - f0.get(f["reason"], {}).get("reads", 0)]
+                for f in st1.get("fallbacks", [])}
+            r["d_fallbacks"] = {k: v for k, v in r["d_fallbacks"].items() if v != [0, 0]}
             r["space"] = {k: st1.get(k)
                           for k in ("capacity_bytes", "used_bytes", "files", "blocks")}
             job = getattr(sampler, "job", None)
@@ -317,7 +325,8 @@ def child(spec: dict) -> None:
         log(f"  epoch {epoch}: wall {wall:6.1f} s  stall {wait / wall:.2f}  AU {compute / wall:.2f}"
             f"  link {(rx1 - rx0) / 1e9:.3f} GB  read {nbytes / 1e9:.3f} GB"
             + (f"  daemon backing {r['d_backing_bytes'] / 1e9:.3f} GB"
-               f"  full-hit opens {r['d_opens_full']}/{r['d_opens']}" if "d_opens" in r else "")
+               f"  full-hit opens {r['d_opens_full']}/{r['d_opens']}"
+               f"  fallbacks (opens, reads) {r['d_fallbacks'] or 'none'}" if "d_opens" in r else "")
             + (f"  job hits {r['job_d_opens_hit']}/{r['job_d_opens']} step {r['job'].get('step')}"
                f"/{r['job'].get('epoch_len')} (epoch {r['job'].get('epoch')})"
                if "job" in r else ""))
