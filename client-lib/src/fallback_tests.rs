@@ -678,6 +678,17 @@ fn a_file_changed_on_the_backing_store_is_read_new_before_anything_was_served_an
     );
 }
 
+/// Opens `path` and takes its local copy, which must hold `data` whole; the waits it
+/// took.
+fn complete_copy(b: &Bed, path: &PathBuf, data: &[u8]) -> usize {
+    let r = b.client.open(path).unwrap();
+    let f = r.local_copy().expect("a complete copy");
+    let mut got = vec![0u8; data.len()];
+    std::os::unix::fs::FileExt::read_exact_at(&f, &mut got, 0).unwrap();
+    assert_eq!(got, data);
+    b.script.take_log().iter().filter_map(wait_req).count()
+}
+
 #[test]
 fn local_copy_waits_for_every_block_and_hands_out_the_copy() {
     let b = bed();
@@ -693,12 +704,7 @@ fn local_copy_waits_for_every_block_and_hands_out_the_copy() {
         },
         _ => status_reply(),
     });
-    let r = b.client.open(&path).unwrap();
-    let f = r.local_copy().expect("a complete copy");
-    let mut got = vec![0u8; data.len()];
-    std::os::unix::fs::FileExt::read_exact_at(&f, &mut got, 0).unwrap();
-    assert_eq!(got, data);
-    let waits = b.script.take_log().iter().filter_map(wait_req).count();
+    let waits = complete_copy(&b, &path, &data);
     assert_eq!(waits, 2);
     assert_eq!(b.elapsed(), Duration::from_millis(20));
 
@@ -734,12 +740,7 @@ fn local_copy_waits_for_a_file_that_lands_block_by_block() {
         }
         _ => status_reply(),
     });
-    let r = b.client.open(&path).unwrap();
-    let f = r.local_copy().expect("a complete copy");
-    let mut got = vec![0u8; data.len()];
-    std::os::unix::fs::FileExt::read_exact_at(&f, &mut got, 0).unwrap();
-    assert_eq!(got, data);
-    let waits = b.script.take_log().iter().filter_map(wait_req).count();
+    let waits = complete_copy(&b, &path, &data);
     assert_eq!(waits, 11);
 
     // A fill that stops making progress still ends the wait within `wait_timeout`.

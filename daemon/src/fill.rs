@@ -12,7 +12,8 @@
 //! own workers. A watchdog thread releases the waiters of a fill that is stuck — a
 //! backing call of it stuck by the watch's judgement (the stall bound,
 //! `backing_stall_timeout`, stretched on a store slow for everyone), its root stalled,
-//! or running past four of the watch's bounds (the client falls back at once) — and starts a stand-in worker for it (at most `fill_workers` per root: a stuck thread
+//! or running past four of the watch's bounds (the client falls back at once) — and
+//! starts a stand-in worker for it (at most `fill_workers` per root: a stuck thread
 //! cannot be cancelled, so its count is what is bounded); while the root is stalled
 //! ([`crate::backing::watch`]) its queued fills are released and new ones declined at
 //! once, until a call on it completes again. Shutdown waits a few seconds for workers,
@@ -820,8 +821,9 @@ fn worker(inner: &Inner, root: usize, me: u64) {
     }
 }
 
-/// Watches the workers: a stuck fill (see the module documentation) releases its waiters (they fall back) and gets a stand-in worker (at most `workers` per root),
-/// so that a store that never answers holds no more than its own workers; the queue of a
+/// Watches the workers: a stuck fill (see the module documentation) releases its
+/// waiters (they fall back) and gets a stand-in worker (at most `workers` per root), so
+/// that a store that never answers holds no more than its own workers; the queue of a
 /// stalled root is emptied (its waiters released) as soon as the root is stalled.
 fn watchdog(inner: &Arc<Inner>) {
     let roots = inner.meta.roots();
@@ -863,7 +865,7 @@ fn watchdog(inner: &Arc<Inner>) {
                 let running = now.duration_since(b.started);
                 if !b.stuck
                     && running >= stall
-                    && (stalled || running >= backstop || watch.stuck_on(b.file).is_some())
+                    && (stalled || running >= backstop || watch.file_stuck(b.file))
                 {
                     tracing::debug!(
                         root = r,
@@ -1610,35 +1612,36 @@ mod tests {
         r.filler.close();
     }
 
-    /// A batch makes one backing call per block, one after another: the watchdog's
-    /// stall bound is for one call, so a healthy batch that takes longer than the bound
-    /// in all is not taken for a stuck fill (its waiters are not released).
-    #[test]
-    fn a_batch_longer_than_the_stall_bound_in_all_is_not_stuck() {
+    /// A fill engine of `workers` over one root `/r` holding file `f` of `blocks` blocks
+    /// of 256 KiB, read through a throttle of `rate` bytes per second (after a 1 MiB
+    /// burst) and watched with the stall bound `stall`; the target of `f`.
+    fn throttled(
+        dir: &std::path::Path,
+        blocks: usize,
+        rate: u64,
+        stall: Duration,
+        workers: usize,
+    ) -> (Filler, Arc<Target>) {
         use crate::backing::throttle::ThrottledBacking;
         const BLOCK: u32 = 256 << 10;
-        let dir = tempfile::tempdir().unwrap();
         let mem = Arc::new(MemBacking::new());
         mem.put(
             "f",
-            vec![3; 12 * BLOCK as usize],
+            vec![3; blocks * BLOCK as usize],
             Owner {
                 mode: 0o644,
                 ..Owner::default()
             },
         );
-        // 1 MiB/s after a 1 MiB burst: a 256 KiB block every 250 ms, four times within
-        // the 1 s bound; the batch as a whole takes about 2 s.
-        let slow = Arc::new(ThrottledBacking::new(mem, 1 << 20));
         let roots = Arc::new(Roots::watched(
             vec![Root {
                 path: "/r".into(),
                 name: "/r".into(),
-                backing: slow,
+                backing: Arc::new(ThrottledBacking::new(mem, rate)),
             }],
-            Duration::from_secs(1),
+            stall,
         ));
-        let (meta, store, filler) = engine_over(roots, dir.path(), BLOCK, 1);
+        let (meta, store, filler) = engine_over(roots, dir, BLOCK, workers);
         let stat = meta.stat(0, "f").unwrap();
         let key = store.view("/r", &stat).unwrap().key;
         let t = Arc::new(Target {
@@ -1648,84 +1651,63 @@ mod tests {
             stat,
             key,
         });
-        let flights: Vec<Arc<Flight>> = (0..12)
-            .map(|i| match filler.request(&t, i, Priority::Readahead) {
+        (filler, t)
+    }
+
+    /// Requests read-ahead fills of `blocks` of `t` and waits for them all: the first
+    /// outcome each flight ends with (a release by the watchdog ends it early, before the
+    /// block lands).
+    fn fill_all(
+        filler: &Filler,
+        t: &Arc<Target>,
+        blocks: std::ops::Range<usize>,
+    ) -> Vec<FillOutcome> {
+        let flights: Vec<Arc<Flight>> = blocks
+            .map(|i| match filler.request(t, i, Priority::Readahead) {
                 Scheduled::InFlight(f) => f,
                 other => panic!("block {i}: {other:?}"),
             })
             .collect();
-        // Each waiter sees the first outcome its flight ends with (a release by the
-        // watchdog would end it early, before the block lands).
         let deadline = Instant::now() + Duration::from_secs(30);
-        let outcomes: Vec<FillOutcome> = std::thread::scope(|s| {
+        std::thread::scope(|s| {
             let waits: Vec<_> = flights
                 .iter()
                 .map(|f| s.spawn(move || f.wait_until(deadline).expect("ended")))
                 .collect();
             waits.into_iter().map(|w| w.join().unwrap()).collect()
-        });
-        assert_eq!(outcomes, vec![FillOutcome::Landed; 12]);
+        })
+    }
+
+    /// A batch makes one backing call per block, one after another: the watchdog's
+    /// stall bound is for one call, so a healthy batch that takes longer than the bound
+    /// in all is not taken for a stuck fill (its waiters are not released).
+    #[test]
+    fn a_batch_longer_than_the_stall_bound_in_all_is_not_stuck() {
+        let dir = tempfile::tempdir().unwrap();
+        // 1 MiB/s after a 1 MiB burst: a 256 KiB block every 250 ms, four times within
+        // the 1 s bound; the batch as a whole takes about 2 s.
+        let (filler, t) = throttled(dir.path(), 12, 1 << 20, Duration::from_secs(1), 1);
+        assert_eq!(fill_all(&filler, &t, 0..12), vec![FillOutcome::Landed; 12]);
         filler.close();
     }
 
     #[test]
     fn fills_on_a_store_slow_for_everyone_are_not_released_as_stuck() {
-        use crate::backing::throttle::ThrottledBacking;
-        const BLOCK: u32 = 256 << 10;
         let dir = tempfile::tempdir().unwrap();
-        let mem = Arc::new(MemBacking::new());
-        mem.put(
-            "f",
-            vec![5; 16 * BLOCK as usize],
-            Owner {
-                mode: 0o644,
-                ..Owner::default()
-            },
-        );
         // 2 MiB/s after a 1 MiB burst: one reader gets a block in 125 ms, two at once in
         // about 250 ms each — longer than the 200 ms stall bound, well under four times
         // what the root's calls take.
-        let slow = Arc::new(ThrottledBacking::new(mem, 2 << 20));
-        let roots = Arc::new(Roots::watched(
-            vec![Root {
-                path: "/r".into(),
-                name: "/r".into(),
-                backing: slow,
-            }],
-            Duration::from_millis(200),
-        ));
-        let (meta, store, filler) = engine_over(roots, dir.path(), BLOCK, 2);
-        let stat = meta.stat(0, "f").unwrap();
-        let key = store.view("/r", &stat).unwrap().key;
-        let t = Arc::new(Target {
-            peer_ok: true,
-            root: 0,
-            rel: "f".into(),
-            stat,
-            key,
-        });
-        let deadline = Instant::now() + Duration::from_secs(30);
-        let fill = |blocks: std::ops::Range<usize>| -> Vec<FillOutcome> {
-            let flights: Vec<Arc<Flight>> = blocks
-                .map(|i| match filler.request(&t, i, Priority::Readahead) {
-                    Scheduled::InFlight(f) => f,
-                    other => panic!("block {i}: {other:?}"),
-                })
-                .collect();
-            std::thread::scope(|s| {
-                let waits: Vec<_> = flights
-                    .iter()
-                    .map(|f| s.spawn(move || f.wait_until(deadline).expect("ended")))
-                    .collect();
-                waits.into_iter().map(|w| w.join().unwrap()).collect()
-            })
-        };
+        let (filler, t) = throttled(dir.path(), 16, 2 << 20, Duration::from_millis(200), 2);
         // The burst, then blocks one at a time: the root's calls take about 125 ms.
         for i in 0..6 {
-            assert_eq!(fill(i..i + 1), [FillOutcome::Landed], "block {i}");
+            assert_eq!(
+                fill_all(&filler, &t, i..i + 1),
+                [FillOutcome::Landed],
+                "block {i}"
+            );
         }
         // Now two at a time, each past the stall bound: slow, not stuck.
-        assert_eq!(fill(6..16), vec![FillOutcome::Landed; 10]);
+        assert_eq!(fill_all(&filler, &t, 6..16), vec![FillOutcome::Landed; 10]);
         filler.close();
     }
 

@@ -19,8 +19,8 @@
 //!   root answers.
 //! - **Slow is not hung.** Both rules measure a call against the stall bound or four
 //!   times what the root's calls take now (the longest recent one, halving every
-//!   [`TYPICAL_HALF_LIFE`]), whichever is longer, at most [`MAX_STALL_FACTOR`] bounds: on a store
-//!   slow for everyone — a congested link, calls queued behind each other — a call as
+//!   [`TYPICAL_HALF_LIFE`]), whichever is longer, at most [`MAX_STALL_FACTOR`] bounds:
+//!   on a store slow for everyone — a congested link, calls queued behind each other — a call as
 //!   slow as its neighbours is not stuck, while one far slower than them is.
 //! - **Bounded threads.** At most [`MAX_CALLS`] calls are in flight on one root; `stat`
 //!   runs on a small pool of the root's own threads ([`STAT_THREADS`], then a queue of
@@ -321,19 +321,14 @@ impl Watch {
         !matches!(self.verdict(&s, file, now), Ok(false))
     }
 
-    /// How long the oldest call on `file` has been in flight, when it is stuck now (a
-    /// fill stuck in the backing store, as opposed to one making progress call by call).
-    pub fn stuck_on(&self, file: u64) -> Option<Duration> {
-        if self.stall.is_zero() {
-            return None;
-        }
+    /// Whether a call on `file` is stuck now (a fill stuck in the backing store, as
+    /// opposed to one making progress call by call).
+    pub fn file_stuck(&self, file: u64) -> bool {
         let now = Instant::now();
         let s = self.state.lock();
         s.calls
             .iter()
-            .filter(|c| c.file == file && self.is_stuck(&s, c, now))
-            .map(|c| now.duration_since(c.started))
-            .max()
+            .any(|c| c.file == file && self.is_stuck(&s, c, now))
     }
 
     /// Whether the root is stalled now.
