@@ -35,6 +35,9 @@ pub enum FallbackReason {
     LocalError,
     /// A malformed or unexpected reply.
     Protocol,
+    /// Not a failure: the daemon had a cold small file read from the backing store
+    /// directly while it fills the cache behind the reader.
+    Direct,
 }
 
 impl FallbackReason {
@@ -50,6 +53,7 @@ impl FallbackReason {
             Self::Stale => "stale",
             Self::LocalError => "local_error",
             Self::Protocol => "protocol",
+            Self::Direct => "direct",
         }
     }
 
@@ -77,6 +81,7 @@ impl From<pb::FallbackReason> for FallbackReason {
             pb::FallbackReason::Stale => Self::Stale,
             pb::FallbackReason::LocalError => Self::LocalError,
             pb::FallbackReason::Protocol => Self::Protocol,
+            pb::FallbackReason::Direct => Self::Direct,
         }
     }
 }
@@ -93,6 +98,7 @@ impl From<FallbackReason> for pb::FallbackReason {
             FallbackReason::Stale => Self::Stale,
             FallbackReason::LocalError => Self::LocalError,
             FallbackReason::Protocol => Self::Protocol,
+            FallbackReason::Direct => Self::Direct,
         }
     }
 }

@@ -112,6 +112,7 @@ fn opened(path: &PathBuf, present: &[u64]) -> Answer {
                 present: bitmap(present),
                 data_gen: 1,
                 job_tag: 0,
+                read_backing: false,
             })),
         }),
         vec![OwnedFd::from(f)],
@@ -192,6 +193,51 @@ fn an_absent_daemon_sends_opens_to_the_backing_store_and_is_retried_after_retry_
     assert_eq!(r.stats().hit_bytes, 2 * BS);
     assert_eq!(r.fallback(), None);
     assert_eq!(b.elapsed(), RETRY_AFTER, "nothing waited on the daemon");
+}
+
+#[test]
+fn a_cold_file_the_daemon_fills_behind_its_reader_is_read_from_the_backing_store_without_a_wait() {
+    let b = bed();
+    let (path, data) = b.file("f", 1);
+    let p = path.clone();
+    b.script.set(move |_| {
+        let Answer::Reply { kind, .. } = opened(&p, &[]) else {
+            unreachable!()
+        };
+        let response::Kind::Open(mut o) = kind else {
+            unreachable!()
+        };
+        if let Some(open_reply::Result::Opened(x)) = &mut o.result {
+            x.read_backing = true;
+            x.data_gen = 0;
+        }
+        Answer::reply(response::Kind::Open(o))
+    });
+    let r = b.client.open(&path).unwrap();
+    assert_eq!(r.source(), Source::Backing);
+    assert_eq!(r.fallback(), Some(crate::FallbackReason::Direct));
+    assert_eq!(read_all(&r), data);
+    assert_eq!(r.stats().fallback_bytes, data.len() as u64);
+    // The shim's open: the caller opens the file itself; the open is counted.
+    assert!(b.client.open_cached(&path).is_none());
+    let calls = b.script.take_log();
+    let kinds: Vec<_> = calls.iter().map(kind).collect();
+    assert_eq!(kinds, ["open", "open"], "no wait asked for");
+    assert_eq!(b.elapsed(), Duration::ZERO);
+    // Each open is reported as a direct read of the backing store: the first with the
+    // second request, the second still to send.
+    let direct = |rep: &pb::ReadReport| {
+        let f = rep
+            .fallbacks
+            .iter()
+            .find(|f| f.reason == pb::FallbackReason::Direct as i32)
+            .expect("direct fallbacks reported");
+        (f.opens, f.reads, rep.fallback_opens)
+    };
+    let sent = calls[1].req.report.as_ref().expect("a report");
+    assert_eq!(direct(sent), (1, 1, 1));
+    let rest = b.client.inner.report.take().expect("a report");
+    assert_eq!(direct(&rest), (1, 0, 1));
 }
 
 #[test]
@@ -542,6 +588,7 @@ fn opened_copy(path: &PathBuf, present: &[u64], data: File, data_gen: u64) -> An
                 present: bitmap(present),
                 data_gen,
                 job_tag: 0,
+                read_backing: false,
             })),
         }),
         vec![OwnedFd::from(data)],

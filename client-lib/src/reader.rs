@@ -177,6 +177,13 @@ impl Reader {
     pub(crate) fn open_cached(client: Client, path: &Path) -> Option<Self> {
         let (path, outcome) = Self::ask_open(&client, path).ok()?;
         let opened = outcome.ok()?;
+        if opened.reply.read_backing {
+            // The caller opens the backing store itself (see `build`).
+            let r = &client.inner.report;
+            r.fallback_opens.fetch_add(1, Ordering::Relaxed);
+            r.add_fallback(FallbackReason::Direct, true);
+            return None;
+        }
         Self::build(client, path, Ok(opened)).ok()
     }
 
@@ -217,6 +224,19 @@ impl Reader {
             Err(why) => (None, Some(why)),
         };
         let mut job_tag = 0;
+        let (state, reason) = match state {
+            // The daemon fills this cold file behind the reader, from the page cache the
+            // reader's own read fills: read the backing store as a plain open would.
+            Some(c) if c.reply.read_backing => {
+                job_tag = c.reply.job_tag;
+                let why = (
+                    FallbackReason::Direct,
+                    "cold: read from the backing store while the daemon fills the cache".into(),
+                );
+                (None, Some(why))
+            }
+            s => (s, reason),
+        };
         let (state, size) = match state {
             Some(c) => {
                 let size = c.version().map_or(0, |v| v.size);

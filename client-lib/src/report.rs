@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use shardcache_proto::local::v1 as pb;
 
 /// Number of `FallbackReason` values (as the daemon counts them).
-const FALLBACK_REASONS: usize = pb::FallbackReason::Protocol as usize + 1;
+const FALLBACK_REASONS: usize = pb::FallbackReason::Direct as usize + 1;
 
 #[derive(Default)]
 pub(crate) struct Report {

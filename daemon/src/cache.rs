@@ -117,6 +117,9 @@ pub struct Opened {
     pub job_tag: u64,
     /// A read-only descriptor of the data file, when there is one.
     pub data: Option<File>,
+    /// Nothing of this small file is cached and its fill is queued behind the reader:
+    /// the reader reads the backing store itself ([`ReadPathConfig::direct`]).
+    pub read_backing: bool,
 }
 
 /// An open begun ([`ReadPath::open`]): the answer so far, and the fill of a cold small
@@ -184,6 +187,11 @@ pub struct ReadPathConfig {
     pub started: Instant,
     /// The bound address of the metrics endpoint, when it is on (for status).
     pub metrics_addr: Option<SocketAddr>,
+    /// Per backing root: a cold small file's first reader reads the backing store
+    /// itself and the fill, queued behind it, takes the same bytes from the kernel's
+    /// page cache (`cold_reads`; docs/SEMANTICS.md, "Cold small files"). Roots past the
+    /// end of the list are read through the daemon.
+    pub direct: Vec<bool>,
 }
 
 /// The read path: what the local API serves opens and waits with.
@@ -403,6 +411,7 @@ impl ReadPath {
         let job_tag = self.jobs.on_open(root, &rel, hit);
         let mut view = view.map_err(|e| self.refuse_store(e))?;
         let mut cold = None;
+        let mut read_backing = false;
         if hit {
             inc(&self.stats.opens_full);
         } else {
@@ -412,7 +421,14 @@ impl ReadPath {
                 inc(&self.stats.opens_empty);
             }
             let t = target(root, rel, stat.clone(), &view);
-            if view.nblocks == 1 {
+            if view.nblocks == 1 && self.cfg.direct.get(root).copied().unwrap_or(false) {
+                // A small file with nothing cached, on a root whose page cache outlives
+                // an open: its reader reads it from the backing store at the speed of a
+                // plain read, and the fill queued behind it lands the same bytes from the
+                // page cache (one read of the backing store, not two).
+                read_backing = true;
+                self.filler.request(&t, 0, Priority::Readahead);
+            } else if view.nblocks == 1 {
                 // A small file with nothing cached: its reader waits for it next. Fill it
                 // for the reader now, and hand its bytes over with this answer.
                 if let Scheduled::InFlight(f) = self.filler.request(&t, 0, Priority::Demand) {
@@ -434,6 +450,7 @@ impl ReadPath {
                 data_gen: view.data_gen,
                 job_tag,
                 data: view.data.take(),
+                read_backing,
             },
             stat,
             cold,
@@ -787,6 +804,11 @@ mod tests {
     }
 
     fn rig_with(capacity: u64, readahead: u32) -> Rig {
+        rig_direct(capacity, readahead, false)
+    }
+
+    /// A rig whose root has its cold small files read by their readers (`direct`).
+    fn rig_direct(capacity: u64, readahead: u32, direct: bool) -> Rig {
         let dir = tempfile::tempdir().unwrap();
         let mem = Arc::new(MemBacking::new());
         let (faulty, faults) = FaultyBacking::new(mem.clone());
@@ -829,6 +851,7 @@ mod tests {
                 cache_dir: dir.path().to_owned(),
                 started: Instant::now(),
                 metrics_addr: None,
+                direct: vec![direct],
             },
         );
         Rig {
@@ -955,6 +978,45 @@ mod tests {
         r.faults.fail_reads.store(true, Ordering::SeqCst);
         let o = r.cache.open(&creds(0), "/r/bad").unwrap();
         assert!(!is_set(&o.present, 0));
+    }
+
+    #[test]
+    fn a_cold_small_file_on_a_direct_root_is_read_by_its_reader_and_filled_behind_it() {
+        let r = rig_direct(1 << 30, 8, true);
+        let data = bytes(3000, 7);
+        r.mem.put("s", data.clone(), owner(0, 0o644));
+        r.mem.put("big", bytes(3 * BS as usize, 8), owner(0, 0o644));
+        // Answered at once: nothing cached, read the backing store; no wait, no handoff.
+        let o = r.cache.open(&creds(0), "/r/s").unwrap();
+        assert!(
+            o.read_backing,
+            "the reader reads the cold small file itself"
+        );
+        assert!(!is_set(&o.present, 0));
+        // The fill was queued behind the reader: it lands, and the next open is a hit
+        // with the file's bytes and no word of the backing store.
+        assert!(r.settle());
+        let again = r.cache.open(&creds(0), "/r/s").unwrap();
+        assert!(!again.read_backing);
+        assert!(is_set(&again.present, 0));
+        assert_eq!(
+            read_all(&again.data.expect("a descriptor"), data.len()),
+            data
+        );
+        let s = r.stats.snapshot();
+        assert_eq!(
+            (s.opens_empty, s.opens_full, s.waits, s.handoffs),
+            (1, 1, 0, 0)
+        );
+        // A file of several blocks is read through the cache as before.
+        let big = r.cache.open(&creds(0), "/r/big").unwrap();
+        assert!(!big.read_backing);
+        // A root not marked direct hands a cold small file over (the default).
+        let through = rig();
+        through.mem.put("s", data.clone(), owner(0, 0o644));
+        let o = through.cache.open(&creds(0), "/r/s").unwrap();
+        assert!(!o.read_backing);
+        assert!(is_set(&o.present, 0));
     }
 
     #[test]

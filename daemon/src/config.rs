@@ -48,6 +48,46 @@ impl fmt::Display for IoEngine {
     }
 }
 
+/// Who reads a cold small file from the backing store (configuration key `cold_reads`,
+/// flag `--cold-reads`; docs/SEMANTICS.md, "Cold small files").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ColdReads {
+    /// `direct` on roots whose page cache outlives an open (local file systems, NFS,
+    /// Lustre, GPFS, CephFS), `through` on FUSE mounts (which drop it at each open unless
+    /// their server keeps it) and whenever peers are on.
+    Auto,
+    /// The reader reads the backing store itself and the daemon fills the cache from the
+    /// page cache behind it: the cold read costs about what a plain read costs.
+    Direct,
+    /// The daemon reads the file and hands its bytes to the reader.
+    #[default]
+    Through,
+}
+
+impl FromStr for ColdReads {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(Self::Auto),
+            "direct" => Ok(Self::Direct),
+            "through" => Ok(Self::Through),
+            _ => Err(format!(
+                "cold_reads: {s:?} is not one of \"auto\", \"direct\", \"through\""
+            )),
+        }
+    }
+}
+
+impl fmt::Display for ColdReads {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Auto => "auto",
+            Self::Direct => "direct",
+            Self::Through => "through",
+        })
+    }
+}
+
 /// The name peers' certificates carry unless configured otherwise (`peer_tls_name`).
 pub const DEFAULT_TLS_NAME: &str = "shardcache-peer";
 
@@ -150,6 +190,12 @@ fn de_io_engine<'de, D: Deserializer<'de>>(d: D) -> Result<IoEngine, D::Error> {
         .map_err(serde::de::Error::custom)
 }
 
+fn de_cold_reads<'de, D: Deserializer<'de>>(d: D) -> Result<ColdReads, D::Error> {
+    String::deserialize(d)?
+        .parse()
+        .map_err(serde::de::Error::custom)
+}
+
 fn de_metrics_listen<'de, D: Deserializer<'de>>(d: D) -> Result<MetricsListen, D::Error> {
     String::deserialize(d)?
         .parse()
@@ -206,6 +252,12 @@ pub struct Config {
     /// Threads reading each backing root and writing the cache (per root: a hung root
     /// holds only its own). Default 4.
     pub fill_workers: usize,
+    /// Who reads a cold small file (one block, nothing cached) for its first reader:
+    /// `direct` (the reader, from the backing store, while the daemon fills the cache
+    /// from the page cache behind it), `through` (the daemon, handing the bytes over) or
+    /// `auto` (direct unless the root is a FUSE mount or peers are on). Default `through`.
+    #[serde(deserialize_with = "de_cold_reads")]
+    pub cold_reads: ColdReads,
     /// Most queued block fills; read-ahead beyond it is dropped (counted). Default 8192.
     pub fill_queue: usize,
     /// Longest a client may wait on one fill request before it reads the backing store
@@ -308,6 +360,7 @@ impl Default for Config {
             metadata_ttl: Duration::from_secs(1),
             readahead_blocks: 8,
             fill_workers: 4,
+            cold_reads: ColdReads::Through,
             fill_queue: 8192,
             backing_stall_timeout: crate::backing::watch::DEFAULT_STALL,
             max_wait: Duration::from_secs(30),
@@ -694,6 +747,15 @@ mod tests {
     }
 
     #[test]
+    fn cold_reads_is_auto_direct_or_through() {
+        let c: Config = toml::from_str("cold_reads = \"auto\"\n").unwrap();
+        assert_eq!(c.cold_reads, ColdReads::Auto);
+        assert_eq!(Config::default().cold_reads, ColdReads::Through);
+        let e = toml::from_str::<Config>("cold_reads = \"never\"\n").unwrap_err();
+        assert!(e.to_string().contains("cold_reads"), "{e}");
+    }
+
+    #[test]
     fn io_engine_is_auto_psync_or_uring() {
         let c: Config = toml::from_str("io_engine = \"psync\"\n").unwrap();
         assert_eq!(c.io_engine, IoEngine::Psync);
@@ -736,6 +798,7 @@ mod packaged {
         assert_eq!(c.min_free, d.min_free);
         assert_eq!(c.block_size, d.block_size);
         assert_eq!(c.io_engine, d.io_engine);
+        assert_eq!(c.cold_reads, d.cold_reads);
         assert_eq!(c.metadata_ttl, d.metadata_ttl);
         assert_eq!(c.readahead_blocks, d.readahead_blocks);
         assert_eq!(c.fill_workers, d.fill_workers);

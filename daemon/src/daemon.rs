@@ -50,6 +50,40 @@ fn stall_bound(cfg: &Config) -> Duration {
     }
 }
 
+/// Per root, whether a cold small file's first reader reads the backing store itself
+/// (`cold_reads`; [`crate::cache::ReadPathConfig::direct`]). `auto` says yes where the
+/// fill queued behind the reader will find the bytes in the page cache: not on a FUSE
+/// mount (the kernel drops a FUSE file's pages at each open unless its server asks to
+/// keep them, so the fill would read the link a second time), and not with peers on
+/// (the fill may take the file from a peer, which the reader's read would bypass).
+/// Each root's choice is logged once.
+fn direct_cold_reads(cfg: &Config, roots: &crate::meta::Roots, peers: bool) -> Vec<bool> {
+    use crate::config::ColdReads;
+    roots
+        .all()
+        .iter()
+        .map(|r| {
+            let (direct, why) = match cfg.cold_reads {
+                ColdReads::Direct => (true, "cold_reads = direct"),
+                ColdReads::Through => (false, "cold_reads = through"),
+                ColdReads::Auto if peers => (false, "peers are on"),
+                ColdReads::Auto => match crate::backing::posix::keeps_page_cache(&r.path) {
+                    Some(true) => (true, "its page cache outlives an open"),
+                    Some(false) => (false, "a FUSE mount drops its page cache at each open"),
+                    None => (false, "its file system type is unknown"),
+                },
+            };
+            tracing::info!(
+                root = %r.name,
+                reader = if direct { "direct" } else { "through the daemon" },
+                why,
+                "cold small files"
+            );
+            direct
+        })
+        .collect()
+}
+
 /// Everything start-up refuses of `cfg`: [`Config::check`] (the settings, and what this
 /// machine must offer), then that the peer TLS files load ([`crate::peer::tls::Tls::load`]:
 /// they parse, the key fits the certificate, the certificate verifies against the CA).
@@ -339,6 +373,7 @@ impl Daemon {
                 cache_dir: cfg.cache_dir.clone(),
                 started: Instant::now(),
                 metrics_addr,
+                direct: direct_cold_reads(cfg, meta.roots(), peers.is_some()),
             },
         ));
         let ctx = Arc::new(Ctx {

@@ -50,6 +50,9 @@ struct Args {
     /// Blocks to read ahead of a client [default: 8].
     #[arg(long, env = "SHARDCACHED_READAHEAD_BLOCKS")]
     readahead_blocks: Option<u32>,
+    /// Who reads a cold small file first: auto, direct (the reader) or through (the daemon) [default: through].
+    #[arg(long, env = "SHARDCACHED_COLD_READS")]
+    cold_reads: Option<config::ColdReads>,
     /// Fill worker threads [default: 4].
     #[arg(long, env = "SHARDCACHED_FILL_WORKERS")]
     fill_workers: Option<usize>,
@@ -170,6 +173,7 @@ fn load(args: &Args) -> anyhow::Result<Config> {
         metadata_ttl,
         readahead_blocks,
         fill_workers,
+        cold_reads,
         max_wait,
         spin,
         prefetch_ahead,

@@ -11,7 +11,7 @@ use crate::status::Fallbacks;
 
 /// Number of `FallbackReason` values (the unspecified one included: what an older or
 /// newer client reports without a known reason is counted there).
-pub const FALLBACK_REASONS: usize = pb::FallbackReason::Protocol as usize + 1;
+pub const FALLBACK_REASONS: usize = pb::FallbackReason::Direct as usize + 1;
 
 macro_rules! counters {
     ($($name:ident),* $(,)?) => {

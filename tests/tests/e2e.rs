@@ -575,6 +575,67 @@ fn status_cli_prints_a_table_and_json() {
 }
 
 #[test]
+fn cold_small_files_read_directly_are_filled_behind_their_readers() {
+    let bed = Bed::new();
+    let n = 40u64;
+    let paths: Vec<_> = (0..n).map(|i| bed.path(&format!("d/{i:03}"))).collect();
+    for (i, p) in paths.iter().enumerate() {
+        write_file(p, i as u64, 5000 + i as u64 * 101);
+    }
+    write_file(&bed.path("d/big"), 99, 3 << 20);
+    // A temporary directory keeps its page cache from one open to the next (not FUSE):
+    // `auto` has cold small files read by their readers.
+    let d = bed.start(&["--cold-reads", "auto", "--block-size", "1MiB"]);
+    assert!(
+        d.log_text().contains("cold small files") && d.log_text().contains("direct"),
+        "the choice is logged: {}",
+        d.log_text()
+    );
+    let client = bed.client();
+    let before = d.counters();
+    for (i, p) in paths.iter().enumerate() {
+        let mut r = client.open(p).unwrap();
+        assert_eq!(r.source(), Source::Backing, "file {i}");
+        assert_eq!(
+            r.fallback(),
+            Some(shardcache_client::FallbackReason::Direct)
+        );
+        let mut v = Vec::new();
+        r.read_to_end(&mut v).unwrap();
+        assert_eq!(v, content(i as u64, 5000 + i as u64 * 101), "file {i}");
+    }
+    let small = d.counters();
+    assert_eq!(small.waits, before.waits, "no small file waited: {small:?}");
+    assert_eq!(small.handoffs, before.handoffs);
+    // A file of several blocks is read through the cache.
+    let (got, _) = read_all(&client, &bed.path("d/big")).unwrap();
+    assert_eq!(got, content(99, 3 << 20));
+    // The fills queued behind the readers land without anyone reading again (bounded).
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while d.counters().blocks_filled - before.blocks_filled < n + 3 {
+        assert!(Instant::now() < deadline, "{:?}", d.counters());
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // Each open was reported as a direct read of the backing store, by name.
+    let direct = d
+        .status()
+        .fallbacks
+        .iter()
+        .find(|f| f.reason == shardcache_client::FallbackReason::Direct)
+        .map(|f| f.opens);
+    assert_eq!(direct, Some(n));
+    // The next reader of each finds it cached, byte for byte.
+    for (i, p) in paths.iter().enumerate() {
+        let mut r = client.open(p).unwrap();
+        assert_eq!(r.source(), Source::Cache, "file {i}");
+        let mut v = Vec::new();
+        r.read_to_end(&mut v).unwrap();
+        assert_eq!(v, content(i as u64, 5000 + i as u64 * 101), "file {i}");
+        assert_eq!(r.stats().hit_bytes, v.len() as u64, "file {i}");
+    }
+}
+
+#[test]
 fn open_many_gives_each_path_what_open_would() {
     let bed = Bed::new();
     for i in 0..70 {

@@ -134,7 +134,7 @@ fn clients_report_why_they_read_the_backing_store() {
             .find(|f| f.reason == r)
             .map(|f| (f.opens, f.reads > 0))
     };
-    assert_eq!(s.fallbacks.len(), 9, "every reason is reported");
+    assert_eq!(s.fallbacks.len(), 10, "every reason is reported");
     assert_eq!(of(FallbackReason::Unavailable), Some((1, true)));
     assert_eq!(of(FallbackReason::Refused), Some((1, true)));
     assert_eq!(of(FallbackReason::Declined), Some((0, false)));

@@ -560,11 +560,32 @@ impl BackingFile for PosixFile {
     }
 }
 
+/// `FUSE_SUPER_MAGIC`, the `f_type` of every FUSE mount (sshfs, s3fs, gcsfuse, ...).
+const FUSE_SUPER_MAGIC: i64 = 0x6573_5546;
+
+/// Whether the kernel keeps the pages of a file under `path` from one open of it to the
+/// next, so that a read by one process leaves the bytes for another's (true for local
+/// file systems, NFS, Lustre, GPFS, CephFS; false for FUSE, which drops them at each open
+/// unless the FUSE server asks to keep them). `None` when the file system cannot be
+/// asked.
+pub fn keeps_page_cache(path: &Path) -> Option<bool> {
+    let fs = rustix::fs::statfs(path).ok()?;
+    #[allow(clippy::unnecessary_cast)] // f_type's width differs between targets
+    Some(fs.f_type as i64 != FUSE_SUPER_MAGIC)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::backing::conformance::{self, Fixture};
     use std::os::unix::fs::PermissionsExt;
+
+    #[test]
+    fn a_local_directory_keeps_its_page_cache_and_a_missing_one_cannot_be_asked() {
+        let dir = tempfile::tempdir().unwrap();
+        assert_eq!(keeps_page_cache(dir.path()), Some(true));
+        assert_eq!(keeps_page_cache(&dir.path().join("missing")), None);
+    }
 
     /// A backing root one level below a temporary directory (its parent, whose mode the
     /// tests change).

@@ -274,6 +274,7 @@ pub fn fallback_reason(r: pb::FallbackReason) -> &'static str {
         F::Stale => "stale",
         F::LocalError => "local_error",
         F::Protocol => "protocol",
+        F::Direct => "direct",
     }
 }
 

@@ -761,6 +761,7 @@ fn opened(o: Result<Opened, Refusal>) -> (pb::open_reply::Result, Option<File>) 
             data_gen,
             job_tag,
             data,
+            read_backing,
         }) => (
             pb::open_reply::Result::Opened(pb::Opened {
                 version: Some(pb_version(&version)),
@@ -768,6 +769,7 @@ fn opened(o: Result<Opened, Refusal>) -> (pb::open_reply::Result, Option<File>) 
                 present,
                 data_gen,
                 job_tag,
+                read_backing,
             }),
             data,
         ),
