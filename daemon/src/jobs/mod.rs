@@ -42,13 +42,13 @@ use crate::policy::{Applied, Deferred, Plans, Slots};
 use crate::ratelimit::TokenBucket;
 use crate::store::{Key, Store};
 
-/// Upcoming files the prefetcher and the status look at. Far enough that a reader
-/// racing through its hits leaves the prefetcher misses to fetch: with 256, the PyTorch
-/// benchmark's small files at half cache (4 000 files, 400 mbit) found nothing missing
-/// within reach for much of each epoch, the link idled and stall was 0.45 / 0.43 where
-/// the floor is 0.30; with 4096, 0.35 / 0.32. The cost is the prefetcher's CPU: 4.1 s
-/// instead of 0.5 s over that 20 s run (the upcoming list is rebuilt each round).
-const LOOKAHEAD: usize = 4096;
+/// Upcoming files the prefetcher looks at for each decision. At half cache a reader
+/// races through its hits, so within 256 files the prefetcher found nothing missing and
+/// the link idled. `bench-torch.sh --small-files 4000 --shards 1 --dataset small --row
+/// sc-half`, stall of epochs 1-2 (floor 0.30) and the prefetcher's CPU over the run:
+/// 256 gave 0.44 / 0.42 and 0.8 s, 1 024 0.38 / 0.36 and 2.0 s, 4 096 0.34-0.38 /
+/// 0.32-0.36 and 4.3 s (each decision walks the list past the resident files).
+const LOOKAHEAD: usize = 1024;
 /// Most files in a job's readiness window (status, `shardcache prefetch --wait`).
 const STATUS_WINDOW: usize = 4096;
 /// Most read files noted for the prefetcher between two of its rounds (past it, the

@@ -247,7 +247,7 @@ impl Jobs {
             // the store's index lock, which opens take) waits for one decision, never
             // for the whole round.
             let mut p = self.plans.planner();
-            let Some(fx) = prefetch::next_prefetch_in(&mut p, &view, pace, &upcoming) else {
+            let Some(fx) = prefetch::next_prefetch(&mut p, &view, pace) else {
                 break;
             };
             let steps = p.steps_until(&fx.file).unwrap_or(0);

@@ -53,41 +53,27 @@ pub struct Pace {
 /// when it is the bottleneck, and otherwise leaves files cached for the next epoch alone
 /// for as long as possible.
 pub fn next_prefetch(p: &mut Planner, cache: &dyn CacheView, pace: Pace) -> Option<Fetch> {
-    let upcoming = p.upcoming(pace.max_ahead);
-    next_prefetch_in(p, cache, pace, &upcoming)
-}
-
-/// [`next_prefetch`] over `upcoming`, what [`Planner::upcoming`] said (for
-/// `pace.max_ahead` files) a moment ago: a caller that decides many fetches in a row
-/// computes it once for all of them (the files it starts count as in flight).
-pub fn next_prefetch_in(
-    p: &mut Planner,
-    cache: &dyn CacheView,
-    pace: Pace,
-    upcoming: &[(FileRef, Need)],
-) -> Option<Fetch> {
-    let mut first: Option<&(FileRef, Need)> = None;
+    let mut first: Option<(FileRef, Need)> = None;
     let mut missing = 0usize;
     let mut urgent = false;
-    for up in upcoming.iter().take(pace.max_ahead) {
-        let (file, need) = up;
-        if cache.is_resident(p, file) || cache.in_flight(file) {
+    for (file, need) in p.upcoming(pace.max_ahead) {
+        if cache.is_resident(p, &file) || cache.in_flight(&file) {
             continue;
         }
         missing += 1;
-        if let Need::In(t) = *need
+        if let Need::In(t) = need
             && t <= missing as f64 * pace.secs_per_file + pace.margin
         {
             urgent = true;
         }
         if first.is_none() {
-            first = Some(up);
+            first = Some((file, need));
         }
         if urgent {
             break;
         }
     }
-    let (file, need) = first.cloned()?;
+    let (file, need) = first?;
     if !urgent {
         return None;
     }
