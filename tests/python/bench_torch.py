@@ -273,7 +273,9 @@ def child(spec: dict) -> None:
         rx0 = rx_bytes()
         wait = compute = 0.0
         nbytes = nsamples = 0
+        long_waits = []
         t0 = time.monotonic()
+        started = time.time()  # wall clock, to line the epoch up with outside traces
         sampler.set_epoch(epoch)  # registers the plan (epoch 0): prefetch may start here
         it = iter(loader)
         while True:
@@ -283,7 +285,10 @@ def child(spec: dict) -> None:
             except StopIteration:
                 wait += time.monotonic() - a
                 break
-            wait += time.monotonic() - a
+            w = time.monotonic() - a
+            wait += w
+            if w > 0.02:  # where in the epoch the loop waited (results.json)
+                long_waits.append((round(a - t0, 3), round(w, 3)))
             if kind == "small":
                 b = sum(x[0] for x in batch)
                 nsamples += len(batch)
@@ -297,8 +302,9 @@ def child(spec: dict) -> None:
         wall = time.monotonic() - t0
         rx1 = rx_bytes()
         st1 = status()
-        r = {"epoch": epoch, "wall": wall, "wait": wait, "compute": compute,
-             "bytes_read": nbytes, "samples": nsamples, "link_bytes": rx1 - rx0}
+        r = {"epoch": epoch, "started": started, "wall": wall, "wait": wait, "compute": compute,
+             "bytes_read": nbytes, "samples": nsamples, "link_bytes": rx1 - rx0,
+             "long_waits": long_waits}
         if st0 and st1:
             c0, c1 = st0["counters"], st1["counters"]
             for k in ("opens", "opens_full", "backing_bytes", "fallback_bytes", "fallback_opens",

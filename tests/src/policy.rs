@@ -248,6 +248,7 @@ fn start_prefetch(
     // Prefetch only when some upcoming deadline needs the backing store now.
     let pace = prefetch::Pace {
         max_ahead: cache.capacity + window + 1,
+        max_walk: cache.capacity + window + 1,
         secs_per_file: 1.0 / b,
         margin: 2.0 / b,
     };

@@ -19,7 +19,10 @@
 //! this module; the store calls into the planner (through the policy) with its own lock
 //! held, so the order is always store → planner.
 
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
+
+// Keyed by paths from manifests of any user: seeded per process, and fast on strings.
+use foldhash::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
@@ -42,13 +45,14 @@ use crate::policy::{Applied, Deferred, Plans, Slots};
 use crate::ratelimit::TokenBucket;
 use crate::store::{Key, Store};
 
-/// Upcoming files the prefetcher looks at for each decision. At half cache a reader
-/// races through its hits, so within 256 files the prefetcher found nothing missing and
-/// the link idled. `bench-torch.sh --small-files 4000 --shards 1 --dataset small --row
-/// sc-half`, stall of epochs 1-2 (floor 0.30) and the prefetcher's CPU over the run:
-/// 256 gave 0.44 / 0.42 and 0.8 s, 1 024 0.38 / 0.36 and 2.0 s, 4 096 0.34-0.38 /
-/// 0.32-0.36 and 4.3 s (each decision walks the list past the resident files).
+/// Upcoming files the round looks up sizes of, and upcoming missing files (neither
+/// resident nor being fetched) the prefetcher looks at for each decision.
 const LOOKAHEAD: usize = 1024;
+/// Most upcoming files of a job walked for one decision: the resident ones ahead are
+/// passed over (at half cache a reader races through thousands of hits, and with a
+/// window of a fixed 256 or 1 024 files the prefetcher saw nothing missing and left the
+/// link idle at the start of every epoch).
+const MAX_WALK: usize = 1 << 17;
 /// Most files in a job's readiness window (status, `shardcache prefetch --wait`).
 const STATUS_WINDOW: usize = 4096;
 /// Most read files noted for the prefetcher between two of its rounds (past it, the
@@ -177,18 +181,18 @@ impl Jobs {
             info: Mutex::new(BTreeMap::new()),
             next_tag: AtomicU64::new(1),
             prefetching: AtomicU64::new(0),
-            sizes: Mutex::new(HashMap::new()),
+            sizes: Mutex::new(HashMap::default()),
             peers,
             wake,
-            prefetched: Mutex::new(HashMap::new()),
+            prefetched: Mutex::new(HashMap::default()),
             read: Mutex::new(Vec::new()),
             instruments,
             prefetcher_alive: Arc::new(AtomicBool::new(false)),
-            tags: RwLock::new(HashMap::new()),
+            tags: RwLock::new(HashMap::default()),
             clock: Arc::new(SystemClock),
             procs: Arc::new(ProcFs),
             durable: None,
-            saved_positions: Mutex::new(HashMap::new()),
+            saved_positions: Mutex::new(HashMap::default()),
         }
     }
 

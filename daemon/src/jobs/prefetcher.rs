@@ -180,7 +180,7 @@ impl Jobs {
         let room = store.room();
         let sizes = self.sizes.lock();
         let mut view = Snapshot {
-            evicted: HashSet::new(),
+            evicted: HashSet::default(),
             busy: r
                 .flights
                 .keys()
@@ -192,6 +192,9 @@ impl Jobs {
             sizes: &sizes,
             default_size: store.block_size() as u64,
         };
+        // Past every resident file to the next LOOKAHEAD missing ones (as the policy
+        // benchmark's simulation looks), within MAX_WALK.
+        let max_walk = (self.plans.planner().resident_len() + LOOKAHEAD).min(MAX_WALK);
         let pace = match filler.service() {
             Some(s) if self.rates_known() && !upcoming.is_empty() => {
                 let mean = upcoming
@@ -201,6 +204,7 @@ impl Jobs {
                     / upcoming.len() as f64;
                 Pace {
                     max_ahead: LOOKAHEAD,
+                    max_walk,
                     secs_per_file: mean / s.throughput,
                     // Room for the measurement to be off, and for a burst of reads.
                     margin: 0.25 + 4.0 * s.latency,
@@ -208,6 +212,7 @@ impl Jobs {
             }
             _ => Pace {
                 max_ahead: LOOKAHEAD,
+                max_walk,
                 secs_per_file: f64::INFINITY,
                 margin: 0.0,
             },
@@ -344,11 +349,11 @@ struct Rounds {
 impl Rounds {
     fn new(cfg: PrefetchConfig) -> Self {
         Self {
-            flights: HashMap::new(),
+            flights: HashMap::default(),
             declined: Backoffs::default(),
             denied: Backoffs::default(),
             registrations: 0,
-            ahead: HashMap::new(),
+            ahead: HashMap::default(),
             budget: cfg.bandwidth.map(prefetch_budget),
             ops: cfg.ops.map(prefetch_budget),
         }
@@ -609,7 +614,7 @@ mod tests {
         let left: HashSet<&FileRef> = b.waiting().collect();
         assert_eq!(
             left,
-            HashSet::from([&file(3)]),
+            HashSet::from_iter([&file(3)]),
             "only the stalled root's file"
         );
         assert_eq!(
@@ -807,6 +812,32 @@ mod tests {
         r.jobs.on_open(0, "f7", true);
         assert_eq!(r.round(), vec![file(1), file(3)]);
         r.settle_fills();
+    }
+
+    /// Past a run of resident files longer than [`LOOKAHEAD`] (at half cache a reader
+    /// races through thousands of hits), the prefetcher still finds the next missing
+    /// file: it passes over the resident ones instead of looking at a fixed window.
+    #[test]
+    fn it_looks_past_more_resident_files_than_its_lookahead() {
+        let k = LOOKAHEAD + 10;
+        let order: Vec<usize> = (0..k + 2).collect();
+        let mut r = Rig::new(k + 2, &order, k);
+        let mut started = 0;
+        for _ in 0..4 * k {
+            let n = r.round().len();
+            r.settle_fills();
+            started += n;
+            if n == 0 {
+                break;
+            }
+        }
+        assert_eq!(started, k, "as far ahead as its bound");
+        assert!(r.cached(k - 1) && !r.cached(k));
+        // The reader reads the first: the next file is past k - 1 resident ones.
+        r.jobs.on_open(0, "f0", true);
+        assert_eq!(r.round(), vec![file(k)]);
+        r.settle_fills();
+        assert!(r.cached(k));
     }
 
     /// A fetch that fails is not asked for again until its backoff ran out; it fails

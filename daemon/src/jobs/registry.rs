@@ -124,7 +124,7 @@ impl Jobs {
             .map(|(id, j)| (id.clone(), j.tag))
             .collect();
         jobs.sort_by_key(|(_, tag)| *tag);
-        let mut tags = HashMap::new();
+        let mut tags = HashMap::default();
         for (id, tag) in jobs {
             if let Some(files) = self.files_of(&id) {
                 for f in files.iter() {
@@ -404,7 +404,7 @@ impl Jobs {
                 files: n,
                 immutable,
                 dirs_denied: dirs_denied as u64,
-                denied: HashSet::new(),
+                denied: HashSet::default(),
                 tag,
                 usage,
                 shape: shape.map(|s| (s, ranks)),

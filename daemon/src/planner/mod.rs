@@ -25,7 +25,11 @@
 //! cached longer. The policy benchmark (`shardcache-bench policy`) shows both the hit
 //! ceiling and the stall floor across cache sizes and rates.
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::BTreeSet;
+
+// Keyed by paths from manifests of any user: seeded per process, and fast on strings
+// (the prefetcher looks up thousands of files per decision).
+use foldhash::{HashMap, HashSet};
 use std::sync::Arc;
 
 use shardcache_plan::shuffle;
@@ -164,7 +168,7 @@ struct Job {
     cluster: bool,
     /// Resident files some other node has fetched a copy of to keep: their reads by
     /// other ranks no longer depend on this node's copy.
-    handed: std::collections::HashSet<u32>,
+    handed: HashSet<u32>,
     /// A shuffle's whole-world order of a few epochs (position `k · world + rank` is
     /// rank `rank`'s `k`-th read), indexed by file.
     world_epochs: Vec<(u64, Arc<EpochIndex>)>,
@@ -693,9 +697,9 @@ impl Planner {
             done: 0,
             epochs: Vec::new(),
             ranked: BTreeSet::new(),
-            rank_of: HashMap::new(),
+            rank_of: HashMap::default(),
             cluster: self.cluster,
-            handed: std::collections::HashSet::new(),
+            handed: HashSet::default(),
             world_epochs: Vec::new(),
             owners: parking_lot::Mutex::new(None),
             placement: None,
@@ -794,6 +798,11 @@ impl Planner {
             self.unplanned.insert((self.tick, f.clone()));
         }
         *t = self.tick;
+    }
+
+    /// How many files have a cache entry (see [`Planner::set_resident`]).
+    pub fn resident_len(&self) -> usize {
+        self.resident.len()
     }
 
     /// True when `f` has a cache entry (see [`Planner::set_resident`]).
@@ -1363,41 +1372,67 @@ impl Planner {
     /// those of a shuffle under a cluster placement: what it reads next is moved here by
     /// the placement ([`Planner::incoming`]).
     pub fn upcoming(&mut self, max: usize) -> Vec<(FileRef, Need)> {
+        self.upcoming_except(max, max, &|_, _| false)
+    }
+
+    /// [`Planner::upcoming`] passing over the files `skip` names (resident, being
+    /// fetched) without counting them: the first `max` others in order of need, looking
+    /// at most `max_walk` upcoming files of each job. At half cache a job's next
+    /// thousands of files may all be resident; what must be fetched lies past them.
+    pub fn upcoming_except(
+        &mut self,
+        max: usize,
+        max_walk: usize,
+        skip: &dyn Fn(&Planner, &FileRef) -> bool,
+    ) -> Vec<(FileRef, Need)> {
+        // The epochs' orders first (building one needs `&mut`), then the walk over a
+        // shared planner, which `skip` may look at.
+        let walks: Vec<(usize, [Option<Arc<EpochIndex>>; 2])> = self
+            .jobs
+            .iter_mut()
+            .enumerate()
+            .filter(|(_, job)| job.placement.is_none())
+            .map(|(j, job)| {
+                let e = job.epoch;
+                (j, [job.index(e), job.index(e + 1)])
+            })
+            .collect();
         let mut all: Vec<(FileRef, Need)> = Vec::new();
-        for job in &mut self.jobs {
-            if job.placement.is_some() {
-                continue;
-            }
+        for (j, ixs) in &walks {
+            let job = &self.jobs[*j];
             let (e, s) = (job.epoch, job.step);
             // The readers' window: they have read this far past the watermark, so every
             // file within it may be read any moment, and the rest that much sooner than
             // their distance from the watermark says.
             let spread = job.spread;
-            let mut taken = 0;
+            let (mut taken, mut walked) = (0, 0);
             let mut base = 0u64;
-            for ep in [e, e + 1] {
-                let Some(ix) = job.index(ep) else { break };
+            'epochs: for (ep, ix) in [e, e + 1].into_iter().zip(ixs) {
+                let Some(ix) = ix else { break };
                 let start = if ep == e { s as usize } else { 0 };
                 for (k, &f) in ix.order.iter().enumerate().skip(start) {
+                    if taken >= max || walked >= max_walk {
+                        break 'epochs;
+                    }
                     // Read already, ahead of the watermark.
                     if ep == e && job.consumed.contains(&(k as u64)) {
                         continue;
                     }
-                    let d = (base + k as u64 - if ep == e { s } else { 0 }).saturating_sub(spread);
-                    all.push((job.files[f as usize].clone(), Need::In(d as f64 / job.rate)));
-                    taken += 1;
-                    if taken >= max {
-                        break;
+                    walked += 1;
+                    let file = &job.files[f as usize];
+                    if skip(self, file) {
+                        continue;
                     }
-                }
-                if taken >= max {
-                    break;
+                    let d = (base + k as u64 - if ep == e { s } else { 0 }).saturating_sub(spread);
+                    all.push((file.clone(), Need::In(d as f64 / job.rate)));
+                    taken += 1;
                 }
                 base += ix.order.len().saturating_sub(start) as u64;
             }
         }
         all.sort_by(|a, b| a.1.key().total_cmp(&b.1.key()));
-        let mut seen = std::collections::HashSet::new();
+        // A file read in both epochs (or by two jobs) counts at its first need.
+        let mut seen = HashSet::default();
         all.retain(|(f, _)| seen.insert(f.clone()));
         all.truncate(max);
         all

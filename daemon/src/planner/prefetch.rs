@@ -33,8 +33,11 @@ pub struct Fetch {
 /// How eagerly to prefetch.
 #[derive(Debug, Clone, Copy)]
 pub struct Pace {
-    /// Upcoming files examined at most.
+    /// Upcoming missing files (neither resident nor being fetched) examined at most.
     pub max_ahead: usize,
+    /// Upcoming files of each job walked at most to find them (resident ones are
+    /// passed over: at half cache the next thousands of files may all be resident).
+    pub max_walk: usize,
     /// Seconds the backing store takes per file (measured); `f64::INFINITY` prefetches
     /// every missing file as soon as the rules allow.
     pub secs_per_file: f64,
@@ -56,10 +59,8 @@ pub fn next_prefetch(p: &mut Planner, cache: &dyn CacheView, pace: Pace) -> Opti
     let mut first: Option<(FileRef, Need)> = None;
     let mut missing = 0usize;
     let mut urgent = false;
-    for (file, need) in p.upcoming(pace.max_ahead) {
-        if cache.is_resident(p, &file) || cache.in_flight(&file) {
-            continue;
-        }
+    let skip = |p: &Planner, f: &FileRef| cache.is_resident(p, f) || cache.in_flight(f);
+    for (file, need) in p.upcoming_except(pace.max_ahead, pace.max_walk, &skip) {
         missing += 1;
         if let Need::In(t) = need
             && t <= missing as f64 * pace.secs_per_file + pace.margin

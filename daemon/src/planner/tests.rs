@@ -170,6 +170,7 @@ fn simulate(
         while ahead.len() < window {
             let pace = prefetch::Pace {
                 max_ahead: capacity + window + 1,
+                max_walk: capacity + window + 1,
                 secs_per_file: f64::INFINITY,
                 margin: 0.0,
             };
