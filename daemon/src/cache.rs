@@ -427,7 +427,7 @@ impl ReadPath {
                 // plain read, and the fill queued behind it lands the same bytes from the
                 // page cache (one read of the backing store, not two).
                 read_backing = true;
-                self.filler.request(&t, 0, Priority::Readahead);
+                self.filler.request(&t, 0, Priority::Behind);
             } else if view.nblocks == 1 {
                 // A small file with nothing cached: its reader waits for it next. Fill it
                 // for the reader now, and hand its bytes over with this answer.

@@ -63,6 +63,13 @@ struct SmallArgs {
     /// auto.
     #[arg(long, default_value = "through")]
     cold_reads: String,
+    /// Files each reader opens per exchange with the daemon (`open_many`, as a loader's
+    /// `__getitems__` does; the plain side reads the same batches); 1 opens one by one.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u64).range(1..=64))]
+    batch: u64,
+    /// More arguments for the daemon (repeat; e.g. `--daemon-arg=--fill-workers=8`).
+    #[arg(long, allow_hyphen_values = true)]
+    daemon_arg: Vec<String>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -451,6 +458,7 @@ fn cold_small_rows(
     small: &[PathBuf],
     readers: &[usize],
     rounds: usize,
+    batch: usize,
 ) -> Vec<ColdRow> {
     let mut out = Vec::new();
     for &threads in readers {
@@ -462,8 +470,10 @@ fn cold_small_rows(
         for r in 0..rounds {
             let mut plain = || {
                 drop_all(small);
-                parallel_pass(small, threads, &|p: &Path, b: &mut [u8]| {
-                    read_through(&mut File::open(p).expect("open"), b);
+                parallel_batches(small, threads, batch, &|ps: &[PathBuf], b: &mut [u8]| {
+                    for p in ps {
+                        read_through(&mut File::open(p).expect("open"), b);
+                    }
                 })
             };
             let mut caught_up = None;
@@ -473,9 +483,17 @@ fn cold_small_rows(
                 daemon.restart();
                 drop_all(small);
                 let c = Client::at(&bed.socket);
-                let rate = parallel_pass(small, threads, &|p: &Path, b: &mut [u8]| {
-                    read_through(&mut c.open(p).expect("open"), b);
-                });
+                let rate = if batch == 1 {
+                    parallel_pass(small, threads, &|p: &Path, b: &mut [u8]| {
+                        read_through(&mut c.open(p).expect("open"), b);
+                    })
+                } else {
+                    parallel_batches(small, threads, batch, &|ps: &[PathBuf], b: &mut [u8]| {
+                        for rd in c.open_many(ps) {
+                            read_through(&mut rd.expect("open"), b);
+                        }
+                    })
+                };
                 // Not part of the rate: how long after the pass the cache holds every
                 // file (or what it holds after CATCH_UP), before the next side runs.
                 caught_up = Some(catch_up(&c, small.len() as u64));
@@ -569,24 +587,34 @@ fn small(a: &SmallArgs) {
             v
         }
     };
-    let mut daemon = bed.start(&[
+    let mut args = vec![
         "--min-free",
         "1GiB",
         "--log",
         "warn",
         "--cold-reads",
         &a.cold_reads,
-    ]);
-    let rows = cold_small_rows(&bed, &mut daemon, &small, &a.readers, a.rounds);
+    ];
+    args.extend(a.daemon_arg.iter().map(String::as_str));
+    let mut daemon = bed.start(&args);
+    let rows = cold_small_rows(
+        &bed,
+        &mut daemon,
+        &small,
+        &a.readers,
+        a.rounds,
+        a.batch as usize,
+    );
     let c = Client::at(&bed.socket).status().expect("status").counters;
     daemon.stop();
     println!();
     println!(
-        "shardcache small-file benchmark: {} files in {}, cold (page cache dropped, cache empty), {} rounds, cold_reads = {}",
+        "shardcache small-file benchmark: {} files in {}, cold (page cache dropped, cache empty), {} rounds, cold_reads = {}, {} per exchange",
         small.len(),
         bed.backing.display(),
         a.rounds,
-        a.cold_reads
+        a.cold_reads,
+        a.batch
     );
     println!(
         "{:<48}{:>16}{:>16}{:>8}  goal",
@@ -616,6 +644,31 @@ fn parallel_pass(
                     let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     let Some(p) = paths.get(i) else { break };
                     read(p, &mut b);
+                }
+            });
+        }
+    });
+    paths.len() as f64 / t.elapsed().as_secs_f64()
+}
+
+/// [`parallel_pass`] by batches: each thread takes the next `batch` paths at once.
+fn parallel_batches(
+    paths: &[PathBuf],
+    threads: usize,
+    batch: usize,
+    read: &(dyn Fn(&[PathBuf], &mut [u8]) + Sync),
+) -> f64 {
+    let chunks: Vec<&[PathBuf]> = paths.chunks(batch).collect();
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let t = Instant::now();
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| {
+                let mut b = vec![0u8; 256 << 10];
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(ps) = chunks.get(i) else { break };
+                    read(ps, &mut b);
                 }
             });
         }
@@ -886,7 +939,7 @@ fn foundation(a: &Foundation) {
         }
     }
 
-    let cold_small = cold_small_rows(&bed, &mut daemon, &small, &COLD_READERS, a.rounds);
+    let cold_small = cold_small_rows(&bed, &mut daemon, &small, &COLD_READERS, a.rounds, 1);
 
     // Small files: populate, then warm open+read+close.
     let c = client();
