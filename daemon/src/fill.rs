@@ -57,9 +57,9 @@ pub use crate::blocks::Target;
 pub enum Priority {
     /// Behind a reader that reads the block from the backing store itself (a cold small
     /// file on a `cold_reads = direct` root): nobody waits for it, so it yields to every
-    /// other fill, runs on at most [`behind_workers`] of a root's workers at once (the
+    /// other fill, runs on at most half (at least one) of a root's workers at once (the
     /// rest of the machine stays with the readers), and has a queue of its own
-    /// ([`BEHIND_QUEUE`] times `fill_queue`): a cold pass outrunning its fills leaves
+    /// (8 times `fill_queue`): a cold pass outrunning its fills leaves
     /// them queued, not dropped, and the cache catches up behind it.
     Behind = 0,
     /// Planned ahead of any reader (the prefetcher): admitted only without harm to
@@ -260,14 +260,14 @@ impl Ord for Job {
     }
 }
 
-/// A fill a worker is running: blocks of one file, with their flights.
+/// A fill a worker is running: blocks of one file, or single blocks of several small
+/// files, with their flights.
 struct Busy {
     worker: u64,
     started: Instant,
-    key: Key,
-    /// The backing file it reads (the watch's id of its path).
+    /// The backing file it reads now (the watch's id of its path).
     file: u64,
-    blocks: Vec<(usize, Arc<Flight>)>,
+    blocks: Vec<((Key, usize), Arc<Flight>)>,
     /// Running for longer than the root's stall bound (its waiters were released and a
     /// replacement worker started).
     stuck: bool,
@@ -776,7 +776,7 @@ impl Drop for Died<'_> {
 fn worker(inner: &Inner, root: usize, me: u64) {
     let _died = Died(inner);
     loop {
-        let (job, blocks) = {
+        let (job, blocks, others) = {
             let mut q = inner.queue.lock();
             loop {
                 let pool = &q.pools[root];
@@ -842,15 +842,47 @@ fn worker(inner: &Inner, root: usize, me: u64) {
                                 next += 1;
                             }
                         }
+                        // Small files (one block each) queued at the same priority
+                        // go along, under the same rule, to land as one batch: their
+                        // files created and synced together, one journal group.
+                        let mut others: Vec<(Arc<Target>, Arc<Flight>)> = Vec::new();
+                        if job.prio != Priority::Demand
+                            && spare > 0
+                            && blocks.len() == 1
+                            && one_block(inner, &job.target)
+                        {
+                            let max = BATCH_FILES.min(1 + spare) - 1;
+                            while others.len() < max {
+                                let Some(next) = q.heaps[root].peek() else {
+                                    break;
+                                };
+                                if next.prio != job.prio || !one_block(inner, &next.target) {
+                                    break;
+                                }
+                                let next = q.heaps[root].pop().expect("peeked");
+                                let id = (next.target.key, next.index);
+                                if q.queued.get(&id).map(|(p, _)| *p) != Some(next.prio) {
+                                    continue; // stale
+                                }
+                                // (A worker counts once against the bound on fills
+                                // behind readers, however many files it lands.)
+                                q.take(&id);
+                                others.push((next.target.clone(), next.flight.clone()));
+                            }
+                        }
+                        let mut ids: Vec<((Key, usize), Arc<Flight>)> = blocks
+                            .iter()
+                            .map(|(i, f)| ((job.target.key, *i), f.clone()))
+                            .collect();
+                        ids.extend(others.iter().map(|(t, f)| ((t.key, 0), f.clone())));
                         q.pools[root].busy.push(Busy {
                             worker: me,
                             started: Instant::now(),
-                            key: job.target.key,
                             file: file_id(&job.target.stat.path),
-                            blocks: blocks.clone(),
+                            blocks: ids,
                             stuck: false,
                         });
-                        break (job, blocks);
+                        break (job, blocks, others);
                     }
                     None => {
                         // A worker above `fill_workers` (started for waiting readers,
@@ -866,7 +898,11 @@ fn worker(inner: &Inner, root: usize, me: u64) {
             }
         };
         let prefetch = job.prio == Priority::Prefetch;
-        if let [(index, flight)] = &blocks[..] {
+        if !others.is_empty() {
+            let mut files = vec![(job.target.clone(), blocks[0].1.clone())];
+            files.extend(others.iter().cloned());
+            fill_files_and_land(inner, root, &files, prefetch, me);
+        } else if let [(index, flight)] = &blocks[..] {
             fill_and_land(inner, &job.target, *index, prefetch, flight);
         } else {
             fill_batch_and_land(inner, &job.target, &blocks, prefetch, me);
@@ -879,7 +915,7 @@ fn worker(inner: &Inner, root: usize, me: u64) {
             pool.stuck -= 1;
         }
         if job.prio == Priority::Behind {
-            // The next fill behind readers may run (a worker may be waiting for this).
+            // The next fills behind readers may run (a worker may be waiting for this).
             pool.behind -= 1;
             inner.cvs[root].notify_one();
         }
@@ -942,8 +978,8 @@ fn watchdog(inner: &Arc<Inner>) {
                     );
                     b.stuck = true;
                     pool.stuck += 1;
-                    for (i, f) in &b.blocks {
-                        release.push(((b.key, *i), f.clone()));
+                    for (id, f) in &b.blocks {
+                        release.push((*id, f.clone()));
                     }
                 }
             }
@@ -1006,6 +1042,114 @@ const BATCH_BLOCKS: usize = 16;
 /// How many blocks of `block_size` one batch takes at most.
 fn batch_blocks(block_size: u32) -> usize {
     ((BATCH_BYTES / u64::from(block_size.max(1))) as usize).clamp(1, BATCH_BLOCKS)
+}
+
+/// Most small files (one block each) one worker reads before landing them as one batch
+/// ([`Store::commit_new_files`]).
+const BATCH_FILES: usize = 16;
+
+/// True when `t` is a file of one block (a small file).
+fn one_block(inner: &Inner, t: &Target) -> bool {
+    t.stat.version.size <= u64::from(inner.store.block_size())
+}
+
+/// Fills small files (one block each, all of root `root`) one after another and lands
+/// them as one batch: their data files created and synced together, their records in
+/// one journal group. A reader already waiting on a file gets its bytes as soon as they
+/// are read, as [`fill`] hands them; a file whose read fails ends alone, the others land.
+fn fill_files_and_land(
+    inner: &Inner,
+    root: usize,
+    files: &[(Arc<Target>, Arc<Flight>)],
+    prefetch: bool,
+    me: u64,
+) {
+    let root_name = &inner.meta.roots().get(root).name;
+    let mut outcomes: Vec<Option<FillOutcome>> = vec![None; files.len()];
+    let mut permits = Vec::new();
+    let mut read: Vec<usize> = Vec::new();
+    let mut bufs = BUFS.take();
+    let mut used: Vec<Vec<u8>> = Vec::new();
+    for (pos, (t, flight)) in files.iter().enumerate() {
+        if pos > 0 {
+            next_file(inner, root, me, file_id(&t.stat.path));
+        }
+        let permit = match inner.store.begin_fill(root_name, &t.stat, 0, prefetch) {
+            Ok(None) => {
+                outcomes[pos] = Some(FillOutcome::Landed);
+                continue;
+            }
+            Ok(Some(p)) => p,
+            Err(e) => {
+                outcomes[pos] = Some(outcome_of(inner, t, 0, &e.into()));
+                continue;
+            }
+        };
+        let req = BlockRequest {
+            target: t,
+            root: root_name,
+            index: 0,
+            offset: permit.offset(),
+            len: permit.len(),
+            prefetch,
+        };
+        let mut buf = bufs.pop().unwrap_or_default();
+        match read_from_sources(inner, &req, &mut buf) {
+            Ok(_) => {
+                // A reader waiting on it takes the bytes now (one that comes later
+                // waits for the batch to land).
+                if flight.wanted() {
+                    flight.read(&buf);
+                }
+                permits.push(permit);
+                used.push(buf);
+                read.push(pos);
+            }
+            Err(e) => {
+                inner.store.abort_fill(permit);
+                bufs.push(buf);
+                outcomes[pos] = Some(outcome_of(inner, t, 0, &e));
+            }
+        }
+    }
+    if !read.is_empty() {
+        let batch = permits
+            .into_iter()
+            .zip(used.iter().map(Vec::as_slice))
+            .collect();
+        let landing = Landing::enter(inner, root, false);
+        let landed = inner.store.commit_new_files(batch);
+        drop(landing);
+        for (&pos, r) in read.iter().zip(landed) {
+            outcomes[pos] = Some(match r {
+                Ok(()) => {
+                    inc(&inner.stats.blocks_filled);
+                    FillOutcome::Landed
+                }
+                Err(e) => outcome_of(inner, &files[pos].0, 0, &FillError::Store(e)),
+            });
+        }
+    }
+    bufs.extend(used);
+    BUFS.set(bufs);
+    for ((t, flight), o) in files.iter().zip(outcomes) {
+        let o = o.expect("every file has an outcome");
+        end_flight(inner, (t.key, 0), flight, o);
+    }
+}
+
+/// [`restart_stall_clock`] for the next file of a batch of small files: the watchdog
+/// judges the file being read now.
+fn next_file(inner: &Inner, root: usize, me: u64, file: u64) {
+    let mut q = inner.queue.lock();
+    if let Some(b) = q.pools[root]
+        .busy
+        .iter_mut()
+        .find(|b| b.worker == me && !b.stuck)
+    {
+        b.started = Instant::now();
+        b.file = file;
+    }
 }
 
 /// What a fill that did not land means for its waiters (a failure is counted).
@@ -1534,6 +1678,42 @@ mod tests {
         assert!(r.filler.settle(deadline));
         assert!(paths.iter().all(|p| r.store.is_cached("/r", p)));
         assert_eq!(r.filler.inner.queue.lock().behind, 0);
+    }
+
+    /// Small files queued while the worker is busy land as one batch: one durable
+    /// write (files created and synced together) and one journal group for all.
+    #[test]
+    fn small_files_queued_behind_a_busy_worker_land_as_one_batch() {
+        let r = rig_full(None, 1);
+        let paths: Vec<String> = (0..9).map(|i| format!("s{i}")).collect();
+        for p in &paths {
+            r.put(p, 100 + p.len());
+        }
+        let targets: Vec<_> = paths.iter().map(|p| r.target(p)).collect();
+        let request = |t: &Arc<Target>| match r.filler.request(t, 0, Priority::Prefetch) {
+            Scheduled::InFlight(f) => f,
+            s => panic!("not in flight: {s:?}"),
+        };
+        r.faults.hang();
+        // The first is taken alone (nothing else queued), and hangs in its read.
+        let mut flights = vec![request(&targets[0])];
+        until(Duration::from_secs(10), "the first read under way", || {
+            r.faults.hung.load(Ordering::Relaxed) == 1
+        });
+        flights.extend(targets[1..].iter().map(request));
+        let before = r.io.durable_writes.load(Ordering::Relaxed);
+        r.faults.release();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for f in &flights {
+            assert_eq!(f.wait_until(deadline), Some(FillOutcome::Landed));
+        }
+        assert!(r.filler.settle(deadline));
+        assert!(paths.iter().all(|p| r.store.is_cached("/r", p)));
+        assert_eq!(
+            r.io.durable_writes.load(Ordering::Relaxed) - before,
+            2,
+            "the first alone, the other eight as one batch"
+        );
     }
 
     #[test]

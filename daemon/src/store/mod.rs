@@ -719,6 +719,133 @@ impl Store {
         r.map(|_| ())
     }
 
+    /// Writes the blocks of several files durably as one batch and makes them visible:
+    /// the files new to the disk (small files, one block each, mostly) are created and
+    /// written together with their syncs shared ([`io::BlockIo::create_written`]), and all
+    /// their journal records go in one group — about one commit of the file system and
+    /// one of the journal for the batch, where landing them one by one costs three and
+    /// one per file. Each `data` must be exactly its permit's block. One result per
+    /// block, in order: a file that fails is not made visible (its data file removed)
+    /// and the others land; a failed journal write fails them all. Blocks of a file
+    /// already on disk, and a second block of one file, land one by one
+    /// ([`Store::commit_fill`]).
+    pub fn commit_new_files(&self, blocks: Vec<(Permit, &[u8])>) -> Vec<Result<(), StoreError>> {
+        let n = blocks.len();
+        let mut results: Vec<Option<Result<BlockMeta, StoreError>>> =
+            (0..n).map(|_| None).collect();
+        // The creation stripes of every file, taken in order (one lander holds several:
+        // sorted, so that two never wait on each other), held until the batch is durable
+        // or given up: landings of the same files wait for them, as in `land`.
+        let mut stripes: Vec<usize> = blocks
+            .iter()
+            .map(|(p, _)| stripe_of(&p.key, self.create.len()))
+            .collect();
+        stripes.sort_unstable();
+        stripes.dedup();
+        let guards: Vec<_> = stripes.iter().map(|&i| self.create[i].lock()).collect();
+        // (position, name, size, generation, record of the file, checksum)
+        let mut new: Vec<(usize, String, u64, u64, _, u64)> = Vec::new();
+        let mut alone: Vec<usize> = Vec::new();
+        {
+            let idx = self.lock();
+            let mut seen = std::collections::HashSet::new();
+            for (pos, (p, d)) in blocks.iter().enumerate() {
+                if d.len() != p.len as usize {
+                    results[pos] = Some(Err(StoreError::Gone));
+                    continue;
+                }
+                let Some(e) = idx.files.get(&p.key) else {
+                    results[pos] = Some(Err(StoreError::Gone));
+                    continue;
+                };
+                if e.durable || !seen.insert(p.key) {
+                    alone.push(pos);
+                    continue;
+                }
+                new.push((
+                    pos,
+                    data_name(&p.key, e.generation),
+                    e.version.size,
+                    e.generation,
+                    Record::file_added(&p.key, e),
+                    block_xxh3(d),
+                ));
+            }
+        }
+        let writes: Vec<[io::Write<'_>; 1]> = new
+            .iter()
+            .map(|(pos, ..)| [(blocks[*pos].0.offset, blocks[*pos].1)])
+            .collect();
+        let files: Vec<io::NewFile<'_>> = new
+            .iter()
+            .zip(&writes)
+            .map(|((_, name, size, ..), w)| io::NewFile {
+                name,
+                size: *size,
+                writes: w,
+            })
+            .collect();
+        let written = self.io.create_written(&files);
+        let mut records = Vec::new();
+        let mut landed = Vec::new();
+        for ((pos, name, _, generation, file_rec, xxh3), w) in new.into_iter().zip(written) {
+            let p = &blocks[pos].0;
+            match w {
+                Ok(()) => {
+                    let meta = BlockMeta {
+                        len: p.len,
+                        xxh3,
+                        verified: true,
+                    };
+                    records.push(file_rec);
+                    records.push(Record::block_added(&p.key, generation, p.index, &meta));
+                    landed.push((pos, name, meta));
+                }
+                Err(e) => {
+                    // Created by this landing and recorded nowhere: not left behind.
+                    let _ = self.io.remove(&name);
+                    results[pos] = Some(Err(e.into()));
+                }
+            }
+        }
+        if !landed.is_empty() {
+            match self.journal.append_all(&records) {
+                Ok(()) => {
+                    let mut idx = self.lock();
+                    for (pos, _, meta) in landed {
+                        results[pos] = Some(match idx.files.get_mut(&blocks[pos].0.key) {
+                            Some(e) => {
+                                e.durable = true;
+                                Ok(meta)
+                            }
+                            None => Err(StoreError::Gone),
+                        });
+                    }
+                }
+                Err(e) => {
+                    for (pos, name, _) in landed {
+                        let _ = self.io.remove(&name);
+                        results[pos] = Some(Err(stdio::Error::new(e.kind(), e.to_string()).into()));
+                    }
+                }
+            }
+        }
+        drop(guards);
+        for pos in alone {
+            let (p, d) = &blocks[pos];
+            results[pos] = Some(self.write_block(p, d, block_xxh3(d)));
+        }
+        let results: Vec<Result<BlockMeta, StoreError>> = results
+            .into_iter()
+            .map(|r| r.unwrap_or(Err(StoreError::Gone)))
+            .collect();
+        for ((permit, _), r) in blocks.iter().zip(&results) {
+            self.release(permit, r.as_ref().ok().copied());
+        }
+        self.maybe_compact();
+        results.into_iter().map(|r| r.map(|_| ())).collect()
+    }
+
     fn write_blocks(&self, blocks: &[(Permit, &[u8])]) -> Result<Vec<BlockMeta>, StoreError> {
         let Some((first, _)) = blocks.first() else {
             return Ok(Vec::new());

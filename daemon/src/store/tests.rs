@@ -573,6 +573,70 @@ mod faults {
     }
 }
 
+/// Small files landed as one batch (`Store::commit_new_files`, what a fill worker does
+/// with the small files it reads one after another): a file whose creation fails is the
+/// only one not kept, a block of a file already on disk and a file given twice land one
+/// by one, and everything survives a restart.
+#[test]
+fn small_files_committed_together_land_each_and_survive_a_restart() {
+    use crate::store::io::failing::{FailingIo, Fault, IoFaults};
+    let dir = tempfile::tempdir().unwrap();
+    let c = cfg(dir.path(), 64 * BS as u64);
+    let faults = Arc::new(IoFaults::default());
+    let engine = {
+        let faults = faults.clone();
+        move |d: &Path| -> std::io::Result<Arc<dyn io::BlockIo>> {
+            Ok(Arc::new(FailingIo::with(
+                io::open(IoEngine::Auto, d)?,
+                faults.clone(),
+            )))
+        }
+    };
+    let open = || Store::open_with(&c, Arc::default(), Box::new(Lru::default()), &engine).unwrap();
+    let s = open();
+    let small: Vec<Stat> = (0..6)
+        .map(|i| stat(&format!("s{i}"), 100 + i as u64, 1))
+        .collect();
+    let data: Vec<Vec<u8>> = small.iter().map(content).collect();
+    let permit =
+        |s: &Store, st: &Stat, i: usize| s.begin_fill("/r", st, i, false).unwrap().unwrap();
+    faults.arm(Fault::CreateEnospc);
+    let batch: Vec<(Permit, &[u8])> = small
+        .iter()
+        .zip(&data)
+        .map(|(st, d)| (permit(&s, st, 0), &d[..]))
+        .collect();
+    let r = s.commit_new_files(batch);
+    assert!(matches!(r[0], Err(StoreError::Io(_))), "{r:?}");
+    assert!(r[1..].iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(check(&s, &small[0]), 0);
+    assert!(small[1..].iter().all(|f| check(&s, f) == 1));
+    assert!(!s.is_cached("/r", "s0"));
+    // Again, with a second block of a file on disk and a block given twice.
+    let big = stat("big", 2 * BS as u64, 1);
+    let bdata = content(&big);
+    fill(&s, &big, 0).unwrap();
+    let twice = stat("t", BS as u64 * 2, 1);
+    let tdata = content(&twice);
+    let r = s.commit_new_files(vec![
+        (permit(&s, &small[0], 0), &data[0][..]),
+        (permit(&s, &big, 1), &bdata[BS as usize..]),
+        (permit(&s, &twice, 0), &tdata[..BS as usize]),
+        (permit(&s, &twice, 1), &tdata[BS as usize..]),
+    ]);
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(check(&s, &small[0]), 1);
+    assert_eq!(check(&s, &big), 2);
+    assert_eq!(check(&s, &twice), 2);
+    drop(s);
+    let s = open();
+    for f in small.iter().chain([&big, &twice]) {
+        assert!(s.is_cached("/r", &f.path), "{} after the restart", f.path);
+    }
+    assert!(small.iter().all(|f| check(&s, f) == 1));
+    assert_eq!(check(&s, &big), 2);
+}
+
 #[test]
 fn blocks_committed_as_a_batch_land_together_or_not_at_all() {
     use crate::store::io::failing::{FailingIo, Fault, IoFaults};

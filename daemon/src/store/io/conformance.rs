@@ -6,13 +6,13 @@ use std::io;
 use std::path::Path;
 use std::sync::Arc;
 
-use super::BlockIo;
+use super::{BlockIo, NewFile};
 
 /// Runs every check; `new` makes an engine over an empty data directory (with the
 /// subdirectory `ab/` the names below use).
 pub(crate) fn run_all(new: &dyn Fn(&Path) -> Arc<dyn BlockIo>) {
     type Check = fn(&dyn BlockIo);
-    let checks: [(&str, Check); 9] = [
+    let checks: [(&str, Check); 10] = [
         ("a created file is all hole", a_created_file_is_all_hole),
         ("written blocks read back", written_blocks_read_back),
         ("reads past the end fail", reads_past_the_end_fail),
@@ -24,6 +24,10 @@ pub(crate) fn run_all(new: &dyn Fn(&Path) -> Arc<dyn BlockIo>) {
         ),
         ("a batch longer than a ring", a_batch_longer_than_a_ring),
         ("empty batches", empty_batches),
+        (
+            "files created and written at once",
+            files_created_and_written_at_once,
+        ),
         (
             "threads write blocks of one file",
             threads_write_blocks_of_one_file,
@@ -110,6 +114,41 @@ fn create_replaces(io: &dyn BlockIo) {
     io.create("ab/f.1", 4096).unwrap();
     assert_eq!(read(io, "ab/f.1", 0, 4096).unwrap(), vec![0; 4096]);
     assert!(read(io, "ab/f.1", 4096, 1).is_err(), "the new length holds");
+}
+
+fn files_created_and_written_at_once(io: &dyn BlockIo) {
+    // An old file of the same name is replaced.
+    io.create("ab/g.1", 4096).unwrap();
+    io.write_durable("ab/g.1", &[(0, &pattern(9, 4096))])
+        .unwrap();
+    let a = pattern(6, 5000);
+    let b = pattern(7, 4096);
+    let wa = [(0, &a[..])];
+    let wb = [(4096, &b[..])];
+    let files = [
+        NewFile {
+            name: "ab/f.1",
+            size: 5000,
+            writes: &wa,
+        },
+        NewFile {
+            name: "ab/g.1",
+            size: 8192,
+            writes: &wb,
+        },
+    ];
+    let r = io.create_written(&files);
+    assert_eq!(r.len(), 2);
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    assert_eq!(read(io, "ab/f.1", 0, 5000).unwrap(), a);
+    assert_eq!(
+        read(io, "ab/g.1", 0, 4096).unwrap(),
+        vec![0; 4096],
+        "replaced"
+    );
+    assert_eq!(read(io, "ab/g.1", 4096, 4096).unwrap(), b);
+    assert!(read(io, "ab/g.1", 8192, 1).is_err(), "its new length");
+    assert!(io.create_written(&[]).is_empty());
 }
 
 fn removed_files_are_gone(io: &dyn BlockIo) {

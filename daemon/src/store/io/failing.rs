@@ -19,7 +19,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use parking_lot::Mutex;
 
-use super::{BlockIo, Read, Write};
+use super::{BlockIo, NewFile, Read, Write};
 
 /// A fault to inject into the next call of its kind.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,7 +42,8 @@ pub struct IoFaults {
     armed: Mutex<VecDeque<Fault>>,
     /// Faults injected so far.
     pub injected: AtomicU64,
-    /// `write_durable` calls (each one batch of writes and one `fdatasync`) made so far.
+    /// `write_durable` calls (each one batch of writes and one `fdatasync`) and
+    /// `create_written` batches made so far.
     pub durable_writes: AtomicU64,
     /// `(name, offset)` of every read failed by [`Fault::ReadEio`].
     pub failed_reads: Mutex<Vec<(String, u64)>>,
@@ -135,6 +136,22 @@ impl BlockIo for FailingIo {
             return Err(os(libc::ENOSPC));
         }
         self.inner.create(name, size)
+    }
+
+    fn create_written(&self, files: &[NewFile<'_>]) -> Vec<io::Result<()>> {
+        // With a fault armed or writes held, file by file: each create and write may
+        // take its fault, or wait.
+        if !self.faults.lock().is_empty() || *self.faults.hold.lock() {
+            return files
+                .iter()
+                .map(|f| {
+                    self.create(f.name, f.size)
+                        .and_then(|()| self.write_durable(f.name, f.writes))
+                })
+                .collect();
+        }
+        self.faults.durable_writes.fetch_add(1, Ordering::Relaxed);
+        self.inner.create_written(files)
     }
 
     fn write_durable(&self, name: &str, writes: &[Write<'_>]) -> io::Result<()> {

@@ -37,6 +37,17 @@ pub type Write<'a> = (u64, &'a [u8]);
 /// One read: an offset of a data file and the buffer to fill whole from it.
 pub type Read<'a> = (u64, &'a mut [u8]);
 
+/// A data file to create and write at once ([`BlockIo::create_written`]).
+#[derive(Debug, Clone, Copy)]
+pub struct NewFile<'a> {
+    /// Its name under the data directory.
+    pub name: &'a str,
+    /// Its length.
+    pub size: u64,
+    /// What to write to it.
+    pub writes: &'a [Write<'a>],
+}
+
 /// The store's block I/O on its data files (see the module documentation).
 pub trait BlockIo: Send + Sync + fmt::Debug {
     /// Which engine runs (`psync`, `uring`, `mem`), for the log and status.
@@ -50,6 +61,23 @@ pub trait BlockIo: Send + Sync + fmt::Debug {
     /// durable (`fdatasync`). `Ok` means every byte is written and durable; on an error
     /// nothing is promised of any of them (some may be written, torn, or lost).
     fn write_durable(&self, name: &str, writes: &[Write<'_>]) -> io::Result<()>;
+
+    /// Creates each of `files` and writes it, as [`BlockIo::create`] and then
+    /// [`BlockIo::write_durable`] would, one result per file with what those two promise
+    /// together. An engine may share the syncs among the files: every file created and
+    /// written first, then each synced and each directory once — on a journalling file
+    /// system the first sync commits the others' metadata along, so a batch of small
+    /// files costs about one commit instead of three per file. On an error a file may be
+    /// left created, in part or whole, for the caller to remove.
+    fn create_written(&self, files: &[NewFile<'_>]) -> Vec<io::Result<()>> {
+        files
+            .iter()
+            .map(|f| {
+                self.create(f.name, f.size)
+                    .and_then(|()| self.write_durable(f.name, f.writes))
+            })
+            .collect()
+    }
 
     /// Fills every buffer of `reads` whole from `name` at its offset; one result per
     /// read, in order (a read past the end of the file is `UnexpectedEof`, a missing

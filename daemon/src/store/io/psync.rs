@@ -19,7 +19,7 @@ use parking_lot::Mutex;
 
 use lru::LruCache;
 
-use super::{BlockIo, Read, Write};
+use super::{BlockIo, NewFile, Read, Write};
 use crate::store::journal;
 
 /// Data files whose descriptors are kept open.
@@ -96,6 +96,62 @@ impl Psync {
         self.cache().put(name.to_owned(), f.clone());
         Ok(f)
     }
+
+    /// [`BlockIo::create_written`] with the syncs shared (see there).
+    pub(crate) fn create_written_shared(&self, files: &[NewFile<'_>]) -> Vec<io::Result<()>> {
+        let written: Vec<io::Result<File>> = files
+            .iter()
+            .map(|nf| {
+                self.forget(nf.name);
+                let f = OpenOptions::new()
+                    .read(true)
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .mode(0o600)
+                    .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+                    .open(self.dir.join(nf.name))?;
+                f.set_len(nf.size)?;
+                nf.writes
+                    .iter()
+                    .try_for_each(|(off, data)| f.write_all_at(data, *off))?;
+                Ok(f)
+            })
+            .collect();
+        // Every file's bytes, length and inode; then each directory's entries.
+        let mut results: Vec<io::Result<File>> = written
+            .into_iter()
+            .map(|r| r.and_then(|f| f.sync_all().map(|()| f)))
+            .collect();
+        let dir_of = |nf: &NewFile<'_>| {
+            let p = self.dir.join(nf.name);
+            p.parent().unwrap_or(&self.dir).to_owned()
+        };
+        let dirs: std::collections::BTreeSet<PathBuf> = files
+            .iter()
+            .zip(&results)
+            .filter(|(_, r)| r.is_ok())
+            .map(|(nf, _)| dir_of(nf))
+            .collect();
+        for d in dirs {
+            if let Err(e) = journal::sync_dir(&d) {
+                for (nf, r) in files.iter().zip(results.iter_mut()) {
+                    if r.is_ok() && dir_of(nf) == d {
+                        *r = Err(io::Error::new(e.kind(), e.to_string()));
+                    }
+                }
+            }
+        }
+        files
+            .iter()
+            .zip(results)
+            .map(|(nf, r)| {
+                r.map(|f| {
+                    self.cache().put(nf.name.to_owned(), Arc::new(f));
+                })
+            })
+            .collect()
+    }
 }
 
 impl BlockIo for Psync {
@@ -105,6 +161,10 @@ impl BlockIo for Psync {
 
     fn create(&self, name: &str, size: u64) -> io::Result<()> {
         self.create_file(name, size).map(|_| ())
+    }
+
+    fn create_written(&self, files: &[NewFile<'_>]) -> Vec<io::Result<()>> {
+        self.create_written_shared(files)
     }
 
     fn write_durable(&self, name: &str, writes: &[Write<'_>]) -> io::Result<()> {

@@ -323,6 +323,12 @@ impl BlockIo for Uring {
         self.psync.create(name, size)
     }
 
+    fn create_written(&self, files: &[super::NewFile<'_>]) -> Vec<io::Result<()>> {
+        // New files, small ones mostly (one block each): psync's writes and shared
+        // syncs; a ring would only chain one file's write to its own sync.
+        self.psync.create_written_shared(files)
+    }
+
     fn write_durable(&self, name: &str, writes: &[Write<'_>]) -> io::Result<()> {
         let f = self.psync.file(name)?;
         let r = self.write_chain(&f, writes);
