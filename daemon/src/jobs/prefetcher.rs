@@ -36,6 +36,11 @@ const DENIED_BACKOFF: Duration = Duration::from_secs(10);
 /// a fetch it started, a backoff or budget running out): a heartbeat for what has no
 /// event of its own (the peers' layouts, pins expiring, free space coming back).
 const HEARTBEAT: Duration = Duration::from_millis(250);
+/// When nothing upcoming is urgent, the prefetcher looks again after half the slack the
+/// planner reports (how long until something would be, at the readers' measured rates),
+/// at most this: a decision walks the upcoming files past every resident one, and
+/// rounds run on every read.
+const QUIET: Duration = Duration::from_millis(100);
 
 /// How the prefetcher runs (from the daemon's configuration).
 #[derive(Debug, Clone, Copy)]
@@ -164,6 +169,7 @@ impl Jobs {
             // A new registrant may read what the others may not.
             r.registrations = now_registered;
             r.denied.clear();
+            r.quiet_until = None;
         }
         r.denied.expire(now);
         self.prefetching
@@ -192,9 +198,6 @@ impl Jobs {
             sizes: &sizes,
             default_size: store.block_size() as u64,
         };
-        // Past every resident file to the next LOOKAHEAD missing ones (as the policy
-        // benchmark's simulation looks), within MAX_WALK.
-        let max_walk = (self.plans.planner().resident_len() + LOOKAHEAD).min(MAX_WALK);
         let pace = match filler.service() {
             Some(s) if self.rates_known() && !upcoming.is_empty() => {
                 let mean = upcoming
@@ -203,8 +206,8 @@ impl Jobs {
                     .sum::<f64>()
                     / upcoming.len() as f64;
                 Pace {
-                    max_ahead: LOOKAHEAD,
-                    max_walk,
+                    max_ahead: MAX_WALK,
+                    max_walk: MAX_WALK,
                     secs_per_file: mean / s.throughput,
                     // Room for the measurement to be off, and for a burst of reads.
                     margin: 0.25 + 4.0 * s.latency,
@@ -212,7 +215,7 @@ impl Jobs {
             }
             _ => Pace {
                 max_ahead: LOOKAHEAD,
-                max_walk,
+                max_walk: MAX_WALK,
                 secs_per_file: f64::INFINITY,
                 margin: 0.0,
             },
@@ -243,7 +246,9 @@ impl Jobs {
         };
         // `ahead` already counts this round's decisions (the placement's moves are
         // bounded by the concurrency only).
-        while r.ahead.len() < cfg.ahead
+        let quiet = r.quiet_until.is_some_and(|t| now < t);
+        while !quiet
+            && r.ahead.len() < cfg.ahead
             && r.flights.len() + fetches.len() < cfg.concurrency
             && r.budget.as_ref().is_none_or(TokenBucket::allows)
             && r.ops.as_ref().is_none_or(TokenBucket::allows)
@@ -252,7 +257,13 @@ impl Jobs {
             // the store's index lock, which opens take) waits for one decision, never
             // for the whole round.
             let mut p = self.plans.planner();
-            let Some(fx) = prefetch::next_prefetch(&mut p, &view, pace) else {
+            let (fx, slack) = prefetch::next_prefetch_or_slack(&mut p, &view, pace);
+            let Some(fx) = fx else {
+                // Infinite when nothing is missing: then nothing to wait for either.
+                r.quiet_until = (slack > 0.0)
+                    .then(|| Duration::try_from_secs_f64(slack / 2.0).ok())
+                    .flatten()
+                    .map(|d| now + d.min(QUIET));
                 break;
             };
             let steps = p.steps_until(&fx.file).unwrap_or(0);
@@ -344,6 +355,8 @@ struct Rounds {
     ahead: HashMap<FileRef, u64>,
     budget: Option<TokenBucket>,
     ops: Option<TokenBucket>,
+    /// Nothing was urgent: no decision is looked for before this (see [`QUIET`]).
+    quiet_until: Option<Instant>,
 }
 
 impl Rounds {
@@ -356,6 +369,7 @@ impl Rounds {
             ahead: HashMap::default(),
             budget: cfg.bandwidth.map(prefetch_budget),
             ops: cfg.ops.map(prefetch_budget),
+            quiet_until: None,
         }
     }
 

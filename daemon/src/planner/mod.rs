@@ -26,6 +26,7 @@
 //! ceiling and the stall floor across cache sizes and rates.
 
 use std::collections::BTreeSet;
+use std::ops::ControlFlow;
 
 // Keyed by paths from manifests of any user: seeded per process, and fast on strings
 // (the prefetcher looks up thousands of files per decision).
@@ -1385,57 +1386,120 @@ impl Planner {
         max_walk: usize,
         skip: &dyn Fn(&Planner, &FileRef) -> bool,
     ) -> Vec<(FileRef, Need)> {
+        let mut all: Vec<(FileRef, Need)> = Vec::new();
+        // A file read twice in one epoch (a sequence plan may) counts at its first need.
+        let mut seen = HashSet::default();
+        self.walk_upcoming(max_walk, &mut |p, f, need| {
+            if !skip(p, f) && seen.insert(f.clone()) {
+                all.push((f.clone(), need));
+            }
+            if all.len() >= max {
+                ControlFlow::Break(())
+            } else {
+                ControlFlow::Continue(())
+            }
+        });
+        all
+    }
+
+    /// Visits the files every job reads next, merged in order of need, each once (at its
+    /// first need), looking at most `max_walk` upcoming files of each job, until `visit`
+    /// breaks. Nothing is cloned for the files passed over: a caller looking for the
+    /// few files that matter among thousands of resident ones pays a lookup for each.
+    /// Not the files of a shuffle under a cluster placement (see [`Planner::upcoming`]).
+    /// A file two jobs read may be visited once for each.
+    pub fn walk_upcoming(
+        &mut self,
+        max_walk: usize,
+        visit: &mut dyn FnMut(&Planner, &FileRef, Need) -> ControlFlow<()>,
+    ) {
         // The epochs' orders first (building one needs `&mut`), then the walk over a
-        // shared planner, which `skip` may look at.
-        let walks: Vec<(usize, [Option<Arc<EpochIndex>>; 2])> = self
+        // shared planner, which `visit` may look at.
+        struct Cursor {
+            job: usize,
+            ixs: [Option<Arc<EpochIndex>>; 2],
+            /// 0: the current epoch, 1: the next.
+            ep: usize,
+            k: usize,
+            walked: usize,
+        }
+        let mut cursors: Vec<Cursor> = self
             .jobs
             .iter_mut()
             .enumerate()
             .filter(|(_, job)| job.placement.is_none())
             .map(|(j, job)| {
                 let e = job.epoch;
-                (j, [job.index(e), job.index(e + 1)])
+                Cursor {
+                    job: j,
+                    ixs: [job.index(e), job.index(e + 1)],
+                    ep: 0,
+                    k: job.step as usize,
+                    walked: 0,
+                }
             })
             .collect();
-        let mut all: Vec<(FileRef, Need)> = Vec::new();
-        for (j, ixs) in &walks {
-            let job = &self.jobs[*j];
-            let (e, s) = (job.epoch, job.step);
-            // The readers' window: they have read this far past the watermark, so every
-            // file within it may be read any moment, and the rest that much sooner than
-            // their distance from the watermark says.
-            let spread = job.spread;
-            let (mut taken, mut walked) = (0, 0);
-            let mut base = 0u64;
-            'epochs: for (ep, ix) in [e, e + 1].into_iter().zip(ixs) {
-                let Some(ix) = ix else { break };
-                let start = if ep == e { s as usize } else { 0 };
-                for (k, &f) in ix.order.iter().enumerate().skip(start) {
-                    if taken >= max || walked >= max_walk {
-                        break 'epochs;
-                    }
-                    // Read already, ahead of the watermark.
-                    if ep == e && job.consumed.contains(&(k as u64)) {
-                        continue;
-                    }
-                    walked += 1;
-                    let file = &job.files[f as usize];
-                    if skip(self, file) {
-                        continue;
-                    }
-                    let d = (base + k as u64 - if ep == e { s } else { 0 }).saturating_sub(spread);
-                    all.push((file.clone(), Need::In(d as f64 / job.rate)));
-                    taken += 1;
+        let this = &*self;
+        // The next file of a cursor that is due (not read already, not visited in the
+        // current epoch before), with its need; moves the cursor onto it.
+        let peek = |c: &mut Cursor| -> Option<(u32, Need)> {
+            let job = &this.jobs[c.job];
+            let s = job.step;
+            loop {
+                if c.walked >= max_walk {
+                    return None;
                 }
-                base += ix.order.len().saturating_sub(start) as u64;
+                let ix = c.ixs[c.ep].as_ref()?;
+                let Some(&f) = ix.order.get(c.k) else {
+                    if c.ep == 1 {
+                        return None;
+                    }
+                    c.ep = 1;
+                    c.k = 0;
+                    continue;
+                };
+                let k = c.k as u64;
+                let seen = if c.ep == 0 {
+                    // Read already, ahead of the watermark.
+                    job.consumed.contains(&k)
+                } else {
+                    // Visited at a position of the current epoch still to be read.
+                    c.ixs[0]
+                        .as_ref()
+                        .is_some_and(|e| e.from(f, s).any(|p| !job.consumed.contains(&p)))
+                };
+                if seen {
+                    c.k += 1;
+                    continue;
+                }
+                let left = c.ixs[0]
+                    .as_ref()
+                    .map_or(0, |e| (e.order.len() as u64).saturating_sub(s));
+                let d = if c.ep == 0 { k - s } else { left + k };
+                let d = d.saturating_sub(job.spread);
+                return Some((f, Need::In(d as f64 / job.rate)));
             }
+        };
+        let mut next: Vec<Option<(u32, Need)>> = cursors.iter_mut().map(&peek).collect();
+        loop {
+            // The cursor whose next file is needed first (jobs are few).
+            let Some((i, (f, need))) = next
+                .iter()
+                .enumerate()
+                .filter_map(|(i, n)| n.map(|n| (i, n)))
+                .min_by(|(_, a), (_, b)| a.1.key().total_cmp(&b.1.key()))
+            else {
+                return;
+            };
+            let c = &mut cursors[i];
+            let file = &this.jobs[c.job].files[f as usize];
+            if visit(this, file, need).is_break() {
+                return;
+            }
+            c.walked += 1;
+            c.k += 1;
+            next[i] = peek(c);
         }
-        all.sort_by(|a, b| a.1.key().total_cmp(&b.1.key()));
-        // A file read in both epochs (or by two jobs) counts at its first need.
-        let mut seen = HashSet::default();
-        all.retain(|(f, _)| seen.insert(f.clone()));
-        all.truncate(max);
-        all
     }
 }
 

@@ -3,6 +3,8 @@
 //! [`CacheView`], so that the daemon (over the NVMe store) and the policy benchmark
 //! (over a simulated cache) run exactly the same decisions.
 
+use std::ops::ControlFlow;
+
 use super::{FileRef, Need, Planner};
 
 /// What the decisions need to know about the cache.
@@ -56,45 +58,64 @@ pub struct Pace {
 /// when it is the bottleneck, and otherwise leaves files cached for the next epoch alone
 /// for as long as possible.
 pub fn next_prefetch(p: &mut Planner, cache: &dyn CacheView, pace: Pace) -> Option<Fetch> {
+    next_prefetch_or_slack(p, cache, pace).0
+}
+
+/// [`next_prefetch`], and when nothing is urgent yet, the slack: how long until some
+/// upcoming missing file would be, if the readers keep their measured rates (the least
+/// `t_k − (k × secs_per_file + margin)` over the missing files looked at; 0 when a
+/// fetch is returned, or when it is refused for want of a victim, infinite when nothing
+/// is missing). A caller may look again no sooner than that.
+pub fn next_prefetch_or_slack(
+    p: &mut Planner,
+    cache: &dyn CacheView,
+    pace: Pace,
+) -> (Option<Fetch>, f64) {
+    // One walk, nothing cloned but the file to fetch: at half cache an epoch opens with
+    // thousands of resident files, and the missing ones past them may be urgent only
+    // as a whole (thousands of them, each taking the backing store's time).
     let mut first: Option<(FileRef, Need)> = None;
     let mut missing = 0usize;
     let mut urgent = false;
-    let skip = |p: &Planner, f: &FileRef| cache.is_resident(p, f) || cache.in_flight(f);
-    for (file, need) in p.upcoming_except(pace.max_ahead, pace.max_walk, &skip) {
+    let mut slack = f64::INFINITY;
+    p.walk_upcoming(pace.max_walk, &mut |p, file, need| {
+        if cache.is_resident(p, file) || cache.in_flight(file) {
+            return ControlFlow::Continue(());
+        }
         missing += 1;
-        if let Need::In(t) = need
-            && t <= missing as f64 * pace.secs_per_file + pace.margin
-        {
-            urgent = true;
+        if let Need::In(t) = need {
+            let s = t - (missing as f64 * pace.secs_per_file + pace.margin);
+            urgent |= s <= 0.0;
+            slack = slack.min(s);
         }
         if first.is_none() {
-            first = Some((file, need));
+            first = Some((file.clone(), need));
         }
-        if urgent {
-            break;
+        if urgent || missing >= pace.max_ahead {
+            ControlFlow::Break(())
+        } else {
+            ControlFlow::Continue(())
         }
-    }
-    let (file, need) = first?;
+    });
+    let Some((file, need)) = first else {
+        return (None, f64::INFINITY);
+    };
     if !urgent {
-        return None;
+        return (None, slack.max(0.0));
     }
     if cache.has_room(&file) {
-        return Some(Fetch {
-            file,
-            need,
-            evict: None,
-        });
+        let evict = None;
+        return (Some(Fetch { file, need, evict }), 0.0);
     }
-    let victim = cache.victim(p)?;
+    let Some(victim) = cache.victim(p) else {
+        return (None, 0.0);
+    };
     let incoming = p.use_epoch(&file);
     if p.need(&victim).later_than(need) && p.may_evict_for_prefetch(&victim, incoming) {
-        return Some(Fetch {
-            file,
-            need,
-            evict: Some(victim),
-        });
+        let evict = Some(victim);
+        return (Some(Fetch { file, need, evict }), 0.0);
     }
-    None
+    (None, 0.0)
 }
 
 /// What to do with a file a reader is waiting for.

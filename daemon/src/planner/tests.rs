@@ -138,6 +138,42 @@ impl SimCache {
     }
 }
 
+/// Missing files urgent only as a whole: 300 resident files ahead (the reader passes
+/// them at its rate), then 300 missing ones, each taking the backing store longer than a
+/// step takes the reader. The first missing file is 3 s away and takes 25 ms, but the
+/// 300 take 7.5 s where the reader reaches the last in 6 s: prefetch starts now. Looking
+/// at fewer missing files (as a fixed window did) finds none urgent.
+#[test]
+fn missing_files_urgent_as_a_whole_start_the_prefetch_now() {
+    let mut p = Planner::new();
+    let fs = files(600);
+    p.register("j", fs.clone(), seq(0, vec![(0..600).collect()]))
+        .unwrap();
+    p.set_rate("j", 100.0);
+    for f in &fs[..300] {
+        p.set_resident(f, true);
+    }
+    let cache = SimCache {
+        resident: fs[..300].to_vec(),
+        capacity: 1000,
+        check: false,
+    };
+    let pace = |max_ahead| prefetch::Pace {
+        max_ahead,
+        max_walk: 1000,
+        secs_per_file: 0.025,
+        margin: 0.0,
+    };
+    let fx = prefetch::next_prefetch(&mut p, &cache, pace(1000)).expect("urgent");
+    assert_eq!(fx.file, fs[300]);
+    // The k-th missing file is (299 + k) / 100 s away and needs 0.025 k s: urgent from
+    // k = 200 on; over the first 199 the least slack is the 199th's.
+    let (none, slack) = prefetch::next_prefetch_or_slack(&mut p, &cache, pace(199));
+    assert!(none.is_none());
+    assert!((slack - (2.99 - 0.015 * 199.0)).abs() < 1e-9, "{slack}");
+    assert!(prefetch::next_prefetch(&mut p, &cache, pace(200)).is_some());
+}
+
 /// A cache of `capacity` files driven by the planner and the real prefetch and
 /// admission decisions, reading the job's plan step by step, with at most `window`
 /// files fetched ahead of the reader. Returns the files fetched in each epoch.
