@@ -5,8 +5,9 @@
 //! read-ahead, then prefetch, then fills behind readers who read the backing store
 //! themselves, each in arrival order), one heap per backing root, each served by the
 //! root's own pool of `fill_workers` threads, which bounds the concurrency toward that
-//! store (fills behind readers: half of it, [`Priority::Behind`]). A block has at most one fill in flight ([`Flight`]): every later request for it
-//! waits on the same flight (single-flight). When the queue is full, read-ahead is
+//! store (fills behind readers: half of it, [`Priority::Behind`]). A block has at most
+//! one fill in flight ([`Flight`]): every later request for it waits on the same flight
+//! (single-flight). When the queue is full, read-ahead is
 //! dropped and counted, and a waiting client falls back to the backing store itself.
 //!
 //! **A root that stops answering costs the others nothing.** Its fills block only its
@@ -24,7 +25,11 @@
 //! busy: a worker takes the file's next queued blocks along with the one it popped (up
 //! to 8 MiB, 16 blocks, and never blocks an idle worker would take) and lands them with
 //! one `fdatasync` and one journal group ([`Store::commit_fills`]); a block a client
-//! waits on is filled alone, at once.
+//! waits on is filled alone, at once. Small files (one block each) queued at one
+//! priority other than demand go along the same way, up to 16 per worker: their data
+//! files are created, written and synced together with one sync of their directory,
+//! and their records go in one journal group ([`Store::commit_new_files`]); a reader
+//! already waiting on one of them gets its bytes as soon as they are read.
 //!
 //! A fill asks its root's sources in order ([`crate::blocks::Sources`], handed over at
 //! construction: the peers when this node shares, then the backing store), and the

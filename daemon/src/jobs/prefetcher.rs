@@ -170,6 +170,7 @@ impl Jobs {
             r.registrations = now_registered;
             r.denied.clear();
             r.quiet_until = None;
+            r.sized = None;
         }
         r.denied.expire(now);
         self.prefetching
@@ -178,11 +179,23 @@ impl Jobs {
             return;
         }
         // Sizes of the upcoming files, looked up without the planner lock (a stat
-        // may go to the backing store).
-        let upcoming = self.plans.planner().upcoming(LOOKAHEAD);
-        for (f, _) in &upcoming {
-            self.size_of(f);
-        }
+        // may go to the backing store), and their mean; again only once the readers
+        // moved on by SIZES_EVERY reads (or a job was registered): a round comes with
+        // every landed fetch, and the lookups cost more than its decisions.
+        let reads_now = self.plans.planner().reads();
+        let mean_size = match r.sized {
+            Some((at, mean)) if (at..at + SIZES_EVERY).contains(&reads_now) => mean,
+            _ => {
+                let upcoming = self.plans.planner().upcoming(LOOKAHEAD);
+                let total: u64 = upcoming
+                    .iter()
+                    .map(|(f, _)| self.size_of(f).unwrap_or(u64::from(store.block_size())))
+                    .sum();
+                let mean = (!upcoming.is_empty()).then(|| total as f64 / upcoming.len() as f64);
+                r.sized = Some((reads_now, mean));
+                mean
+            }
+        };
         let room = store.room();
         let sizes = self.sizes.lock();
         let mut view = Snapshot {
@@ -198,13 +211,8 @@ impl Jobs {
             sizes: &sizes,
             default_size: store.block_size() as u64,
         };
-        let pace = match filler.service() {
-            Some(s) if self.rates_known() && !upcoming.is_empty() => {
-                let mean = upcoming
-                    .iter()
-                    .map(|(f, _)| view.size(f) as f64)
-                    .sum::<f64>()
-                    / upcoming.len() as f64;
+        let pace = match (filler.service(), mean_size) {
+            (Some(s), Some(mean)) if self.rates_known() => {
                 Pace {
                     max_ahead: MAX_WALK,
                     max_walk: MAX_WALK,
@@ -357,7 +365,13 @@ struct Rounds {
     ops: Option<TokenBucket>,
     /// Nothing was urgent: no decision is looked for before this (see [`QUIET`]).
     quiet_until: Option<Instant>,
+    /// The planner's read count when the upcoming files' sizes were last looked up,
+    /// and their mean (see [`SIZES_EVERY`]).
+    sized: Option<(u64, Option<f64>)>,
 }
+
+/// Reads after which the prefetcher looks up the sizes of the upcoming files again.
+const SIZES_EVERY: u64 = 64;
 
 impl Rounds {
     fn new(cfg: PrefetchConfig) -> Self {
@@ -370,6 +384,7 @@ impl Rounds {
             budget: cfg.bandwidth.map(prefetch_budget),
             ops: cfg.ops.map(prefetch_budget),
             quiet_until: None,
+            sized: None,
         }
     }
 
@@ -534,6 +549,9 @@ impl Snapshot<'_> {
 impl CacheView for Snapshot<'_> {
     fn is_resident(&self, p: &Planner, f: &FileRef) -> bool {
         p.is_resident(f) && !self.evicted.contains(f)
+    }
+    fn is_resident_given(&self, _: &Planner, f: &FileRef, entry: bool) -> bool {
+        entry && (self.evicted.is_empty() || !self.evicted.contains(f))
     }
     fn victim(&self, p: &mut Planner) -> Option<FileRef> {
         p.victim_indexed(&|f| !self.busy.contains(f) && !self.evicted.contains(f))
@@ -852,6 +870,28 @@ mod tests {
         assert_eq!(r.round(), vec![file(k)]);
         r.settle_fills();
         assert!(r.cached(k));
+    }
+
+    /// With the default bound, the prefetcher runs past more than a thousand files
+    /// when the cache has room: at half cache an epoch opens with the kept half, and the
+    /// missing files behind it must all be fetched while the readers pass the hits (a
+    /// bound of 1 024 files left the link idle for seconds of every epoch).
+    #[test]
+    fn the_default_bound_fetches_more_than_a_thousand_files_ahead() {
+        let n = 1100;
+        let order: Vec<usize> = (0..n).collect();
+        let mut r = Rig::new(n, &order, crate::config::Config::default().prefetch_ahead);
+        let mut started = 0;
+        for _ in 0..4 * n {
+            let k = r.round().len();
+            r.settle_fills();
+            started += k;
+            if k == 0 {
+                break;
+            }
+        }
+        assert_eq!(started, n, "every file, none read yet");
+        assert!((0..n).all(|i| r.cached(i)));
     }
 
     /// A fetch that fails is not asked for again until its backoff ran out; it fails

@@ -1389,7 +1389,7 @@ impl Planner {
         let mut all: Vec<(FileRef, Need)> = Vec::new();
         // A file read twice in one epoch (a sequence plan may) counts at its first need.
         let mut seen = HashSet::default();
-        self.walk_upcoming(max_walk, &mut |p, f, need| {
+        self.walk_upcoming(max_walk, &mut |p, f, need, _| {
             if !skip(p, f) && seen.insert(f.clone()) {
                 all.push((f.clone(), need));
             }
@@ -1407,11 +1407,13 @@ impl Planner {
     /// breaks. Nothing is cloned for the files passed over: a caller looking for the
     /// few files that matter among thousands of resident ones pays a lookup for each.
     /// Not the files of a shuffle under a cluster placement (see [`Planner::upcoming`]).
-    /// A file two jobs read may be visited once for each.
+    /// A file two jobs read may be visited once for each. `visit` is also told whether
+    /// the file has a cache entry ([`Planner::set_resident`]), from the job's own index
+    /// of its resident files: no lookup by path for the thousands passed over.
     pub fn walk_upcoming(
         &mut self,
         max_walk: usize,
-        visit: &mut dyn FnMut(&Planner, &FileRef, Need) -> ControlFlow<()>,
+        visit: &mut dyn FnMut(&Planner, &FileRef, Need, bool) -> ControlFlow<()>,
     ) {
         // The epochs' orders first (building one needs `&mut`), then the walk over a
         // shared planner, which `visit` may look at.
@@ -1442,7 +1444,7 @@ impl Planner {
         let this = &*self;
         // The next file of a cursor that is due (not read already, not visited in the
         // current epoch before), with its need; moves the cursor onto it.
-        let peek = |c: &mut Cursor| -> Option<(u32, Need)> {
+        let peek = |c: &mut Cursor| -> Option<(u32, Need, bool)> {
             let job = &this.jobs[c.job];
             let s = job.step;
             loop {
@@ -1477,13 +1479,17 @@ impl Planner {
                     .map_or(0, |e| (e.order.len() as u64).saturating_sub(s));
                 let d = if c.ep == 0 { k - s } else { left + k };
                 let d = d.saturating_sub(job.spread);
-                return Some((f, Need::In(d as f64 / job.rate)));
+                return Some((
+                    f,
+                    Need::In(d as f64 / job.rate),
+                    job.rank_of.contains_key(&f),
+                ));
             }
         };
-        let mut next: Vec<Option<(u32, Need)>> = cursors.iter_mut().map(&peek).collect();
+        let mut next: Vec<Option<(u32, Need, bool)>> = cursors.iter_mut().map(&peek).collect();
         loop {
             // The cursor whose next file is needed first (jobs are few).
-            let Some((i, (f, need))) = next
+            let Some((i, (f, need, entry))) = next
                 .iter()
                 .enumerate()
                 .filter_map(|(i, n)| n.map(|n| (i, n)))
@@ -1493,7 +1499,7 @@ impl Planner {
             };
             let c = &mut cursors[i];
             let file = &this.jobs[c.job].files[f as usize];
-            if visit(this, file, need).is_break() {
+            if visit(this, file, need, entry).is_break() {
                 return;
             }
             c.walked += 1;

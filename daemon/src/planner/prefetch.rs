@@ -11,6 +11,13 @@ use super::{FileRef, Need, Planner};
 pub trait CacheView {
     /// True when `f` is resident.
     fn is_resident(&self, p: &Planner, f: &FileRef) -> bool;
+    /// [`CacheView::is_resident`] of a file the planner says has a cache entry or not
+    /// (`entry`, from [`Planner::walk_upcoming`]); a view that follows the planner's
+    /// entries answers without a lookup of `f` for most files.
+    fn is_resident_given(&self, p: &Planner, f: &FileRef, entry: bool) -> bool {
+        let _ = entry;
+        self.is_resident(p, f)
+    }
     /// The file to evict next (the planner's choice among the files that may go now):
     /// [`Planner::victim_indexed`] over the daemon's store, [`Planner::victim`] over a
     /// simulated cache.
@@ -78,8 +85,8 @@ pub fn next_prefetch_or_slack(
     let mut missing = 0usize;
     let mut urgent = false;
     let mut slack = f64::INFINITY;
-    p.walk_upcoming(pace.max_walk, &mut |p, file, need| {
-        if cache.is_resident(p, file) || cache.in_flight(file) {
+    p.walk_upcoming(pace.max_walk, &mut |p, file, need, entry| {
+        if cache.is_resident_given(p, file, entry) || cache.in_flight(file) {
             return ControlFlow::Continue(());
         }
         missing += 1;
