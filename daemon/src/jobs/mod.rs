@@ -62,6 +62,35 @@ const STATUS_WINDOW: usize = 4096;
 const MAX_READ_NOTES: usize = 1 << 16;
 /// How often consumption rates are measured.
 const RATE_PERIOD: Duration = Duration::from_millis(500);
+/// How fast the fastest rate a job was measured at is forgotten (see [`Rate`]).
+const PEAK_HALF_LIFE: Duration = Duration::from_secs(120);
+
+/// A job's consumption rate: the mean of its measurements (steps per second; for
+/// status), and what the planner plans with, the fastest it was measured at lately if
+/// that is faster. Readers waiting on the backing store read at the store's pace, and
+/// over hits at their own: at half cache an epoch ends waiting on the link and the next
+/// opens with thousands of hits, and a plan at the last epoch's pace saw nothing
+/// urgent until the mean caught up (the link ran at a third of its rate for the first
+/// 2-3 s of each epoch). The peak halves every [`PEAK_HALF_LIFE`]: a job that slows
+/// for good is planned at its new pace within minutes, and planning a job as faster
+/// than it is only fetches earlier what it reads in this epoch.
+#[derive(Debug, Clone, Copy, Default)]
+struct Rate {
+    mean: Option<f64>,
+    peak: f64,
+}
+
+impl Rate {
+    /// Takes a measurement of `r` steps per second over the last `dt`; what the
+    /// planner plans with now.
+    fn measured(&mut self, r: f64, dt: Duration) -> f64 {
+        let mean = self.mean.map_or(r, |old| old + 0.5 * (r - old));
+        self.mean = Some(mean);
+        let decay = 0.5f64.powf(dt.as_secs_f64() / PEAK_HALF_LIFE.as_secs_f64());
+        self.peak = (self.peak * decay).max(r);
+        mean.max(self.peak)
+    }
+}
 
 /// A prefetched file not yet opened by its job.
 #[derive(Debug, Clone, Copy)]
@@ -118,7 +147,7 @@ struct JobInfo {
     /// Steps done at the last rate measurement, and when.
     rate_mark: (u64, Instant),
     /// Steps per second, once measured.
-    rate: Option<f64>,
+    rate: Rate,
     /// Its lease (`None`: it lives until unregistered).
     lease: Option<lease::Lease>,
 }
@@ -291,6 +320,28 @@ mod tests {
             metrics.prefetch(),
             Arc::new(Wake::default()),
         ))
+    }
+
+    /// A job measured fast over hits and then slow while it waits on the backing store
+    /// is planned at the fast pace (the next epoch opens with hits again); the mean
+    /// follows the slow one, and the peak is forgotten over minutes.
+    #[test]
+    fn a_job_slowed_by_the_backing_store_is_planned_at_its_pace_over_hits() {
+        let period = Duration::from_millis(500);
+        let mut rate = Rate::default();
+        assert_eq!(rate.measured(1300.0, period), 1300.0);
+        for _ in 0..40 {
+            // 20 s waiting on the link.
+            rate.measured(460.0, period);
+        }
+        let planned = rate.measured(460.0, period);
+        assert!((rate.mean.unwrap() - 460.0).abs() < 1.0, "{rate:?}");
+        assert!(planned > 1100.0, "planned at {planned}");
+        for _ in 0..(8 * 120 * 2) {
+            // Eight half-lives at the slow pace: planned at it.
+            rate.measured(460.0, period);
+        }
+        assert!(rate.measured(460.0, period) < 470.0);
     }
 
     /// Issue 13, step 4: an open never waits for the prefetcher's planning. With the

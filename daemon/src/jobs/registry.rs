@@ -412,7 +412,7 @@ impl Jobs {
                 registered: registered.clone(),
                 manifest,
                 rate_mark: (done, Instant::now()),
-                rate: None,
+                rate: Rate::default(),
                 lease,
             },
         );

@@ -173,9 +173,7 @@ impl Jobs {
             let done = p.steps_done(id).unwrap_or(done0);
             if done > done0 {
                 let r = (done - done0) as f64 / dt.as_secs_f64();
-                let r = j.rate.map_or(r, |old| old + 0.5 * (r - old));
-                j.rate = Some(r);
-                p.set_rate(id, r);
+                p.set_rate(id, j.rate.measured(r, dt));
             }
             j.rate_mark = (done, Instant::now());
         }
@@ -202,7 +200,7 @@ impl Jobs {
             .iter()
             .map(|(k, v)| {
                 let l = v.lease.clone();
-                (k.clone(), v.files, v.usage, v.rate, Left::of(v), l)
+                (k.clone(), v.files, v.usage, v.rate.mean, Left::of(v), l)
             })
             .collect();
         let mut out = Vec::new();
@@ -279,7 +277,7 @@ impl Jobs {
 
     /// True when every registered job's rate has been measured.
     pub(super) fn rates_known(&self) -> bool {
-        self.info.lock().values().all(|j| j.rate.is_some())
+        self.info.lock().values().all(|j| j.rate.mean.is_some())
     }
 }
 
