@@ -376,16 +376,30 @@ impl ReadPath {
     /// soon as they are read ([`OPEN_WAIT`] at most): one exchange, not an open and a
     /// wait (see [`ReadPath::open_many`]).
     pub fn open(&self, creds: &Creds, path: &str) -> Result<Opened, Refusal> {
+        self.open_until(creds, path, Instant::now() + OPEN_WAIT)
+    }
+
+    /// [`ReadPath::open`] waiting for a cold small file's bytes until `deadline`.
+    fn open_until(&self, creds: &Creds, path: &str, deadline: Instant) -> Result<Opened, Refusal> {
         let begun = self.open_begin(creds, path)?;
-        Ok(self.open_finish(begun, Instant::now() + OPEN_WAIT))
+        Ok(self.open_finish(begun, deadline))
     }
 
     /// Opens several paths, as [`ReadPath::open`] does each, with the fills of their
     /// cold small files all started before any is waited for (a loader's batch is filled
     /// with the fill engine's concurrency, not one file after another).
     pub fn open_many(&self, creds: &Creds, paths: &[String]) -> Vec<Result<Opened, Refusal>> {
+        self.open_many_until(creds, paths, Instant::now() + OPEN_WAIT)
+    }
+
+    /// [`ReadPath::open_many`] waiting for cold small files' bytes until `deadline`.
+    fn open_many_until(
+        &self,
+        creds: &Creds,
+        paths: &[String],
+        deadline: Instant,
+    ) -> Vec<Result<Opened, Refusal>> {
         let begun: Vec<_> = paths.iter().map(|p| self.open_begin(creds, p)).collect();
-        let deadline = Instant::now() + OPEN_WAIT;
         begun
             .into_iter()
             .map(|b| b.map(|b| self.open_finish(b, deadline)))
@@ -948,7 +962,10 @@ mod tests {
             r.mem.put(name, data.clone(), owner(0, 0o644));
         }
         // One open: every byte readable through the descriptor it answers with, no wait.
-        let o = r.cache.open(&creds(0), "/r/s0").unwrap();
+        // (Waiting for the bytes as long as it takes: `OPEN_WAIT` is a bound on time,
+        // and a loaded test machine may take longer to read a file.)
+        let long = || Instant::now() + Duration::from_secs(20);
+        let o = r.cache.open_until(&creds(0), "/r/s0", long()).unwrap();
         assert!(is_set(&o.present, 0), "the open carries the file's bytes");
         let f = o.data.expect("a descriptor");
         assert_eq!(read_all(&f, small[0].1.len()), small[0].1);
@@ -956,7 +973,7 @@ mod tests {
         let paths: Vec<String> = small[1..].iter().map(|(n, _)| format!("/r/{n}")).collect();
         for (o, (_, data)) in r
             .cache
-            .open_many(&creds(0), &paths)
+            .open_many_until(&creds(0), &paths, long())
             .into_iter()
             .zip(&small[1..])
         {
@@ -965,13 +982,17 @@ mod tests {
             assert_eq!(read_all(&o.data.expect("a descriptor"), data.len()), *data);
         }
         let s = r.stats.snapshot();
-        assert_eq!((s.opens, s.opens_empty, s.waits), (5, 5, 0));
-        assert_eq!(s.handoffs + s.opens_full, 5, "each answered with its bytes");
+        assert_eq!((s.opens, s.opens_empty, s.waits), (5, 5, 0), "{s:?}");
+        // Each was answered with its bytes (checked above): handed over as read, or
+        // from the store when its fill landed before the open came to wait for it (on
+        // a loaded machine, any of them may), so no count of handoffs is promised; each
+        // file was read from the backing store once.
+        assert_eq!(s.backing_reads, 5, "{s:?}");
         // And the store keeps them: a later open is a hit.
         assert!(r.settle());
         let again = r.cache.open(&creds(0), "/r/s3").unwrap();
         assert!(is_set(&again.present, 0));
-        assert_eq!(r.stats.snapshot().opens_full, 1);
+        assert_eq!(r.stats.snapshot().opens_full, 1, "{:?}", r.stats.snapshot());
         // A file the backing store cannot read is answered without bytes (the reader's
         // wait then says declined), never with wrong ones.
         r.mem.put("bad", bytes(500, 99), owner(0, 0o644));
