@@ -54,8 +54,8 @@ struct SmallArgs {
     /// Rounds per row (alternating which side goes first).
     #[arg(long, default_value_t = 3)]
     rounds: usize,
-    /// Read the files already under this directory (the first `--files` of them, by
-    /// name) instead of generating them: a mount of shared storage, say
+    /// Read the files already under this directory, subdirectories included (the first
+    /// `--files` of them by path; fewer is an error) instead of generating them: a mount of shared storage, say
     /// `../shared/testbed/slow-storage.sh`'s. It is the daemon's backing root.
     #[arg(long)]
     root: Option<PathBuf>,
@@ -568,13 +568,31 @@ fn small(a: &SmallArgs) {
     let small: Vec<PathBuf> = match &a.root {
         Some(root) => {
             bed.backing = root.canonicalize().expect("--root");
-            let mut v: Vec<PathBuf> = std::fs::read_dir(&bed.backing)
-                .expect("list --root")
-                .map(|e| e.expect("entry").path())
-                .filter(|p| p.is_file())
-                .collect();
+            // Every regular file below it (datasets keep files in subdirectories).
+            let mut v: Vec<PathBuf> = Vec::new();
+            let mut dirs = vec![bed.backing.clone()];
+            while let Some(d) = dirs.pop() {
+                for e in std::fs::read_dir(&d).expect("list --root") {
+                    let e = e.expect("entry");
+                    let t = e.file_type().expect("file type");
+                    if t.is_dir() {
+                        dirs.push(e.path());
+                    } else if t.is_file() {
+                        v.push(e.path());
+                    }
+                }
+            }
             v.sort();
             v.truncate(a.files as usize);
+            if v.len() < a.files as usize {
+                eprintln!(
+                    "--root {}: {} files below it, --files asks for {}",
+                    bed.backing.display(),
+                    v.len(),
+                    a.files
+                );
+                std::process::exit(2);
+            }
             v
         }
         None => {
