@@ -10,7 +10,9 @@
 
 use super::*;
 use crate::fill::Declined;
+use crate::planner::Need;
 use crate::planner::prefetch::{self, CacheView, Pace};
+use std::collections::VecDeque;
 
 /// How long a prefetch the store declined (no room worth making) is not retried.
 const DECLINED_BACKOFF: Duration = Duration::from_secs(1);
@@ -255,6 +257,8 @@ impl Jobs {
         // `ahead` already counts this round's decisions (the placement's moves are
         // bounded by the concurrency only).
         let quiet = r.quiet_until.is_some_and(|t| now < t);
+        // Files due now from the last walk, not yet decided on.
+        let mut due: VecDeque<(FileRef, Need)> = VecDeque::new();
         while !quiet
             && r.ahead.len() < cfg.ahead
             && r.flights.len() + fetches.len() < cfg.concurrency
@@ -265,13 +269,27 @@ impl Jobs {
             // the store's index lock, which opens take) waits for one decision, never
             // for the whole round.
             let mut p = self.plans.planner();
-            let (fx, slack) = prefetch::next_prefetch_or_slack(&mut p, &view, pace);
-            let Some(fx) = fx else {
-                // Infinite when nothing is missing: then nothing to wait for either.
-                r.quiet_until = (slack > 0.0)
-                    .then(|| Duration::try_from_secs_f64(slack / 2.0).ok())
-                    .flatten()
-                    .map(|d| now + d.min(QUIET));
+            if due.is_empty() {
+                let free = (cfg.ahead - r.ahead.len())
+                    .min(cfg.concurrency - r.flights.len() - fetches.len());
+                let (files, slack) = prefetch::urgent_missing(&mut p, &view, pace, free);
+                if files.is_empty() {
+                    // Infinite when nothing is missing: then nothing to wait for either.
+                    r.quiet_until = (slack > 0.0)
+                        .then(|| Duration::try_from_secs_f64(slack / 2.0).ok())
+                        .flatten()
+                        .map(|d| now + d.min(QUIET));
+                    break;
+                }
+                due.extend(files);
+            }
+            let Some((file, need)) = due.pop_front() else {
+                break;
+            };
+            if view.in_flight(&file) || view.is_resident(&p, &file) {
+                continue;
+            }
+            let Some(fx) = prefetch::admit_prefetch(&mut p, &view, file, need) else {
                 break;
             };
             let steps = p.steps_until(&fx.file).unwrap_or(0);

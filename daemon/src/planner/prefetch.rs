@@ -78,51 +78,92 @@ pub fn next_prefetch_or_slack(
     cache: &dyn CacheView,
     pace: Pace,
 ) -> (Option<Fetch>, f64) {
-    // One walk, nothing cloned but the file to fetch: at half cache an epoch opens with
-    // thousands of resident files, and the missing ones past them may be urgent only
-    // as a whole (thousands of them, each taking the backing store's time).
-    let mut first: Option<(FileRef, Need)> = None;
+    let (due, slack) = urgent_missing(p, cache, pace, 1);
+    match due.into_iter().next() {
+        Some((file, need)) => (admit_prefetch(p, cache, file, need), 0.0),
+        None => (None, slack),
+    }
+}
+
+/// The upcoming missing files (neither resident nor being fetched) whose fetches must
+/// start now, in order of need, at most `max`, and the slack as [`next_prefetch_or_slack`]
+/// says it (0 when some are due). When the `k`-th missing file has a slack of `s ≤ 0`,
+/// the first `1 + ⌊−s / secs_per_file⌋` of the `k` are due (each one started moves the
+/// `k`-th one place forward): one walk past thousands of resident files serves several
+/// decisions (it goes on past the first urgent file until `max` are known due, or to
+/// `max_ahead` missing files). Each is still admitted one by one ([`admit_prefetch`]).
+pub fn urgent_missing(
+    p: &mut Planner,
+    cache: &dyn CacheView,
+    pace: Pace,
+    max: usize,
+) -> (Vec<(FileRef, Need)>, f64) {
+    // One walk, nothing cloned but the files to fetch: at half cache an epoch opens
+    // with thousands of resident files, and the missing ones past them may be urgent
+    // only as a whole (thousands of them, each taking the backing store's time).
+    let mut first: Vec<(FileRef, Need)> = Vec::new();
     let mut missing = 0usize;
-    let mut urgent = false;
     let mut slack = f64::INFINITY;
+    // Past the first urgent file the walk goes on while fewer than `max` are known
+    // due: the least slack says how many.
+    let enough = if max <= 1 {
+        0.0
+    } else {
+        -((max - 1) as f64) * pace.secs_per_file
+    };
     p.walk_upcoming(pace.max_walk, &mut |p, file, need, entry| {
         if cache.is_resident_given(p, file, entry) || cache.in_flight(file) {
             return ControlFlow::Continue(());
         }
         missing += 1;
+        if first.len() < max {
+            first.push((file.clone(), need));
+        }
         if let Need::In(t) = need {
-            let s = t - (missing as f64 * pace.secs_per_file + pace.margin);
-            urgent |= s <= 0.0;
-            slack = slack.min(s);
+            slack = slack.min(t - (missing as f64 * pace.secs_per_file + pace.margin));
         }
-        if first.is_none() {
-            first = Some((file.clone(), need));
-        }
-        if urgent || missing >= pace.max_ahead {
+        if (first.len() >= max && slack <= enough) || missing >= pace.max_ahead {
             ControlFlow::Break(())
         } else {
             ControlFlow::Continue(())
         }
     });
-    let Some((file, need)) = first else {
-        return (None, f64::INFINITY);
-    };
-    if !urgent {
-        return (None, slack.max(0.0));
+    if first.is_empty() {
+        return (Vec::new(), f64::INFINITY);
     }
+    if slack > 0.0 {
+        return (Vec::new(), slack);
+    }
+    let due = if pace.secs_per_file.is_finite() && pace.secs_per_file > 0.0 {
+        1 + (-slack / pace.secs_per_file).floor().min(usize::MAX as f64) as usize
+    } else {
+        usize::MAX
+    };
+    first.truncate(due.max(1));
+    (first, 0.0)
+}
+
+/// Whether a due prefetch of `file` may start now: when there is room, or when the
+/// file needed farthest in the future is needed later than it and is next read in a
+/// later epoch (see [`Planner::may_evict_for_prefetch`]); then the fetch, with the
+/// file to evict first. `None`: refused for want of a victim.
+pub fn admit_prefetch(
+    p: &mut Planner,
+    cache: &dyn CacheView,
+    file: FileRef,
+    need: Need,
+) -> Option<Fetch> {
     if cache.has_room(&file) {
         let evict = None;
-        return (Some(Fetch { file, need, evict }), 0.0);
+        return Some(Fetch { file, need, evict });
     }
-    let Some(victim) = cache.victim(p) else {
-        return (None, 0.0);
-    };
+    let victim = cache.victim(p)?;
     let incoming = p.use_epoch(&file);
     if p.need(&victim).later_than(need) && p.may_evict_for_prefetch(&victim, incoming) {
         let evict = Some(victim);
-        return (Some(Fetch { file, need, evict }), 0.0);
+        return Some(Fetch { file, need, evict });
     }
-    (None, 0.0)
+    None
 }
 
 /// What to do with a file a reader is waiting for.

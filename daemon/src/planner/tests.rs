@@ -172,6 +172,15 @@ fn missing_files_urgent_as_a_whole_start_the_prefetch_now() {
     assert!(none.is_none());
     assert!((slack - (2.99 - 0.015 * 199.0)).abs() < 1e-9, "{slack}");
     assert!(prefetch::next_prefetch(&mut p, &cache, pace(200)).is_some());
+    // One walk, several decisions: the k-th missing file's slack is 2.99 - 0.015 k, and
+    // when it is s <= 0 the first 1 + floor(-s / 0.025) are due. Over the first 210:
+    // s = -0.16, seven due.
+    let names = |v: &[(FileRef, Need)]| v.iter().map(|(f, _)| f.clone()).collect::<Vec<_>>();
+    let (due, slack) = prefetch::urgent_missing(&mut p, &cache, pace(210), 100);
+    assert_eq!((names(&due), slack), (fs[300..307].to_vec(), 0.0));
+    // Asked for 16, the walk goes on until 16 are due (k = 225, s = -0.385).
+    let (due, _) = prefetch::urgent_missing(&mut p, &cache, pace(1000), 16);
+    assert_eq!(names(&due), fs[300..316].to_vec());
 }
 
 /// A cache of `capacity` files driven by the planner and the real prefetch and
