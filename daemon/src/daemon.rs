@@ -606,6 +606,12 @@ mod tests {
             .collect()
     }
 
+    use rusty_fork::rusty_fork_test;
+
+    // In a process of its own (the test binary run again for this test alone): it counts
+    // the process's fill threads, which tests running beside it in one process start
+    // too (under `cargo test`, not `cargo nextest`, it failed every run).
+    rusty_fork_test! {
     /// A start that fails after the fill engine started (here: the socket path is taken
     /// by a regular file) leaves none of its workers behind.
     #[test]
@@ -635,6 +641,7 @@ mod tests {
             .filter(|t| t.starts_with("sc-fill"))
             .collect();
         assert!(left.is_empty(), "still running: {left:?}");
+    }
     }
 
     /// The order docs/ARCHITECTURE.md's concurrency table gives.
