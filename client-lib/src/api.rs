@@ -325,6 +325,9 @@ mirror! {
         placement_slots: u64,
         placement_here: u64,
         placement_departing: u64,
+        /// This node's room for the job in the placement, in bytes (a placement counts
+        /// bytes when the manifest gives every file's size; `placement_slots` is then 0).
+        placement_room_bytes: u64,
         /// What the registrant's rights kept out of the job (docs/SEMANTICS.md, "What a
         /// registration may change"): files it may not read, as the prefetcher last checked
         /// them (never fetched for this job), and directories its glob did not list.

@@ -172,8 +172,12 @@ pub struct JobStatus {
     /// The job's cluster placement (peers on, a shuffle): the nodes it spans (0: not
     /// placed, fetches go by ownership).
     pub placement_nodes: u64,
-    /// This node's slots in the placement (the job's files its cache holds).
+    /// This node's slots in the placement (the job's files its cache holds), when the
+    /// placement counts files (0 when it counts bytes).
     pub placement_slots: u64,
+    /// This node's room for the job in the placement, in bytes: its slots in bytes, or
+    /// its slots in files × the files' sampled mean size.
+    pub placement_room_bytes: u64,
     /// Files the placement puts on this node now.
     pub placement_here: u64,
     /// Copies the placement moved away that this node keeps until their new holders

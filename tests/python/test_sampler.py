@@ -138,3 +138,46 @@ def test_make_manifest_from_a_directory_a_glob_and_a_list(tmp_path):
     with pytest.raises(shardcache.ManifestError, match="matches no"):
         shardcache.make_manifest("j", tmp_path, glob="*.none")
     assert os.path.isabs(m["root"])
+
+
+class _Recorder:
+    """A client that records the manifests it is asked to register."""
+
+    def __init__(self):
+        self.manifests = []
+
+    def progress(self, job, epoch, step):
+        return False
+
+    def register_leased(self, manifest, lease):
+        self.manifests.append(manifest)
+
+    def register(self, manifest):
+        self.manifests.append(manifest)
+
+
+def test_a_sampler_puts_the_files_sizes_in_its_plan(tmp_path):
+    """Issue 15: with ``sizes`` (given, or ``True``: stat once) every file of the plan
+    has its size, which makes the nodes' cluster placement count bytes."""
+    files = []
+    for i in range(4):
+        p = tmp_path / f"f{i}"
+        p.write_bytes(b"x" * (100 * (i + 1)))
+        files.append(str(p))
+    for sizes in ([100, 200, 300, 400], True):
+        rec = _Recorder()
+        s = shardcache.DistributedShuffleSampler(n=4, num_replicas=1, rank=0, files=files, client=rec, sizes=sizes, lease=0)
+        s.set_epoch(0)
+        s.set_epoch(1)  # registered again: the recorder knows no job
+        assert len(rec.manifests) == 2
+        for m in rec.manifests:
+            assert [(f["path"], f["size"]) for f in m["files"]] == [(f"f{i}", 100 * (i + 1)) for i in range(4)]
+    rec = _Recorder()
+    shardcache.DistributedShuffleSampler(n=4, num_replicas=1, rank=0, files=files, client=rec, lease=0).set_epoch(0)
+    assert rec.manifests[0]["files"] == ["f0", "f1", "f2", "f3"], "no sizes unless asked"
+    with pytest.raises(ValueError, match="3 sizes for 4 files"):
+        shardcache.DistributedShuffleSampler(n=4, files=files, sizes=[1, 2, 3])
+    with pytest.raises(shardcache.ManifestError, match="2 sizes for 4 files"):
+        shardcache.make_manifest("j", tmp_path, files, sizes=[1, 2])
+    m = shardcache.make_manifest("j", tmp_path, files, sizes=[5, 6, 7, 8])
+    assert [f["size"] for f in m["files"]] == [5, 6, 7, 8]

@@ -526,28 +526,103 @@ pub struct Placed {
     pub use_peak: f64,
 }
 
-/// One placement run. With `SHARDCACHE_BENCH_VERBOSE` set, each node's counters per
-/// epoch go to stderr.
-pub fn placement(
+/// One epoch of a placement run, summed over the nodes.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct PlacedEpoch {
+    /// Backing-store bytes read (the daemons' and the clients' fallbacks) ÷ the dataset.
+    pub backing: f64,
+    /// Opens that found the file whole on the reader's node ÷ opens.
+    pub local: f64,
+    /// Blocks that came from a peer ÷ the dataset's blocks.
+    pub peer_blocks: u64,
+    /// Fills that found no room in the store.
+    pub no_space: u64,
+    /// Files evicted by the stores.
+    pub evicted: u64,
+    /// Cache use ÷ capacity over the epoch, sampled on every node every 4th step: mean
+    /// and highest.
+    pub use_mean: f64,
+    /// See `use_mean`.
+    pub use_peak: f64,
+}
+
+/// How the files of a placement run are sized.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sizes {
+    /// Every file the same size.
+    Fixed,
+    /// Log-normal (σ = 0.5 of the log, as ImageNet-like JPEGs), the given mean.
+    LogNormal,
+    /// Nine files in ten log-normal around the mean, one in ten eight times larger.
+    Mix,
+}
+
+impl std::str::FromStr for Sizes {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "fixed" => Ok(Self::Fixed),
+            "lognormal" => Ok(Self::LogNormal),
+            "mix" => Ok(Self::Mix),
+            _ => Err(format!("{s}: not fixed, lognormal or mix")),
+        }
+    }
+}
+
+/// `files` sizes of `kind` around `mean_kib` (the same for the same arguments).
+pub fn file_sizes(kind: Sizes, files: u64, mean_kib: u64) -> Vec<u64> {
+    let mean = (mean_kib << 10) as f64;
+    let unit = |x: u64| -> f64 {
+        // splitmix64: uniform in (0, 1).
+        let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        ((z ^ (z >> 31)) >> 11) as f64 / (1u64 << 53) as f64 + 0.5 / (1u64 << 53) as f64
+    };
+    let lognormal = |i: u64, mean: f64| -> u64 {
+        const SIGMA: f64 = 0.5;
+        let (u1, u2) = (unit(2 * i), unit(2 * i + 1));
+        let z = (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos();
+        let median = mean / (SIGMA * SIGMA / 2.0).exp();
+        (median * (SIGMA * z).exp()).clamp(4096.0, 16.0 * mean) as u64
+    };
+    (0..files)
+        .map(|i| match kind {
+            Sizes::Fixed => mean as u64,
+            Sizes::LogNormal => lognormal(i, mean),
+            Sizes::Mix if i % 10 == 9 => lognormal(i, 8.0 * mean),
+            Sizes::Mix => lognormal(i, mean),
+        })
+        .collect()
+}
+
+/// One placement run of `epochs` epochs (the first cold): `m` nodes on loopback, one
+/// rank each, reading in lockstep, files of `sizes`, each cache `a` × the dataset's
+/// bytes ÷ `m`; with `declare`, the manifest gives every file's size (the placement
+/// counts bytes). With `SHARDCACHE_BENCH_VERBOSE` set, each node's counters per epoch go
+/// to stderr.
+pub fn placement_epochs(
     dir: &Path,
     m: usize,
     a: f64,
-    files: u64,
-    file_kib: u64,
+    sizes: &[u64],
+    declare: bool,
     epochs: u64,
-) -> anyhow::Result<Placed> {
+) -> anyhow::Result<Vec<PlacedEpoch>> {
     let block = 64u64 << 10;
-    let size = file_kib << 10;
+    let files = sizes.len() as u64;
     let tmp = tempfile::tempdir_in(dir)?;
     let backing = tmp.path().join("backing");
     std::fs::create_dir_all(backing.join("ds"))?;
     let backing = backing.canonicalize()?;
-    for i in 0..files {
-        write_file(&backing.join(format!("ds/s{i:05}")), i, size);
+    for (i, &size) in sizes.iter().enumerate() {
+        write_file(&backing.join(format!("ds/s{i:05}")), i as u64, size);
     }
-    let capacity = ((a * files as f64 / m as f64).round() as u64).max(1) * size;
+    let total: u64 = sizes.iter().sum();
+    let capacity = ((a * total as f64 / m as f64).round() as u64).max(block);
     let (nodes, addrs, sockets) = cluster(tmp.path(), &backing, m, block, capacity, false, None)?;
-    if std::env::var_os("SHARDCACHE_BENCH_VERBOSE").is_some() {
+    let verbose = std::env::var_os("SHARDCACHE_BENCH_VERBOSE").is_some();
+    if verbose {
         for (i, a) in addrs.iter().enumerate() {
             eprintln!(
                 "node {i}: {a}, cache {}",
@@ -555,7 +630,16 @@ pub fn placement(
             );
         }
     }
-    let names: Vec<String> = (0..files).map(|i| format!("s{i:05}")).collect();
+    let names: Vec<serde_json::Value> = (0..files)
+        .map(|i| {
+            let path = format!("s{i:05}");
+            if declare {
+                serde_json::json!({"path": path, "size": sizes[i as usize]})
+            } else {
+                serde_json::json!(path)
+            }
+        })
+        .collect();
     let clients: Vec<Client> = sockets.iter().map(Client::at).collect();
     for (rank, c) in clients.iter().enumerate() {
         let manifest = serde_json::json!({
@@ -569,10 +653,10 @@ pub fn placement(
     let counters = || -> anyhow::Result<Vec<shardcache_client::Counters>> {
         clients.iter().map(|c| Ok(c.status()?.counters)).collect()
     };
-    let (mut backing_bytes, mut local, mut opens) = (0u64, 0u64, 0u64);
-    let (mut use_sum, mut use_n, mut use_peak) = (0.0f64, 0u64, 0.0f64);
+    let mut out = Vec::new();
     let mut buf = Vec::new();
     for epoch in 0..epochs {
+        let (mut use_sum, mut use_n, mut use_peak) = (0.0f64, 0u64, 0.0f64);
         let before = counters()?;
         // The ranks read in lockstep, as the ranks of one job do.
         let orders: Vec<Vec<u64>> = (0..m as u64)
@@ -584,9 +668,12 @@ pub fn placement(
                 buf.clear();
                 c.open(backing.join(format!("ds/s{i:05}")))?
                     .read_to_end(&mut buf)?;
-                anyhow::ensure!(buf.len() as u64 == size, "file {i}: short read");
+                anyhow::ensure!(
+                    buf.len() as u64 == sizes[i as usize],
+                    "file {i}: short read"
+                );
             }
-            if epoch > 0 && step % 4 == 0 {
+            if step % 4 == 0 {
                 for c in &clients {
                     let st = c.status()?;
                     let u = st.used_bytes as f64 / st.capacity_bytes.max(1) as f64;
@@ -600,7 +687,7 @@ pub fn placement(
             c.status()?; // deliver the read reports
         }
         let after = counters()?;
-        if std::env::var_os("SHARDCACHE_BENCH_VERBOSE").is_some() {
+        if verbose {
             for (i, c) in clients.iter().enumerate() {
                 let st = c.status()?;
                 let pos: Vec<(u64, u64)> = st.jobs.iter().map(|j| (j.epoch, j.step)).collect();
@@ -611,7 +698,7 @@ pub fn placement(
             }
             for (i, (b, x)) in before.iter().zip(&after).enumerate() {
                 eprintln!(
-                    "a={a} epoch {epoch} node {i}: backing_reads {} peer_in {} peer_out {} peer_errors {} opens_full {}/{} evicted {} fallback_bytes {}",
+                    "a={a} epoch {epoch} node {i}: backing_reads {} peer_in {} peer_out {} peer_errors {} opens_full {}/{} evicted {} no_space {} fallback_bytes {}",
                     x.backing_reads - b.backing_reads,
                     x.peer_blocks_in - b.peer_blocks_in,
                     x.peer_blocks_out - b.peer_blocks_out,
@@ -619,27 +706,110 @@ pub fn placement(
                     x.opens_full - b.opens_full,
                     x.opens - b.opens,
                     x.evicted_files - b.evicted_files,
+                    x.fills_no_space - b.fills_no_space,
                     x.fallback_bytes - b.fallback_bytes,
                 );
             }
         }
-        if epoch > 0 {
-            for (b, x) in before.iter().zip(&after) {
-                backing_bytes +=
-                    (x.backing_bytes - b.backing_bytes) + (x.fallback_bytes - b.fallback_bytes);
-                local += x.opens_full - b.opens_full;
-                opens += x.opens - b.opens;
+        let mut e = PlacedEpoch {
+            use_mean: use_sum / use_n.max(1) as f64,
+            use_peak,
+            ..PlacedEpoch::default()
+        };
+        let (mut backing_bytes, mut local, mut opens) = (0u64, 0u64, 0u64);
+        for (b, x) in before.iter().zip(&after) {
+            backing_bytes +=
+                (x.backing_bytes - b.backing_bytes) + (x.fallback_bytes - b.fallback_bytes);
+            local += x.opens_full - b.opens_full;
+            opens += x.opens - b.opens;
+            e.peer_blocks += x.peer_blocks_in - b.peer_blocks_in;
+            e.no_space += x.fills_no_space - b.fills_no_space;
+            e.evicted += x.evicted_files - b.evicted_files;
+        }
+        e.backing = backing_bytes as f64 / total as f64;
+        e.local = local as f64 / opens.max(1) as f64;
+        out.push(e);
+    }
+    drop(nodes);
+    Ok(out)
+}
+
+/// One placement run of fixed-size files, summed over the epochs after the first.
+pub fn placement(
+    dir: &Path,
+    m: usize,
+    a: f64,
+    files: u64,
+    file_kib: u64,
+    epochs: u64,
+) -> anyhow::Result<Placed> {
+    let sizes = file_sizes(Sizes::Fixed, files, file_kib);
+    let per = placement_epochs(dir, m, a, &sizes, false, epochs)?;
+    let later = &per[1..];
+    let n = later.len().max(1) as f64;
+    Ok(Placed {
+        backing: later.iter().map(|e| e.backing).sum::<f64>() / n,
+        local: later.iter().map(|e| e.local).sum::<f64>() / n,
+        use_mean: later.iter().map(|e| e.use_mean).sum::<f64>() / n,
+        use_peak: later.iter().map(|e| e.use_peak).fold(0.0, f64::max),
+    })
+}
+
+/// The placement benchmark (`shardcache-bench placement`): per epoch, for each `a`, the
+/// manifest giving every file's size (`declare`), or not, or both.
+#[allow(clippy::too_many_arguments)]
+pub fn run_placement(
+    dir: &Path,
+    m: usize,
+    avals: &[f64],
+    kind: Sizes,
+    files: u64,
+    kib: u64,
+    epochs: u64,
+    declare: &[bool],
+) -> anyhow::Result<()> {
+    let sizes = file_sizes(kind, files, kib);
+    let total: u64 = sizes.iter().sum();
+    let (lo, hi) = (
+        sizes.iter().min().copied().unwrap_or(0),
+        sizes.iter().max().copied().unwrap_or(0),
+    );
+    println!(
+        "placement: {m} nodes on loopback, distributed shuffle (one rank each, lockstep), {files} files of {kind:?} sizes (mean {:.0} KiB, {:.0}–{:.0} KiB), {epochs} epochs",
+        total as f64 / files.max(1) as f64 / 1024.0,
+        lo as f64 / 1024.0,
+        hi as f64 / 1024.0
+    );
+    println!(
+        "{:>6} {:>5} {:>5} | {:>8} {:>6} | {:>6} | {:>11} | {:>9} {:>7} | cache use mean / peak",
+        "sizes", "a", "epoch", "backing", "floor", "local", "peer blocks", "no space", "evicted"
+    );
+    for &d in declare {
+        for &a in avals {
+            let per = placement_epochs(dir, m, a, &sizes, d, epochs)?;
+            for (e, p) in per.iter().enumerate() {
+                let floor = if e == 0 { 1.0 } else { (1.0f64 - a).max(0.0) };
+                println!(
+                    "{:>6} {a:>5.1} {e:>5} | {:>8.3} {floor:>6.3} | {:>6.3} | {:>11} | {:>9} {:>7} | {:.2} / {:.2}",
+                    if d { "given" } else { "none" },
+                    p.backing,
+                    p.local,
+                    p.peer_blocks,
+                    p.no_space,
+                    p.evicted,
+                    p.use_mean,
+                    p.use_peak
+                );
             }
         }
     }
-    drop(nodes);
-    let measured = (epochs - 1) as f64 * (files * size) as f64;
-    Ok(Placed {
-        backing: backing_bytes as f64 / measured,
-        local: local as f64 / opens as f64,
-        use_mean: use_sum / use_n.max(1) as f64,
-        use_peak,
-    })
+    println!(
+        "sizes: given = the manifest gives every file's size (placement in bytes); none = it does not (placement in files of the sampled mean size)"
+    );
+    println!(
+        "goals (epochs after the first): backing ≤ max(0, 1 − a) + 0.01; local reads ≥ 0.95 at a ≥ 1"
+    );
+    Ok(())
 }
 
 /// Where the transfer runs: loopback, or a testbed link at a rate.

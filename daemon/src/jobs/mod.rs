@@ -399,6 +399,37 @@ mod tests {
         )
     }
 
+    /// Issue 15: a manifest that gives every file's size hands the sizes to the planner
+    /// (the cluster placement then counts bytes); one that leaves a size out does not.
+    #[test]
+    fn every_size_in_the_manifest_makes_the_placement_count_bytes() {
+        let jobs = jobs();
+        let sized = |missing: Option<usize>| {
+            let files: Vec<String> = (0..12)
+                .map(|i| {
+                    if Some(i) == missing {
+                        format!("\"f{i}\"")
+                    } else {
+                        format!("{{\"path\": \"f{i}\", \"size\": {}}}", 1000 * (i + 1))
+                    }
+                })
+                .collect();
+            format!(
+                r#"{{"version": 1, "job": "s", "root": "/r", "files": [{}],
+                    "plan": {{"kind": "shuffle", "algorithm": "pcg64-fisher-yates/v1",
+                              "seed": 1, "epochs": 2, "world_size": 4, "ranks": [0]}}}}"#,
+                files.join(",")
+            )
+        };
+        jobs.register(&sized(None), &creds(1000), false).unwrap();
+        assert!(jobs.plans.planner().has_sizes("s"));
+        jobs.register(&sized(Some(5)), &creds(1000), false).unwrap();
+        assert!(!jobs.plans.planner().has_sizes("s"), "one size left out");
+        jobs.register(&shuffle("t", 7, &[0]), &creds(1000), false)
+            .unwrap();
+        assert!(!jobs.plans.planner().has_sizes("t"));
+    }
+
     /// Issue 14: two ranks of one job on one node register the same shuffle under one
     /// id, each with its own rank: the node's plan reads both (before, the second
     /// replaced the first). A registration adding no rank changes nothing (the position

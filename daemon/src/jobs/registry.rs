@@ -351,20 +351,27 @@ impl Jobs {
                 }
             }
         };
+        // Every file's size, when the manifest gives them all (the cluster placement
+        // then counts bytes).
+        let mut declared: Option<Vec<u64>> = None;
         if let Files::List(list) = &m.files {
             let mut sizes = self.sizes.lock();
+            let mut all = Vec::with_capacity(list.len());
             for (f, spec) in files.iter().zip(list) {
                 if let Some(size) = spec.size() {
                     sizes.insert(f.clone(), size);
+                    all.push(size);
                 }
             }
+            declared = (all.len() == files.len()).then_some(all);
         }
         let n = files.len();
         let immutable = m.immutable.then(|| Arc::new(files.clone()));
-        self.plans
-            .planner()
-            .register(&m.job, files, source)
-            .map_err(JobError::Plan)?;
+        {
+            let mut p = self.plans.planner();
+            p.register(&m.job, files, source).map_err(JobError::Plan)?;
+            p.set_sizes(&m.job, declared.map(Arc::from));
+        }
         let immutable = immutable.map(|f| {
             let hold = Hold::new(if operator {
                 Voucher::Operator

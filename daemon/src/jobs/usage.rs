@@ -234,6 +234,12 @@ impl Jobs {
                     resident_bytes += size;
                 }
             }
+            // Bytes per slot: 1 when the placement counts bytes.
+            let unit_bytes = if placed.4 {
+                1
+            } else {
+                self.plans.slots().get(&job).map_or(0, |s| s.unit_bytes)
+            };
             out.push(JobStatus {
                 job,
                 epoch: pos.0,
@@ -254,7 +260,8 @@ impl Jobs {
                 fallback: Duration::from_nanos(u.fallback_ns),
                 rate,
                 placement_nodes: placed.0,
-                placement_slots: placed.1,
+                placement_slots: if placed.4 { 0 } else { placed.1 },
+                placement_room_bytes: placed.1 * unit_bytes,
                 placement_here: placed.2,
                 placement_departing: placed.3,
                 files_denied: left.files_denied,

@@ -220,7 +220,9 @@ defs! {
     JOB_PLACEMENT_NODES: Gauge "shardcache_job_placement_nodes" COUNT, ["job_id"],
         "Nodes the job's cluster placement spans (0: not placed; fetches go by ownership).";
     JOB_PLACEMENT_SLOTS: Gauge "shardcache_job_placement_slots_files" COUNT, ["job_id"],
-        "The job's files this node's cache holds under its cluster placement.";
+        "The job's files this node's cache holds under its cluster placement (0 when it counts bytes).";
+    JOB_PLACEMENT_ROOM: Gauge "shardcache_job_placement_room_bytes" BYTES, ["job_id"],
+        "This node's room for the job under its cluster placement, in bytes.";
     JOB_PLACEMENT_HERE: Gauge "shardcache_job_placement_here_files" COUNT, ["job_id"],
         "Files the job's cluster placement puts on this node now.";
     JOB_PLACEMENT_DEPARTING: Gauge "shardcache_job_placement_departing_files" COUNT, ["job_id"],
@@ -533,6 +535,7 @@ impl Writer<'_> {
             (&JOB_WINDOW_RESIDENT_BYTES, j.window_resident_bytes as f64),
             (&JOB_PLACEMENT_NODES, j.placement_nodes as f64),
             (&JOB_PLACEMENT_SLOTS, j.placement_slots as f64),
+            (&JOB_PLACEMENT_ROOM, j.placement_room_bytes as f64),
             (&JOB_PLACEMENT_HERE, j.placement_here as f64),
             (&JOB_PLACEMENT_DEPARTING, j.placement_departing as f64),
             (&JOB_FILES_DENIED, j.files_denied as f64),

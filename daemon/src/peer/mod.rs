@@ -100,6 +100,33 @@ const RANKS_CHECK: Duration = Duration::from_millis(100);
 const RANKS_REFRESH: Duration = Duration::from_secs(5);
 /// The largest world (ranks of one job) a cluster placement is computed for.
 const MAX_WORLD: u64 = 1 << 20;
+/// Set in a node's slots (as [`Peers`] keeps them) when they are bytes, not files.
+const SLOTS_IN_BYTES: u64 = 1 << 63;
+
+/// A node's slots as [`Peers`] keeps them: `slots`, flagged when they are bytes (no
+/// cache holds 2^63 bytes).
+fn flagged(slots: u64, bytes: bool) -> u64 {
+    if bytes && slots > 0 {
+        slots.min(SLOTS_IN_BYTES - 1) | SLOTS_IN_BYTES
+    } else {
+        slots
+    }
+}
+
+/// The nodes' slots without their flags, and whether they are bytes: `None` unless every
+/// node counts in files or every node in bytes (the same manifest, sizes and all, on
+/// every node of a job).
+fn unflagged(slots: Vec<u64>) -> Option<(Vec<u64>, bool)> {
+    let bytes = slots.first().is_some_and(|s| s & SLOTS_IN_BYTES != 0);
+    if slots.iter().any(|s| (s & SLOTS_IN_BYTES != 0) != bytes) {
+        return None;
+    }
+    Some((
+        slots.into_iter().map(|s| s & !SLOTS_IN_BYTES).collect(),
+        bytes,
+    ))
+}
+
 /// Nodes asked for a block before its owner (each "not here" costs a round trip).
 const MAX_HOLDERS: usize = 3;
 /// The longest a read waits on a peer that does not answer at all before it reads the
@@ -140,7 +167,8 @@ pub struct Peers {
     plans: Arc<Plans>,
     /// (job, rank) → the node that runs it, from every healthy peer's `Ranks`.
     ranks: Mutex<HashMap<(String, u64), String>>,
-    /// (job, node) → the job's files that node's cache holds.
+    /// (job, node) → the job's files that node's cache holds, or its bytes with
+    /// [`SLOTS_IN_BYTES`] set.
     slots: Mutex<HashMap<(String, String), u64>>,
     /// The shuffles whose layout inputs are all known (every rank's node and every such
     /// node's slots), with their world, as of the last refresh of the rank map.
@@ -451,7 +479,7 @@ impl Peers {
             for r in s.ranks {
                 map.insert((s.job.clone(), r), me.clone());
             }
-            slots.insert((s.job, me.clone()), s.slots);
+            slots.insert((s.job, me.clone()), flagged(s.slots, s.bytes));
         }
         let down = self.membership.down();
         for (peer, _) in self.membership.all() {
@@ -482,7 +510,7 @@ impl Peers {
                         for r in j.ranks {
                             map.insert((j.job.clone(), r), peer.clone());
                         }
-                        slots.insert((j.job, peer.clone()), j.slots);
+                        slots.insert((j.job, peer.clone()), flagged(j.slots, j.slots_in_bytes));
                     }
                 }
                 Ok(Ok(None)) => self.keep_ranks_of(&peer, &mut map, &mut slots),
@@ -572,6 +600,10 @@ impl Peers {
                     .filter(|&s| s > 0)
             })
             .collect::<Option<_>>()?;
+        let Some((slots, bytes)) = unflagged(slots) else {
+            tracing::debug!(job, "cluster placement: nodes disagree on files or bytes");
+            return None;
+        };
         let node_of_rank = owners
             .iter()
             .map(|o| nodes.iter().position(|n| n == *o).map(|i| i as u16))
@@ -580,6 +612,7 @@ impl Peers {
             nodes,
             node_of_rank,
             slots,
+            bytes,
         })
     }
 
@@ -1151,6 +1184,28 @@ mod tests {
     /// Issue 15: every rank of a world of 2^20 is counted (a rank past the 4 096th
     /// missing keeps the layout incomplete), and a node whose slots are not known yet
     /// (0: it has just started) too.
+    #[test]
+    fn slots_in_bytes_make_a_layout_only_when_every_node_counts_bytes() {
+        assert_eq!(
+            unflagged(vec![flagged(10, false), flagged(12, false)]),
+            Some((vec![10, 12], false))
+        );
+        assert_eq!(
+            unflagged(vec![flagged(10 << 20, true), flagged(12 << 20, true)]),
+            Some((vec![10 << 20, 12 << 20], true))
+        );
+        assert_eq!(
+            unflagged(vec![flagged(10 << 20, true), flagged(12, false)]),
+            None,
+            "one node in files, one in bytes: no layout"
+        );
+        assert_eq!(flagged(0, true), 0, "no slots yet stays unknown");
+        assert_eq!(
+            unflagged(vec![flagged(u64::MAX, true)]),
+            Some((vec![(1 << 63) - 1], true))
+        );
+    }
+
     #[test]
     fn a_layout_is_complete_only_with_every_rank_and_every_nodes_slots() {
         let world = 1u64 << 20;

@@ -58,6 +58,7 @@ impl proto::peer_server::Peer for Service {
                 world_size: j.world,
                 ranks: j.ranks,
                 slots: j.slots,
+                slots_in_bytes: j.bytes,
             })
             .collect();
         // The content travels encoded, MACed as it travels (see `auth`).

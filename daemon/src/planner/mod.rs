@@ -179,6 +179,9 @@ struct Job {
     /// The cluster placement of a shuffle, once every rank's node and every node's
     /// room are known ([`Planner::set_layout`]).
     placement: Option<placement::Placement>,
+    /// Every file's size in bytes, when the manifest gave them all
+    /// ([`Planner::set_sizes`]): the cluster placement then counts bytes.
+    sizes: Option<Arc<[u64]>>,
 }
 
 /// Most reads a job records ahead of its low watermark. Past it, the positions before
@@ -200,7 +203,7 @@ pub const PLACEMENT_LOOKAHEAD: u64 = 16;
 /// The lookahead for a layout: [`PLACEMENT_LOOKAHEAD`], less when the files a node reads
 /// within it (which stay where they are read) would take more than a quarter of the
 /// smallest node's slots; 2 at least.
-fn lookahead_for(l: &placement::Layout) -> u64 {
+pub(crate) fn lookahead_for(l: &placement::Layout, sizes: Option<&[u64]>) -> u64 {
     // Ranks per node, in one pass over the world.
     let mut ranks = vec![0u64; l.nodes.len()];
     for n in l.node_of_rank.iter().flatten() {
@@ -209,7 +212,14 @@ fn lookahead_for(l: &placement::Layout) -> u64 {
         }
     }
     let per_node = ranks.into_iter().max().unwrap_or(1).max(1);
-    let slots = l.slots.iter().copied().min().unwrap_or(0);
+    let mut slots = l.slots.iter().copied().min().unwrap_or(0);
+    if l.bytes
+        && let Some(s) = sizes.filter(|s| !s.is_empty())
+    {
+        // In files of the mean size.
+        let mean = (s.iter().sum::<u64>() / s.len() as u64).max(1);
+        slots /= mean;
+    }
     (slots / (4 * per_node)).clamp(2, PLACEMENT_LOOKAHEAD)
 }
 
@@ -704,6 +714,7 @@ impl Planner {
             world_epochs: Vec::new(),
             owners: parking_lot::Mutex::new(None),
             placement: None,
+            sizes: None,
         });
         self.reindex();
         // The new job's files already cached enter its index (and leave the unplanned).
@@ -911,12 +922,26 @@ impl Planner {
         {
             return None;
         }
-        let lookahead = lookahead_for(&layout);
+        let lookahead = lookahead_for(&layout, job.sizes.as_deref());
         let target = job.round() + lookahead;
+        let sizes = job.sizes.clone();
         Some((
-            placement::Placement::new(walk, layout, me, lookahead),
+            placement::Placement::with_sizes(walk, layout, me, lookahead, sizes),
             target,
         ))
+    }
+
+    /// Gives job `id` every file's size (in manifest order; `None`: not all known): its
+    /// cluster placement then counts bytes (see [`placement`]).
+    pub fn set_sizes(&mut self, id: &str, sizes: Option<Arc<[u64]>>) {
+        if let Some(j) = self.job_mut(id) {
+            j.sizes = sizes.filter(|s| s.len() == j.files.len());
+        }
+    }
+
+    /// True when job `id` has every file's size ([`Planner::set_sizes`]).
+    pub fn has_sizes(&self, id: &str) -> bool {
+        self.jobs.iter().any(|j| j.id == id && j.sizes.is_some())
     }
 
     /// Installs a placement made by [`Planner::placement_for`] (and brought forward) for
@@ -932,17 +957,19 @@ impl Planner {
     }
 
     /// The cluster placement of job `id` as `shardcache status` shows it: (nodes, this
-    /// node's slots, files placed here, copies kept for other nodes); `None` when off.
-    pub fn placement_status(&self, id: &str) -> Option<(u64, u64, u64, u64)> {
+    /// node's slots, files placed here, copies kept for other nodes, whether the slots
+    /// are bytes); `None` when off.
+    pub fn placement_status(&self, id: &str) -> Option<(u64, u64, u64, u64, bool)> {
         let job = self.jobs.iter().find(|j| j.id == id)?;
         let p = job.placement.as_ref()?;
         let (slots, here) = p.mine();
-        let departing = self.departing_of(job)?;
+        let (departing, _) = self.departing_of(job)?;
         Some((
             p.layout().nodes.len() as u64,
             slots,
             here as u64,
             departing as u64,
+            p.layout().bytes,
         ))
     }
 
@@ -972,25 +999,26 @@ impl Planner {
         out
     }
 
-    /// How many resident copies this node keeps for other nodes now, per job (files the
-    /// placement moved away from it that their new holder has not taken yet).
-    pub fn departing(&self) -> Vec<(String, usize)> {
+    /// The slots (files, or bytes when the placement counts bytes) of the resident
+    /// copies this node keeps for other nodes now, per job (files the placement moved
+    /// away from it that their new holder has not taken yet).
+    pub fn departing(&self) -> Vec<(String, u64)> {
         self.jobs
             .iter()
-            .filter_map(|j| Some((j.id.clone(), self.departing_of(j)?)))
+            .filter_map(|j| Some((j.id.clone(), self.departing_of(j)?.1)))
             .collect()
     }
 
     /// The resident copies job `j`'s placement moved away from this node that their new
-    /// holders have not taken yet (`None`: no placement).
-    fn departing_of(&self, j: &Job) -> Option<usize> {
+    /// holders have not taken yet, and their slots (`None`: no placement).
+    fn departing_of(&self, j: &Job) -> Option<(usize, u64)> {
         let p = j.placement.as_ref()?;
         Some(
             p.departing()
                 .filter(|&i| {
                     !j.handed.contains(&i) && self.resident.contains_key(&j.files[i as usize])
                 })
-                .count(),
+                .fold((0, 0), |(n, s), i| (n + 1, s + p.slots_of(i))),
         )
     }
 

@@ -504,6 +504,7 @@ fn a_cluster_placement_protects_what_it_puts_here_and_says_where_the_rest_is() {
         nodes: vec!["a".into(), "b".into()],
         node_of_rank: vec![Some(0), Some(1)],
         slots: vec![20, 20],
+        bytes: false,
     };
     let mut p = Planner::new();
     p.register("j", fs.clone(), shuffle_of(world, vec![0], 3))

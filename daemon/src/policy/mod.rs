@@ -66,15 +66,18 @@ impl Members for FixedMembers {
     }
 }
 
-/// A shuffle's slots on this node: how many of its files this node's cache holds (told
-/// to peers for the cluster placement) — the capacity ÷ the number of shuffles ÷ the
-/// files' mean size (over a sample), fixed when first computed — and that mean size.
+/// A shuffle's slots on this node: how much of it this node's cache holds (told to
+/// peers for the cluster placement), fixed when first computed. With every file's size
+/// in the manifest, the capacity ÷ the number of shuffles in bytes; else in files, that
+/// ÷ the files' mean size over a sample.
 #[derive(Debug, Clone, Copy)]
 pub struct Slots {
-    /// Files.
-    pub files: u64,
-    /// Their mean size in bytes.
-    pub mean_size: u64,
+    /// Files, or bytes.
+    pub units: u64,
+    /// Bytes per unit: 1 when the slots are bytes, else the files' sampled mean size.
+    pub unit_bytes: u64,
+    /// The slots are bytes (the placement has every file's size).
+    pub bytes: bool,
 }
 
 /// Most planner updates queued before the thread adding one applies them itself.

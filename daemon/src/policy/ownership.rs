@@ -18,8 +18,11 @@ pub struct Shuffle {
     pub world: u64,
     /// The ranks this node runs.
     pub ranks: Vec<u64>,
-    /// How many of the job's files this node's cache holds (0: not known yet).
+    /// How many of the job's files this node's cache holds (0: not known yet), or its
+    /// bytes when `bytes`.
     pub slots: u64,
+    /// `slots` are bytes (see [`crate::policy::Slots`]).
+    pub bytes: bool,
 }
 
 /// The owner of `f` among `healthy` (sorted), as every node computes it: for a file a
@@ -44,7 +47,8 @@ impl Plans {
         let slots = self.slots.lock();
         list.into_iter()
             .map(|(job, world, ranks)| Shuffle {
-                slots: slots.get(&job).map_or(0, |s| s.files),
+                slots: slots.get(&job).map_or(0, |s| s.units),
+                bytes: slots.get(&job).is_some_and(|s| s.bytes),
                 job,
                 world,
                 ranks,

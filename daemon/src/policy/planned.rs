@@ -170,7 +170,7 @@ impl EvictionPolicy for PlannedPolicy {
         let slots = self.plans.slots();
         departing
             .iter()
-            .map(|(job, n)| *n as u64 * slots.get(job).map_or(0, |s| s.mean_size))
+            .map(|(job, n)| n * slots.get(job).map_or(0, |s| s.unit_bytes))
             .sum()
     }
 

@@ -107,6 +107,36 @@ enum Cmd {
         #[arg(long, env = "SHARDCACHE_TESTBED")]
         testbed: Option<PathBuf>,
     },
+    /// Cluster placement with real size spreads: per epoch, backing bytes ÷ the dataset
+    /// against the floor, local reads, and cache use against capacity (daemons on
+    /// loopback, in this process).
+    Placement {
+        /// Directory for the data and the caches.
+        #[arg(long, default_value_os_t = std::env::temp_dir())]
+        dir: PathBuf,
+        /// Nodes (one rank each).
+        #[arg(long, default_value_t = 4)]
+        nodes: usize,
+        /// Aggregate cache ÷ dataset (repeat for several runs).
+        #[arg(long, default_values_t = [1.0])]
+        a: Vec<f64>,
+        /// File sizes: fixed, lognormal (σ 0.5, as JPEGs) or mix (one file in ten 8×).
+        #[arg(long, default_value = "lognormal")]
+        sizes: shardcache_tests::peerbench::Sizes,
+        /// Files in the dataset.
+        #[arg(long, default_value_t = 400)]
+        files: u64,
+        /// Mean file size in KiB.
+        #[arg(long, default_value_t = 128)]
+        kib: u64,
+        /// Epochs (the first is cold).
+        #[arg(long, default_value_t = 10)]
+        epochs: u64,
+        /// Whether the manifest gives every file's size (the placement then counts
+        /// bytes): repeat for both (`--declare-sizes true --declare-sizes false`).
+        #[arg(long, default_values_t = [true])]
+        declare_sizes: Vec<bool>,
+    },
     /// A silent peer: read latency on the healthy nodes of a 4-node testbed while one
     /// node drops every packet (root only; `cluster-net.sh` with nftables).
     Silent {
@@ -776,6 +806,26 @@ fn main() {
             })
             .expect("restart benchmark")
         }
+        Cmd::Placement {
+            dir,
+            nodes,
+            a,
+            sizes,
+            files,
+            kib,
+            epochs,
+            declare_sizes,
+        } => shardcache_tests::peerbench::run_placement(
+            &dir,
+            nodes,
+            &a,
+            sizes,
+            files,
+            kib,
+            epochs,
+            &declare_sizes,
+        )
+        .expect("placement benchmark"),
         Cmd::Silent {
             dir,
             testbed,

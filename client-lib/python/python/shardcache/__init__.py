@@ -341,7 +341,7 @@ def make_manifest(
     first_epoch: int = 0,
     order: Optional[Sequence[Sequence[Union[int, str]]]] = None,
     immutable: bool = False,
-    sizes: bool = False,
+    sizes: Union[bool, Sequence[int]] = False,
 ) -> dict:
     """Builds a prefetch manifest (docs/MANIFEST.md) and checks it as the daemon will.
 
@@ -351,8 +351,10 @@ def make_manifest(
     listed here, sorted, so that the manifest and any sampler built from the same list
     agree on numbering. The plan is a shuffle (``seed``, ``epochs``, ``world_size``,
     this node's ``ranks``, ``drop_last``) unless ``order`` gives each epoch's sequence
-    of file indices or paths. ``sizes=True`` records each file's size. Raises
-    :class:`ManifestError` naming the field.
+    of file indices or paths. ``sizes=True`` records each file's size (one ``stat``
+    each), or ``sizes`` gives them (bytes, one per file, in order): with every size
+    given, the daemons' cluster placement counts bytes, not files (docs/MANIFEST.md).
+    Raises :class:`ManifestError` naming the field.
     """
     root_s = os.path.abspath(os.fspath(root))
     if files is not None and glob is not None:
@@ -374,8 +376,15 @@ def make_manifest(
     else:
         names = _walk(root_s)
     listed: list = names
-    if sizes:
+    if sizes is True:
         listed = [{"path": n, "size": os.path.getsize(os.path.join(root_s, n))} for n in names]
+    elif sizes is not False and sizes is not None:
+        given = [int(x) for x in sizes]
+        if len(given) != len(names):
+            raise ManifestError(f"files: {len(given)} sizes for {len(names)} files")
+        if any(x < 0 for x in given):
+            raise ManifestError("files: a size is negative")
+        listed = [{"path": n, "size": x} for n, x in zip(names, given)]
     if order is not None:
         plan: dict = {"kind": "sequence", "epochs": [list(e) for e in order]}
     else:
@@ -485,6 +494,10 @@ class DistributedShuffleSampler:
     the same on every rank of one run, different across runs and datasets), and
     reports each new epoch; the daemon then prefetches the files this rank reads next
     and keeps what it reads soonest. Ranks of one run on one node add to one node plan.
+    ``sizes`` (each file's size in bytes, in the order of ``files``; or ``True``: the
+    sampler stats every file once, when it first registers) goes into the plan: with
+    peers, the nodes then place the cluster's copies by bytes, not by files, which
+    keeps placement at its floor when sizes spread (docs/MANIFEST.md).
 
     The registration has a lease of ``lease`` seconds (docs/MANIFEST.md, "Leases"): the
     daemon keeps the job while this process lives, or while the job's reads and the
@@ -514,6 +527,7 @@ class DistributedShuffleSampler:
         epochs: int = 1000,
         client: Optional[Client] = None,
         lease: float = 60.0,
+        sizes: Union[bool, Sequence[int], None] = None,
     ) -> None:
         if not shuffle:
             raise ValueError("DistributedShuffleSampler always shuffles (shuffle=False is not supported)")
@@ -537,6 +551,11 @@ class DistributedShuffleSampler:
         self.epoch = 0
         self.epochs = int(epochs)
         self._files = [os.path.abspath(os.fspath(f)) for f in files] if files is not None else None
+        if sizes is not None and sizes is not True and sizes is not False:
+            sizes = [int(x) for x in sizes]
+            if self._files is None or len(sizes) != len(self._files):
+                raise ValueError(f"sizes gives {len(sizes)} sizes for {n} files")
+        self._sizes: Union[bool, list, None] = sizes
         self._client = client
         self.lease = float(lease)
         self._registered: Optional[tuple] = None  # (first epoch, last epoch + 1)
@@ -588,6 +607,13 @@ class DistributedShuffleSampler:
         self.epoch = int(epoch)
         self._tell_daemon()
 
+    def _sizes_(self) -> Union[bool, list]:
+        """The files' sizes for the plan (stat once, when asked to), else False."""
+        if self._sizes is True:
+            assert self._files is not None
+            self._sizes = [os.path.getsize(f) for f in self._files]
+        return self._sizes if isinstance(self._sizes, list) else False
+
     def _client_(self) -> Client:
         return self._client if self._client is not None else _default_client()
 
@@ -613,6 +639,7 @@ class DistributedShuffleSampler:
                 drop_last=self.drop_last,
                 first_epoch=self.epoch,
                 immutable=True,
+                sizes=self._sizes_(),
             )
             if self.lease > 0:
                 c.register_leased(m, self.lease)

@@ -203,9 +203,15 @@ fn status_text(s: &Status) -> String {
         ));
         for j in &s.jobs {
             if j.placement_nodes > 0 {
+                // Slots are files, or bytes when the manifest gave every file's size.
+                let room = if j.placement_slots > 0 {
+                    format!("of {} slots", j.placement_slots)
+                } else {
+                    format!("in {} of room", render::bytes(j.placement_room_bytes))
+                };
                 out.push_str(&format!(
-                    "  job {}: placed over {} nodes; here {} of {} slots, {} copies kept until other nodes take them\n",
-                    j.job, j.placement_nodes, j.placement_here, j.placement_slots, j.placement_departing
+                    "  job {}: placed over {} nodes; here {} files {room}, {} copies kept until other nodes take them\n",
+                    j.job, j.placement_nodes, j.placement_here, j.placement_departing
                 ));
             }
         }
@@ -422,7 +428,7 @@ mod tests {
         assert!(job.contains("75.0%"), "hit ratio: {job}");
         assert!(
             text.contains(
-                "  job resnet: placed over 4 nodes; here 58 of 60 slots, 2 copies kept until other nodes take them\n"
+                "  job resnet: placed over 4 nodes; here 58 files of 60 slots, 2 copies kept until other nodes take them\n"
             ),
             "{text}"
         );
