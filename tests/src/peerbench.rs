@@ -599,7 +599,9 @@ pub fn file_sizes(kind: Sizes, files: u64, mean_kib: u64) -> Vec<u64> {
 /// One placement run of `epochs` epochs (the first cold): `m` nodes on loopback, one
 /// rank each, reading in lockstep, files of `sizes`, each cache `a` × the dataset's
 /// bytes ÷ `m`; with `declare`, the manifest gives every file's size (the placement
-/// counts bytes). With `SHARDCACHE_BENCH_VERBOSE` set, each node's counters per epoch go
+/// counts bytes); each rank reads at 1 ± `drift` of the mean pace (0: in lockstep),
+/// drawn for each epoch, which ends when the slowest rank is done, or at 1 ± `jitter`
+/// drawn again at every step. With `SHARDCACHE_BENCH_VERBOSE` set, each node's counters per epoch go
 /// to stderr.
 pub fn placement_epochs(
     dir: &Path,
@@ -608,6 +610,8 @@ pub fn placement_epochs(
     sizes: &[u64],
     declare: bool,
     epochs: u64,
+    drift: f64,
+    jitter: f64,
 ) -> anyhow::Result<Vec<PlacedEpoch>> {
     let block = 64u64 << 10;
     let files = sizes.len() as u64;
@@ -662,18 +666,43 @@ pub fn placement_epochs(
         let orders: Vec<Vec<u64>> = (0..m as u64)
             .map(|r| shardcache_plan::shuffle::rank_order(files, 3, epoch, m as u64, r, false))
             .collect();
-        for step in 0..orders[0].len() {
-            for (order, c) in orders.iter().zip(&clients) {
-                let i = order[step];
-                buf.clear();
-                c.open(backing.join(format!("ds/s{i:05}")))?
-                    .read_to_end(&mut buf)?;
-                anyhow::ensure!(
-                    buf.len() as u64 == sizes[i as usize],
-                    "file {i}: short read"
-                );
+        // Each rank reads at its own pace this epoch (1 ± `drift` files per tick), and
+        // the epoch ends when the slowest is done (as `set_epoch` after a barrier); with
+        // `jitter`, a pace drawn again for every tick instead (the ranks wander apart
+        // and back, as per-step times that vary do).
+        let pace = |r: u64, tick: u64, spread: f64| -> f64 {
+            let h = xxhash_rust::xxh3::xxh3_64(&[epoch, r, tick].map(u64::to_le_bytes).concat());
+            1.0 - spread + 2.0 * spread * (h >> 11) as f64 / (1u64 << 53) as f64
+        };
+        let mut speed: Vec<f64> = (0..m as u64).map(|r| pace(r, 0, drift)).collect();
+        let mut at = vec![0usize; m];
+        let mut budget = vec![0f64; m];
+        let len = orders[0].len();
+        let mut tick = 0usize;
+        while at.iter().any(|&a| a < len) {
+            if jitter > 0.0 {
+                for (r, s) in speed.iter_mut().enumerate() {
+                    *s = pace(r as u64, tick as u64 + 1, jitter);
+                }
             }
-            if step % 4 == 0 {
+            for r in 0..m {
+                budget[r] += speed[r];
+                while budget[r] >= 1.0 && at[r] < len {
+                    budget[r] -= 1.0;
+                    let i = orders[r][at[r]];
+                    at[r] += 1;
+                    buf.clear();
+                    clients[r]
+                        .open(backing.join(format!("ds/s{i:05}")))?
+                        .read_to_end(&mut buf)?;
+                    anyhow::ensure!(
+                        buf.len() as u64 == sizes[i as usize],
+                        "file {i}: short read"
+                    );
+                }
+            }
+            tick += 1;
+            if tick % 4 == 0 {
                 for c in &clients {
                     let st = c.status()?;
                     let u = st.used_bytes as f64 / st.capacity_bytes.max(1) as f64;
@@ -744,7 +773,7 @@ pub fn placement(
     epochs: u64,
 ) -> anyhow::Result<Placed> {
     let sizes = file_sizes(Sizes::Fixed, files, file_kib);
-    let per = placement_epochs(dir, m, a, &sizes, false, epochs)?;
+    let per = placement_epochs(dir, m, a, &sizes, false, epochs, 0.0, 0.0)?;
     let later = &per[1..];
     let n = later.len().max(1) as f64;
     Ok(Placed {
@@ -767,6 +796,8 @@ pub fn run_placement(
     kib: u64,
     epochs: u64,
     declare: &[bool],
+    drift: f64,
+    jitter: f64,
 ) -> anyhow::Result<()> {
     let sizes = file_sizes(kind, files, kib);
     let total: u64 = sizes.iter().sum();
@@ -775,7 +806,14 @@ pub fn run_placement(
         sizes.iter().max().copied().unwrap_or(0),
     );
     println!(
-        "placement: {m} nodes on loopback, distributed shuffle (one rank each, lockstep), {files} files of {kind:?} sizes (mean {:.0} KiB, {:.0}–{:.0} KiB), {epochs} epochs",
+        "placement: {m} nodes on loopback, distributed shuffle (one rank each, {}), {files} files of {kind:?} sizes (mean {:.0} KiB, {:.0}–{:.0} KiB), {epochs} epochs",
+        if drift > 0.0 {
+            format!("each at 1 ± {drift} of the mean pace per epoch")
+        } else if jitter > 0.0 {
+            format!("each at 1 ± {jitter} of the mean pace per step")
+        } else {
+            "lockstep".to_owned()
+        },
         total as f64 / files.max(1) as f64 / 1024.0,
         lo as f64 / 1024.0,
         hi as f64 / 1024.0
@@ -786,7 +824,7 @@ pub fn run_placement(
     );
     for &d in declare {
         for &a in avals {
-            let per = placement_epochs(dir, m, a, &sizes, d, epochs)?;
+            let per = placement_epochs(dir, m, a, &sizes, d, epochs, drift, jitter)?;
             for (e, p) in per.iter().enumerate() {
                 let floor = if e == 0 { 1.0 } else { (1.0f64 - a).max(0.0) };
                 println!(

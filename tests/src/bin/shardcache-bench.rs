@@ -136,6 +136,14 @@ enum Cmd {
         /// bytes): repeat for both (`--declare-sizes true --declare-sizes false`).
         #[arg(long, default_values_t = [true])]
         declare_sizes: Vec<bool>,
+        /// Ranks out of lockstep: each reads at 1 ± this of the mean pace (drawn per
+        /// epoch; the epoch ends when the slowest is done). 0: lockstep.
+        #[arg(long, default_value_t = 0.0)]
+        drift: f64,
+        /// Ranks out of lockstep: each reads at 1 ± this of the mean pace, drawn again
+        /// at every step (they wander apart and back). 0: lockstep.
+        #[arg(long, default_value_t = 0.0)]
+        jitter: f64,
     },
     /// A silent peer: read latency on the healthy nodes of a 4-node testbed while one
     /// node drops every packet (root only; `cluster-net.sh` with nftables).
@@ -815,6 +823,8 @@ fn main() {
             kib,
             epochs,
             declare_sizes,
+            drift,
+            jitter,
         } => shardcache_tests::peerbench::run_placement(
             &dir,
             nodes,
@@ -824,6 +834,8 @@ fn main() {
             kib,
             epochs,
             &declare_sizes,
+            drift,
+            jitter,
         )
         .expect("placement benchmark"),
         Cmd::Silent {
