@@ -596,12 +596,20 @@ pub fn file_sizes(kind: Sizes, files: u64, mean_kib: u64) -> Vec<u64> {
         .collect()
 }
 
+/// How the ranks of a placement run keep pace with each other.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Pace {
+    /// Each rank reads at 1 ± `drift` of the mean pace, drawn for each epoch, which ends
+    /// when the slowest rank is done (0: in lockstep).
+    pub drift: f64,
+    /// Each rank reads at 1 ± `jitter` of the mean pace, drawn again at every step.
+    pub jitter: f64,
+}
+
 /// One placement run of `epochs` epochs (the first cold): `m` nodes on loopback, one
 /// rank each, reading in lockstep, files of `sizes`, each cache `a` × the dataset's
 /// bytes ÷ `m`; with `declare`, the manifest gives every file's size (the placement
-/// counts bytes); each rank reads at 1 ± `drift` of the mean pace (0: in lockstep),
-/// drawn for each epoch, which ends when the slowest rank is done, or at 1 ± `jitter`
-/// drawn again at every step. With `SHARDCACHE_BENCH_VERBOSE` set, each node's counters per epoch go
+/// counts bytes); the ranks read at `pace`. With `SHARDCACHE_BENCH_VERBOSE` set, each node's counters per epoch go
 /// to stderr.
 pub fn placement_epochs(
     dir: &Path,
@@ -610,9 +618,9 @@ pub fn placement_epochs(
     sizes: &[u64],
     declare: bool,
     epochs: u64,
-    drift: f64,
-    jitter: f64,
+    pace: Pace,
 ) -> anyhow::Result<Vec<PlacedEpoch>> {
+    let Pace { drift, jitter } = pace;
     let block = 64u64 << 10;
     let files = sizes.len() as u64;
     let tmp = tempfile::tempdir_in(dir)?;
@@ -702,7 +710,7 @@ pub fn placement_epochs(
                 }
             }
             tick += 1;
-            if tick % 4 == 0 {
+            if tick.is_multiple_of(4) {
                 for c in &clients {
                     let st = c.status()?;
                     let u = st.used_bytes as f64 / st.capacity_bytes.max(1) as f64;
@@ -773,7 +781,7 @@ pub fn placement(
     epochs: u64,
 ) -> anyhow::Result<Placed> {
     let sizes = file_sizes(Sizes::Fixed, files, file_kib);
-    let per = placement_epochs(dir, m, a, &sizes, false, epochs, 0.0, 0.0)?;
+    let per = placement_epochs(dir, m, a, &sizes, false, epochs, Pace::default())?;
     let later = &per[1..];
     let n = later.len().max(1) as f64;
     Ok(Placed {
@@ -796,9 +804,9 @@ pub fn run_placement(
     kib: u64,
     epochs: u64,
     declare: &[bool],
-    drift: f64,
-    jitter: f64,
+    pace: Pace,
 ) -> anyhow::Result<()> {
+    let Pace { drift, jitter } = pace;
     let sizes = file_sizes(kind, files, kib);
     let total: u64 = sizes.iter().sum();
     let (lo, hi) = (
@@ -824,7 +832,7 @@ pub fn run_placement(
     );
     for &d in declare {
         for &a in avals {
-            let per = placement_epochs(dir, m, a, &sizes, d, epochs, drift, jitter)?;
+            let per = placement_epochs(dir, m, a, &sizes, d, epochs, pace)?;
             for (e, p) in per.iter().enumerate() {
                 let floor = if e == 0 { 1.0 } else { (1.0f64 - a).max(0.0) };
                 println!(

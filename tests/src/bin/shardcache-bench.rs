@@ -834,8 +834,7 @@ fn main() {
             kib,
             epochs,
             &declare_sizes,
-            drift,
-            jitter,
+            shardcache_tests::peerbench::Pace { drift, jitter },
         )
         .expect("placement benchmark"),
         Cmd::Silent {
