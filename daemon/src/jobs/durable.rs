@@ -265,7 +265,7 @@ mod tests {
     use crate::access::test_support::creds;
     use crate::clock::ManualClock;
     use crate::jobs::lease::test_support::FakeProcesses;
-    use crate::jobs::tests::{jobs, shuffle};
+    use crate::jobs::tests::{jobs, shuffle, sized_shuffle};
 
     fn kept(dir: &Path, procs: &Arc<FakeProcesses>) -> Jobs {
         Arc::into_inner(jobs())
@@ -338,5 +338,23 @@ mod tests {
         assert!(after.unregister("j"));
         let again = kept(dir.path(), &procs);
         assert_eq!(again.restore(), 0);
+    }
+
+    /// A plan that gave every file's size keeps them over a restart (its cluster
+    /// placement still counts bytes, as the other nodes' do).
+    #[test]
+    fn a_restored_plan_keeps_its_files_sizes() {
+        let dir = tempfile::tempdir().unwrap();
+        let procs = Arc::new(FakeProcesses::default());
+        {
+            let before = kept(dir.path(), &procs);
+            before
+                .register(&sized_shuffle("s", None), &creds(1000), false)
+                .unwrap();
+            assert!(before.plans.planner().has_sizes("s"));
+        }
+        let after = kept(dir.path(), &procs);
+        assert_eq!(after.restore(), 1);
+        assert!(after.plans.planner().has_sizes("s"));
     }
 }

@@ -401,26 +401,29 @@ mod tests {
 
     /// Issue 15: a manifest that gives every file's size hands the sizes to the planner
     /// (the cluster placement then counts bytes); one that leaves a size out does not.
+    /// A shuffle manifest of job `job` whose files give their sizes, but for `missing`.
+    pub(super) fn sized_shuffle(job: &str, missing: Option<usize>) -> String {
+        let files: Vec<String> = (0..12)
+            .map(|i| {
+                if Some(i) == missing {
+                    format!("\"f{i}\"")
+                } else {
+                    format!("{{\"path\": \"f{i}\", \"size\": {}}}", 1000 * (i + 1))
+                }
+            })
+            .collect();
+        format!(
+            r#"{{"version": 1, "job": "{job}", "root": "/r", "files": [{}],
+                "plan": {{"kind": "shuffle", "algorithm": "pcg64-fisher-yates/v1",
+                          "seed": 1, "epochs": 2, "world_size": 4, "ranks": [0]}}}}"#,
+            files.join(",")
+        )
+    }
+
     #[test]
     fn every_size_in_the_manifest_makes_the_placement_count_bytes() {
         let jobs = jobs();
-        let sized = |missing: Option<usize>| {
-            let files: Vec<String> = (0..12)
-                .map(|i| {
-                    if Some(i) == missing {
-                        format!("\"f{i}\"")
-                    } else {
-                        format!("{{\"path\": \"f{i}\", \"size\": {}}}", 1000 * (i + 1))
-                    }
-                })
-                .collect();
-            format!(
-                r#"{{"version": 1, "job": "s", "root": "/r", "files": [{}],
-                    "plan": {{"kind": "shuffle", "algorithm": "pcg64-fisher-yates/v1",
-                              "seed": 1, "epochs": 2, "world_size": 4, "ranks": [0]}}}}"#,
-                files.join(",")
-            )
-        };
+        let sized = |missing| sized_shuffle("s", missing);
         jobs.register(&sized(None), &creds(1000), false).unwrap();
         assert!(jobs.plans.planner().has_sizes("s"));
         jobs.register(&sized(Some(5)), &creds(1000), false).unwrap();
