@@ -728,8 +728,13 @@ pub fn placement_epochs(
             for (i, c) in clients.iter().enumerate() {
                 let st = c.status()?;
                 let pos: Vec<(u64, u64)> = st.jobs.iter().map(|j| (j.epoch, j.step)).collect();
+                let placed: Vec<(u64, u64)> = st
+                    .jobs
+                    .iter()
+                    .map(|j| (j.placement_here, j.placement_departing))
+                    .collect();
                 eprintln!(
-                    "a={a} epoch {epoch} node {i}: position {pos:?} used {} of {}",
+                    "a={a} epoch {epoch} node {i}: position {pos:?} used {} of {}; placed here, departing {placed:?}",
                     st.used_bytes, st.capacity_bytes
                 );
             }
