@@ -592,8 +592,8 @@ impl Placement {
         &self.used
     }
 
-    /// The slots (files or bytes) of the files moved away from this node that it may
-    /// still keep for their new holders, among `f` (see [`Placement::departing`]).
+    /// The slots file `f` takes: one, or its bytes when slots are bytes (to count the
+    /// room of [`Placement::departing`] copies).
     pub fn slots_of(&self, f: u32) -> u64 {
         self.size(f)
     }
