@@ -5,20 +5,14 @@ use super::*;
 
 /// The part of a node's share of the cache (in percent) a placement in bytes leaves
 /// unplaced: the store also holds, beside the files the placement puts on the node, the
-/// fills under way, the copies it keeps until their new holders took them, and the
-/// files its readers read from other nodes; filled to the byte, the store refused
-/// fills and its own evictions undid the placement, epoch after epoch (`shardcache-bench
-/// placement`, log-normal sizes, a = 0.5: backing 0.52 of the dataset rising to 0.59
-/// by the tenth epoch, local reads 0.95 falling to 0.60; with 2 % left, 0.524–0.529 and
-/// at least 0.95 in every epoch; with 1 %, 0.514 rising to 0.648 and local reads 0.97
-/// falling to 0.43 — about one file's room there, a node's share being 6 MiB). The
-/// margin delays what it does not cure: once a store is full of the copies the placement
-/// protects (its own and those it keeps for other nodes), fills of files placed on it are
-/// refused, its readers read the backing store, and the placement does not recover. At
-/// 2 000 files (a margin of ~5 files per node) no run measured got there in 10 epochs; at
-/// 400 files one 20-epoch run did from its fifth epoch. The same loop undid the placement
-/// in files when the mean size was exact.
-const BYTES_HEADROOM_PERCENT: u64 = 2;
+/// fills under way (their room is reserved before they land) and the files its readers
+/// read from other nodes. Filled to the byte (and before declined waits let go of their
+/// pins), the store declined fills of files placed on it (`shardcache-bench placement`,
+/// log-normal sizes, 400 files, a = 0.5: backing 0.52 of the dataset rising to 0.59 by
+/// the tenth epoch, local reads 0.95 falling to 0.60). With 1 % and declined waits
+/// letting go of their pins (`ReadPath::wait`): 0.515–0.535 and local reads 0.95–0.99
+/// over 20 epochs; 2 000 files, a = 1: 0.012–0.013.
+const BYTES_HEADROOM_PERCENT: u64 = 1;
 
 impl Jobs {
     /// Computes this node's slots for every shuffle that has none yet, and gives each
