@@ -37,7 +37,7 @@ use crate::meta::{Meta, ResolveError};
 use crate::peer::Peers;
 use crate::stats::{Stats, inc};
 use crate::status::{PeerStatus, PeersStatus, RootHealth, Space, Status};
-use crate::store::{Store, StoreError, StoreStatus, View};
+use crate::store::{Key, Store, StoreError, StoreStatus, View};
 
 /// Most blocks one wait may name.
 pub const MAX_WAIT_BLOCKS: u64 = 1024;
@@ -135,6 +135,8 @@ struct Begun {
 struct Cold {
     flight: Arc<crate::fill::Flight>,
     root_name: String,
+    /// The store's key of the file (pinned by the open).
+    key: Key,
 }
 
 /// A wait for blocks of a file a reader opened.
@@ -453,6 +455,7 @@ impl ReadPath {
                     cold = Some(Cold {
                         flight: f,
                         root_name: root_name.clone(),
+                        key: view.key,
                     });
                 }
             } else {
@@ -483,7 +486,12 @@ impl ReadPath {
             stat,
             cold,
         } = begun;
-        let Some(Cold { flight, root_name }) = cold else {
+        let Some(Cold {
+            flight,
+            root_name,
+            key,
+        }) = cold
+        else {
             return opened;
         };
         match flight.wait_ready_until(deadline) {
@@ -492,9 +500,7 @@ impl ReadPath {
                     inc(&self.stats.handoffs);
                     // The reader holds the whole file in its transient copy: the store
                     // need not keep it for this reader (as after such a wait).
-                    if let Ok(view) = self.store.view(&root_name, &stat) {
-                        self.store.unpin(&view.key);
-                    }
+                    self.store.unpin(&key);
                     let w = self.transient_reply(file, present);
                     opened.present = w.present;
                     opened.data_gen = w.data_gen;

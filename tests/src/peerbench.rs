@@ -547,26 +547,15 @@ pub struct PlacedEpoch {
 }
 
 /// How the files of a placement run are sized.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum Sizes {
     /// Every file the same size.
     Fixed,
     /// Log-normal (σ = 0.5 of the log, as ImageNet-like JPEGs), the given mean.
+    #[value(name = "lognormal")]
     LogNormal,
     /// Nine files in ten log-normal around the mean, one in ten eight times larger.
     Mix,
-}
-
-impl std::str::FromStr for Sizes {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "fixed" => Ok(Self::Fixed),
-            "lognormal" => Ok(Self::LogNormal),
-            "mix" => Ok(Self::Mix),
-            _ => Err(format!("{s}: not fixed, lognormal or mix")),
-        }
-    }
 }
 
 /// `files` sizes of `kind` around `mean_kib` (the same for the same arguments).

@@ -834,6 +834,21 @@ mod tests {
         fn cached(&self, i: usize) -> bool {
             self.store.is_cached("/r", &format!("f{i}"))
         }
+
+        /// Rounds (at most `max`), each waited out, until one starts nothing; the
+        /// fetches started in all.
+        fn rounds_until_idle(&mut self, max: usize) -> usize {
+            let mut started = 0;
+            for _ in 0..max {
+                let n = self.round().len();
+                self.settle_fills();
+                started += n;
+                if n == 0 {
+                    break;
+                }
+            }
+            started
+        }
     }
 
     impl Drop for Rig {
@@ -872,15 +887,7 @@ mod tests {
         let k = LOOKAHEAD + 10;
         let order: Vec<usize> = (0..k + 2).collect();
         let mut r = Rig::new(k + 2, &order, k);
-        let mut started = 0;
-        for _ in 0..4 * k {
-            let n = r.round().len();
-            r.settle_fills();
-            started += n;
-            if n == 0 {
-                break;
-            }
-        }
+        let started = r.rounds_until_idle(4 * k);
         assert_eq!(started, k, "as far ahead as its bound");
         assert!(r.cached(k - 1) && !r.cached(k));
         // The reader reads the first: the next file is past k - 1 resident ones.
@@ -899,15 +906,7 @@ mod tests {
         let n = 1100;
         let order: Vec<usize> = (0..n).collect();
         let mut r = Rig::new(n, &order, crate::config::Config::default().prefetch_ahead);
-        let mut started = 0;
-        for _ in 0..4 * n {
-            let k = r.round().len();
-            r.settle_fills();
-            started += k;
-            if k == 0 {
-                break;
-            }
-        }
+        let started = r.rounds_until_idle(4 * n);
         assert_eq!(started, n, "every file, none read yet");
         assert!((0..n).all(|i| r.cached(i)));
     }

@@ -615,15 +615,20 @@ mod tests {
     /// (backing ÷ dataset per epoch after the first, local fraction after the first).
     use crate::planner::PLACEMENT_LOOKAHEAD;
 
-    fn run(m: usize, files: u64, a: f64, epochs: u64, lookahead: u64) -> (f64, f64) {
-        let walk = Walk {
+    /// The shuffle the simulation tests walk: `files` over `m` ranks, seed 3.
+    fn walk(m: usize, files: u64, epochs: u64) -> Walk {
+        Walk {
             files,
             seed: 3,
             first: 0,
             epochs,
             world: m as u64,
             drop_last: false,
-        };
+        }
+    }
+
+    fn run(m: usize, files: u64, a: f64, epochs: u64, lookahead: u64) -> (f64, f64) {
+        let walk = walk(m, files, epochs);
         let slots = (a * files as f64 / m as f64).round() as u64;
         let mut p = Placement::new(walk, layout(m, slots), "n0", lookahead);
         p.advance(walk.rounds());
@@ -675,14 +680,7 @@ mod tests {
     /// epoch after the first, worst epoch; local reads after the first); no node ever
     /// holds more bytes than its slots.
     fn run_bytes(m: usize, files: u64, a: f64, epochs: u64) -> (f64, f64) {
-        let walk = Walk {
-            files,
-            seed: 3,
-            first: 0,
-            epochs,
-            world: m as u64,
-            drop_last: false,
-        };
+        let walk = walk(m, files, epochs);
         let sizes = spread_sizes(files);
         let total: u64 = sizes.iter().sum();
         let slots = (a * total as f64 / m as f64) as u64;

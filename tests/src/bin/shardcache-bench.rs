@@ -121,7 +121,7 @@ enum Cmd {
         #[arg(long, default_values_t = [1.0])]
         a: Vec<f64>,
         /// File sizes: fixed, lognormal (σ 0.5, as JPEGs) or mix (one file in ten 8×).
-        #[arg(long, default_value = "lognormal")]
+        #[arg(long, value_enum, default_value = "lognormal")]
         sizes: shardcache_tests::peerbench::Sizes,
         /// Files in the dataset.
         #[arg(long, default_value_t = 400)]
