@@ -16,9 +16,12 @@
 //!    sockets belong to the namespace it is in when it makes them; the daemons' own
 //!    threads inherit it). The same code path as between two hosts, across a real
 //!    network stack and a rate-limited link, in this one process.
-//! 2. Placement: M nodes run a distributed shuffle (one rank each) with aggregate cache
+//! 2. Placement: M nodes run a distributed shuffle (one rank each, or several: each
+//!    registers its own manifest with its node's daemon) with aggregate cache
 //!    a = M·C/N; per epoch after the first, the backing traffic ÷ the dataset (floor
 //!    max(0, 1 − a)) and the fraction of opens that found the file on the local NVMe.
+//!    On loopback, or (`shardcache-bench placement --testbed`) each daemon in its own
+//!    namespace of the testbed, as the transfer's nodes are.
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
@@ -556,6 +559,9 @@ pub enum Sizes {
     LogNormal,
     /// Nine files in ten log-normal around the mean, one in ten eight times larger.
     Mix,
+    /// Tar shards: uniform over a 1 : 16 range around the mean (`--kib 278528`: 32–512
+    /// MiB, as WebDataset shards).
+    Shards,
 }
 
 /// `files` sizes of `kind` around `mean_kib` (the same for the same arguments).
@@ -581,6 +587,7 @@ pub fn file_sizes(kind: Sizes, files: u64, mean_kib: u64) -> Vec<u64> {
             Sizes::LogNormal => lognormal(i, mean),
             Sizes::Mix if i % 10 == 9 => lognormal(i, 8.0 * mean),
             Sizes::Mix => lognormal(i, mean),
+            Sizes::Shards => (mean * (2.0 + 30.0 * unit(i)) / 17.0) as u64,
         })
         .collect()
 }
@@ -595,23 +602,56 @@ pub struct Pace {
     pub jitter: f64,
 }
 
-/// One placement run of `epochs` epochs (the first cold): `m` nodes on loopback, one
-/// rank each, reading in lockstep, files of `sizes`, each cache `a` × the dataset's
-/// bytes ÷ `m`; with `declare`, the manifest gives every file's size (the placement
-/// counts bytes); the ranks read at `pace`. With `SHARDCACHE_BENCH_VERBOSE` set, each node's counters per epoch go
-/// to stderr.
+/// How one placement run is set up.
+#[derive(Debug, Clone, Copy)]
+pub struct Setting<'a> {
+    /// Nodes (daemons).
+    pub nodes: usize,
+    /// Ranks on each node (as `torchrun --nproc-per-node`): ranks `k·R … k·R + R − 1`
+    /// run on node `k`, each registering its own manifest (the node merges them into one
+    /// plan) and reading through the node's socket.
+    pub ranks_per_node: usize,
+    /// Aggregate cache ÷ the dataset's bytes.
+    pub a: f64,
+    /// The manifest gives every file's size (the placement counts bytes).
+    pub declare: bool,
+    /// Epochs (the first is cold).
+    pub epochs: u64,
+    /// How the ranks keep pace.
+    pub pace: Pace,
+    /// Each node in its namespace of the testbed (`(namespace, address)` per node), or
+    /// all on loopback (`None`).
+    pub link: Option<&'a [(String, String)]>,
+}
+
+/// The cache block size for files of `mean` bytes: a sixteenth of the mean, a power of
+/// two from 64 KiB to the daemon's default 4 MiB.
+fn block_for(mean: u64) -> u64 {
+    (mean / 16).next_power_of_two().clamp(64 << 10, 4 << 20)
+}
+
+/// One placement run (see [`Setting`]) of files of `sizes`, each cache `a` × the
+/// dataset's bytes ÷ the nodes. With `SHARDCACHE_BENCH_VERBOSE` set, each node's
+/// counters per epoch go to stderr.
 pub fn placement_epochs(
     dir: &Path,
-    m: usize,
-    a: f64,
     sizes: &[u64],
-    declare: bool,
-    epochs: u64,
-    pace: Pace,
+    set: Setting<'_>,
 ) -> anyhow::Result<Vec<PlacedEpoch>> {
+    let Setting {
+        nodes: m,
+        ranks_per_node,
+        a,
+        declare,
+        epochs,
+        pace,
+        link,
+    } = set;
     let Pace { drift, jitter } = pace;
-    let block = 64u64 << 10;
+    let rpn = ranks_per_node.max(1);
+    let world = (m * rpn) as u64;
     let files = sizes.len() as u64;
+    let block = block_for(sizes.iter().sum::<u64>() / files.max(1));
     let tmp = tempfile::tempdir_in(dir)?;
     let backing = tmp.path().join("backing");
     std::fs::create_dir_all(backing.join("ds"))?;
@@ -621,7 +661,7 @@ pub fn placement_epochs(
     }
     let total: u64 = sizes.iter().sum();
     let capacity = ((a * total as f64 / m as f64).round() as u64).max(block);
-    let (nodes, addrs, sockets) = cluster(tmp.path(), &backing, m, block, capacity, false, None)?;
+    let (nodes, addrs, sockets) = cluster(tmp.path(), &backing, m, block, capacity, false, link)?;
     let verbose = std::env::var_os("SHARDCACHE_BENCH_VERBOSE").is_some();
     if verbose {
         for (i, a) in addrs.iter().enumerate() {
@@ -642,14 +682,15 @@ pub fn placement_epochs(
         })
         .collect();
     let clients: Vec<Client> = sockets.iter().map(Client::at).collect();
-    for (rank, c) in clients.iter().enumerate() {
+    // Rank `r` runs on node `r / rpn`, and registers its own manifest there.
+    for rank in 0..world {
         let manifest = serde_json::json!({
             "version": 1, "job": "bench", "root": backing.join("ds"),
             "files": names, "immutable": true,
             "plan": {"kind": "shuffle", "algorithm": "pcg64-fisher-yates/v1", "seed": 3,
-                     "epochs": epochs + 1, "world_size": m, "ranks": [rank]}
+                     "epochs": epochs + 1, "world_size": world, "ranks": [rank]}
         });
-        c.register(&manifest.to_string())?;
+        clients[rank as usize / rpn].register(&manifest.to_string())?;
     }
     let counters = || -> anyhow::Result<Vec<shardcache_client::Counters>> {
         clients.iter().map(|c| Ok(c.status()?.counters)).collect()
@@ -660,8 +701,8 @@ pub fn placement_epochs(
         let (mut use_sum, mut use_n, mut use_peak) = (0.0f64, 0u64, 0.0f64);
         let before = counters()?;
         // The ranks read in lockstep, as the ranks of one job do.
-        let orders: Vec<Vec<u64>> = (0..m as u64)
-            .map(|r| shardcache_plan::shuffle::rank_order(files, 3, epoch, m as u64, r, false))
+        let orders: Vec<Vec<u64>> = (0..world)
+            .map(|r| shardcache_plan::shuffle::rank_order(files, 3, epoch, world, r, false))
             .collect();
         // Each rank reads at its own pace this epoch (1 ± `drift` files per tick), and
         // the epoch ends when the slowest is done (as `set_epoch` after a barrier); with
@@ -671,9 +712,9 @@ pub fn placement_epochs(
             let h = xxhash_rust::xxh3::xxh3_64(&[epoch, r, tick].map(u64::to_le_bytes).concat());
             1.0 - spread + 2.0 * spread * (h >> 11) as f64 / (1u64 << 53) as f64
         };
-        let mut speed: Vec<f64> = (0..m as u64).map(|r| pace(r, 0, drift)).collect();
-        let mut at = vec![0usize; m];
-        let mut budget = vec![0f64; m];
+        let mut speed: Vec<f64> = (0..world).map(|r| pace(r, 0, drift)).collect();
+        let mut at = vec![0usize; world as usize];
+        let mut budget = vec![0f64; world as usize];
         let len = orders[0].len();
         let mut tick = 0usize;
         while at.iter().any(|&a| a < len) {
@@ -682,14 +723,14 @@ pub fn placement_epochs(
                     *s = pace(r as u64, tick as u64 + 1, jitter);
                 }
             }
-            for r in 0..m {
+            for r in 0..world as usize {
                 budget[r] += speed[r];
                 while budget[r] >= 1.0 && at[r] < len {
                     budget[r] -= 1.0;
                     let i = orders[r][at[r]];
                     at[r] += 1;
                     buf.clear();
-                    clients[r]
+                    clients[r / rpn]
                         .open(backing.join(format!("ds/s{i:05}")))?
                         .read_to_end(&mut buf)?;
                     anyhow::ensure!(
@@ -775,7 +816,16 @@ pub fn placement(
     epochs: u64,
 ) -> anyhow::Result<Placed> {
     let sizes = file_sizes(Sizes::Fixed, files, file_kib);
-    let per = placement_epochs(dir, m, a, &sizes, false, epochs, Pace::default())?;
+    let set = Setting {
+        nodes: m,
+        ranks_per_node: 1,
+        a,
+        declare: false,
+        epochs,
+        pace: Pace::default(),
+        link: None,
+    };
+    let per = placement_epochs(dir, &sizes, set)?;
     let later = &per[1..];
     let n = later.len().max(1) as f64;
     Ok(Placed {
@@ -786,12 +836,23 @@ pub fn placement(
     })
 }
 
+/// Where the nodes of a placement run are: loopback, or the namespaces of the testbed
+/// script (`cluster-net.sh`) with links shaped to a rate.
+#[derive(Debug, Clone, Default)]
+pub struct Where {
+    /// The testbed script; `None`: loopback.
+    pub testbed: Option<PathBuf>,
+    /// The links' `tc` rate on the testbed (`none`: unshaped veth).
+    pub link: String,
+}
+
 /// The placement benchmark (`shardcache-bench placement`): per epoch, for each `a`, the
 /// manifest giving every file's size (`declare`), or not, or both.
 #[allow(clippy::too_many_arguments)]
 pub fn run_placement(
     dir: &Path,
     m: usize,
+    ranks_per_node: usize,
     avals: &[f64],
     kind: Sizes,
     files: u64,
@@ -799,6 +860,7 @@ pub fn run_placement(
     epochs: u64,
     declare: &[bool],
     pace: Pace,
+    at: &Where,
 ) -> anyhow::Result<()> {
     let Pace { drift, jitter } = pace;
     let sizes = file_sizes(kind, files, kib);
@@ -807,18 +869,32 @@ pub fn run_placement(
         sizes.iter().min().copied().unwrap_or(0),
         sizes.iter().max().copied().unwrap_or(0),
     );
+    // Up once for every run, down at the end (on failure too).
+    let bed = match &at.testbed {
+        Some(script) => Some(Testbed::up_nodes(script, m, &at.link)?),
+        None => None,
+    };
+    let net = match &bed {
+        Some(_) => format!(
+            "in network namespaces of the testbed (tbf {} on both ends of each link)",
+            at.link
+        ),
+        None => "on loopback".to_owned(),
+    };
     println!(
-        "placement: {m} nodes on loopback, distributed shuffle (one rank each, {}), {files} files of {kind:?} sizes (mean {:.0} KiB, {:.0}–{:.0} KiB), {epochs} epochs",
+        "placement: {m} nodes {net}, {ranks_per_node} rank(s) per node, distributed shuffle ({}), {files} files of {kind:?} sizes (mean {:.0} KiB, {:.0}–{:.0} KiB; {:.2} GiB), block {} KiB, {epochs} epochs",
         if drift > 0.0 {
-            format!("each at 1 ± {drift} of the mean pace per epoch")
+            format!("each rank at 1 ± {drift} of the mean pace per epoch")
         } else if jitter > 0.0 {
-            format!("each at 1 ± {jitter} of the mean pace per step")
+            format!("each rank at 1 ± {jitter} of the mean pace per step")
         } else {
             "lockstep".to_owned()
         },
         total as f64 / files.max(1) as f64 / 1024.0,
         lo as f64 / 1024.0,
-        hi as f64 / 1024.0
+        hi as f64 / 1024.0,
+        total as f64 / (1u64 << 30) as f64,
+        block_for(total / files.max(1)) >> 10,
     );
     println!(
         "{:>6} {:>5} {:>5} | {:>8} {:>6} | {:>6} | {:>11} | {:>9} {:>7} | cache use mean / peak",
@@ -826,7 +902,16 @@ pub fn run_placement(
     );
     for &d in declare {
         for &a in avals {
-            let per = placement_epochs(dir, m, a, &sizes, d, epochs, pace)?;
+            let set = Setting {
+                nodes: m,
+                ranks_per_node,
+                a,
+                declare: d,
+                epochs,
+                pace,
+                link: bed.as_ref().map(|b| b.link.nodes.as_slice()),
+            };
+            let per = placement_epochs(dir, &sizes, set)?;
             for (e, p) in per.iter().enumerate() {
                 let floor = if e == 0 { 1.0 } else { (1.0f64 - a).max(0.0) };
                 println!(
@@ -843,6 +928,7 @@ pub fn run_placement(
             }
         }
     }
+    drop(bed);
     println!(
         "sizes: given = the manifest gives every file's size (placement in bytes); none = it does not (placement in files of the sampled mean size)"
     );

@@ -528,8 +528,8 @@ fn spread_sizes_given_in_the_manifest_are_placed_in_bytes_at_the_floor() {
         );
         assert_eq!(
             job.placement_room_bytes,
-            cap / 100 * 99,
-            "node {i}: its capacity less 1 %: {job:?}"
+            cap / 1000 * 997,
+            "node {i}: its capacity less 0.3 %: {job:?}"
         );
     }
 }

@@ -3,16 +3,28 @@
 
 use super::*;
 
-/// The part of a node's share of the cache (in percent) a placement in bytes leaves
+/// The part of a node's share of the cache (in thousandths) a placement in bytes leaves
 /// unplaced: the store also holds, beside the files the placement puts on the node, the
 /// fills under way (their room is reserved before they land) and the files its readers
-/// read from other nodes. Filled to the byte (and before declined waits let go of their
-/// pins), the store declined fills of files placed on it (`shardcache-bench placement`,
-/// log-normal sizes, 400 files, a = 0.5: backing 0.52 of the dataset rising to 0.59 by
-/// the tenth epoch, local reads 0.95 falling to 0.60). With 1 % and declined waits
-/// letting go of their pins (`ReadPath::wait`): 0.515–0.535 and local reads 0.95–0.99
-/// over 20 epochs; 2 000 files, a = 1: 0.012–0.013.
-const BYTES_HEADROOM_PERCENT: u64 = 1;
+/// read from other nodes. Filled to the byte before declined waits let go of their pins,
+/// the store declined fills of files placed on it and the placement never recovered
+/// (`shardcache-bench placement`, log-normal sizes, 400 files, a = 0.5: local reads 0.95
+/// falling to 0.60), and 2 % only delayed that loop. With the pins let go
+/// (`ReadPath::wait`), measured over 10–20 epochs at 4 nodes (backing ÷ dataset after the
+/// first epoch; 2 000 log-normal files, then 400):
+///
+/// | margin | a = 1, 2 000 files | a = 0.5, 2 000 | a = 1, 400 | a = 0.5, 400 |
+/// |---|---|---|---|---|
+/// | 1 % | 0.011–0.015 | 0.507–0.512 | 0.020–0.039 | 0.516–0.541 |
+/// | 0.3 % | 0.005–0.008 | 0.505–0.509 | 0.013–0.030 | 0.510–0.533 |
+/// | 0.1 % | 0.003–0.007 | 0.503–0.508 | 0.009–0.024 | 0.512–0.536 |
+/// | 0 | 0.002–0.005 | 0.504–0.507 | 0.010–0.023 | 0.514–0.534 |
+///
+/// Below 0.3 % the backing bytes barely move and local reads at a = 0.5 start to drop
+/// (0.982 at 0.1 % against 0.995): 0.3 % keeps a little room for what the store holds
+/// beside the placement. What is left above the floor with few files per node is whole
+/// files not fitting the room left, not the margin.
+const BYTES_HEADROOM_PER_MILLE: u64 = 3;
 
 impl Jobs {
     /// Computes this node's slots for every shuffle that has none yet, and gives each
@@ -30,9 +42,9 @@ impl Jobs {
                 let share = store.capacity() / n.max(1);
                 let slots = if self.plans.planner().has_sizes(&job) {
                     // The manifest gave every file's size: the placement counts bytes,
-                    // all but a little of the share (see `BYTES_HEADROOM_PERCENT`).
+                    // all but a little of the share (see `BYTES_HEADROOM_PER_MILLE`).
                     Slots {
-                        units: (share / 100 * (100 - BYTES_HEADROOM_PERCENT)).max(1),
+                        units: (share / 1000 * (1000 - BYTES_HEADROOM_PER_MILLE)).max(1),
                         unit_bytes: 1,
                         bytes: true,
                     }

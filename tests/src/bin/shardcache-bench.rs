@@ -120,7 +120,8 @@ enum Cmd {
         /// Aggregate cache ÷ dataset (repeat for several runs).
         #[arg(long, default_values_t = [1.0])]
         a: Vec<f64>,
-        /// File sizes: fixed, lognormal (σ 0.5, as JPEGs) or mix (one file in ten 8×).
+        /// File sizes: fixed, lognormal (σ 0.5, as JPEGs), mix (one file in ten 8×) or
+        /// shards (uniform over 1 : 16 around the mean, as tar shards).
         #[arg(long, value_enum, default_value = "lognormal")]
         sizes: shardcache_tests::peerbench::Sizes,
         /// Files in the dataset.
@@ -144,6 +145,17 @@ enum Cmd {
         /// at every step (they wander apart and back). 0: lockstep.
         #[arg(long, default_value_t = 0.0)]
         jitter: f64,
+        /// Ranks per node (as `torchrun --nproc-per-node`): each registers its own
+        /// manifest with the node's daemon, which merges them into one plan.
+        #[arg(long, default_value_t = 1)]
+        ranks_per_node: usize,
+        /// Run the nodes in network namespaces of this testbed script (`cluster-net.sh`,
+        /// root only; taken down at the end, on failure too) instead of on loopback.
+        #[arg(long)]
+        testbed: Option<PathBuf>,
+        /// The testbed links' `tc` rate (`none`: unshaped veth).
+        #[arg(long, default_value = "1gbit", requires = "testbed")]
+        link: String,
     },
     /// A silent peer: read latency on the healthy nodes of a 4-node testbed while one
     /// node drops every packet (root only; `cluster-net.sh` with nftables).
@@ -825,9 +837,13 @@ fn main() {
             declare_sizes,
             drift,
             jitter,
+            ranks_per_node,
+            testbed,
+            link,
         } => shardcache_tests::peerbench::run_placement(
             &dir,
             nodes,
+            ranks_per_node,
             &a,
             sizes,
             files,
@@ -835,6 +851,7 @@ fn main() {
             epochs,
             &declare_sizes,
             shardcache_tests::peerbench::Pace { drift, jitter },
+            &shardcache_tests::peerbench::Where { testbed, link },
         )
         .expect("placement benchmark"),
         Cmd::Silent {
