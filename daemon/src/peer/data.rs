@@ -8,9 +8,11 @@
 //! with no runtime hand-offs in between. The handshake (the caller proves the shared
 //! secret) comes first and is bounded by the peer timeout; after it, every request must
 //! carry its session's MAC and every answer carries one (see [`wire`]). At most
-//! [`MAX_CONNS`] such connections are open at once (more are closed at once: their
-//! callers read the backing store), so that callers without the secret cannot hold more
-//! than that many threads, each for at most the timeout. With TLS on (`super::tls`),
+//! [`MAX_CONNS_PER_CALLER`] such connections from one address and [`MAX_CONNS`] in all
+//! are open at once (more are closed at once: their callers read the backing store), so
+//! that callers without the secret cannot hold more than that many threads, each for at
+//! most the timeout; a node opens at most [`super::MAX_STREAMS`] to one peer, well
+//! within the first bound. With TLS on (`super::tls`),
 //! the accept loop runs each connection's TLS handshake first (async, bounded by the
 //! same timeout) and reads the 8 bytes inside it; a block stream's thread then takes
 //! the TLS state over with the socket.
@@ -34,8 +36,15 @@ use super::wire::{self, HandshakeError, WireError};
 use crate::lifecycle::Task;
 use crate::stats::inc;
 
-/// Most block-stream connections served at once (a peer opens about one per fill worker).
-pub(super) const MAX_CONNS: usize = 64;
+/// Most block-stream connections served at once from all callers.
+pub(super) const MAX_CONNS: usize = 1024;
+/// Most block-stream connections served at once from one address: twice what a node
+/// opens to one peer ([`super::MAX_STREAMS`]), for the connections of a caller that
+/// restarted and whose old ones this end has not seen closed yet.
+pub(super) const MAX_CONNS_PER_CALLER: usize = 2 * super::MAX_STREAMS;
+/// Least time between two warnings of connections closed for a bound (the others are
+/// counted into the next warning).
+const WARN_EVERY: Duration = Duration::from_secs(10);
 /// How long a served connection may sit between requests before it is closed (callers
 /// keep idle connections for less: [`super::KEEP_IDLE`]).
 const IDLE: Duration = Duration::from_secs(60);
@@ -253,8 +262,47 @@ pub(super) async fn accept(
 #[derive(Default)]
 struct Conns {
     next: u64,
-    live: HashMap<u64, Task>,
+    live: HashMap<u64, (Task, Option<std::net::IpAddr>)>,
+    /// Open connections by the caller's address.
+    by_caller: HashMap<std::net::IpAddr, usize>,
     closed: bool,
+    /// When a connection closed for a bound was last warned of, and how many were closed
+    /// since without a warning.
+    warned: Option<Instant>,
+    unwarned: u64,
+}
+
+impl Conns {
+    /// Forgets connection `id` (its thread ends).
+    fn remove(&mut self, id: u64) -> Option<Task> {
+        let (task, ip) = self.live.remove(&id)?;
+        if let Some(ip) = ip
+            && let Some(n) = self.by_caller.get_mut(&ip)
+        {
+            *n -= 1;
+            if *n == 0 {
+                self.by_caller.remove(&ip);
+            }
+        }
+        Some(task)
+    }
+
+    /// Why a new connection from `ip` is closed at once, if it is.
+    fn over(&self, ip: Option<std::net::IpAddr>) -> Option<String> {
+        if self.live.len() >= MAX_CONNS {
+            return Some(format!("{MAX_CONNS} open in all"));
+        }
+        let n = ip
+            .and_then(|ip| self.by_caller.get(&ip))
+            .copied()
+            .unwrap_or(0);
+        (n >= MAX_CONNS_PER_CALLER).then(|| {
+            format!(
+                "{MAX_CONNS_PER_CALLER} open from {}",
+                ip.map_or_else(|| "?".into(), |ip| ip.to_string())
+            )
+        })
+    }
 }
 
 /// Serves block streams.
@@ -275,17 +323,26 @@ impl DataServer {
     }
 
     /// Serves a block-stream connection (its magic read) on a thread of its own, when
-    /// fewer than [`MAX_CONNS`] are open; closes it otherwise.
+    /// fewer than [`MAX_CONNS`] are open, and fewer than [`MAX_CONNS_PER_CALLER`] from
+    /// its caller's address; closes it otherwise (warned of at most once per
+    /// [`WARN_EVERY`], with the count since).
     fn admit(self: Arc<Self>, conn: Stream) {
         let mut conns = self.conns.lock();
         if conns.closed {
             return;
         }
-        if conns.live.len() >= MAX_CONNS {
-            tracing::warn!(
-                max = MAX_CONNS,
-                "block stream: too many connections; closing a new one (its caller reads the backing store)"
-            );
+        let ip = conn.tcp().peer_addr().ok().map(|a| a.ip());
+        if let Some(why) = conns.over(ip) {
+            conns.unwarned += 1;
+            if conns.warned.is_none_or(|t| t.elapsed() >= WARN_EVERY) {
+                tracing::warn!(
+                    closed = conns.unwarned,
+                    bound = %why,
+                    "block stream: too many connections; closing new ones (their callers read elsewhere)"
+                );
+                conns.warned = Some(Instant::now());
+                conns.unwarned = 0;
+            }
             return;
         }
         let Ok(shutdown) = conn.tcp().try_clone() else {
@@ -301,7 +358,7 @@ impl DataServer {
             Arc::new(AtomicBool::new(false)),
             move |_| {
                 me.serve(conn);
-                let done = me.conns.lock().live.remove(&id);
+                let done = me.conns.lock().remove(id);
                 // Dropped (detached: this very thread) outside the lock.
                 drop(done);
             },
@@ -311,7 +368,10 @@ impl DataServer {
                 let t = t.with_wake(move || {
                     let _ = shutdown.shutdown(std::net::Shutdown::Both);
                 });
-                conns.live.insert(id, t);
+                conns.live.insert(id, (t, ip));
+                if let Some(ip) = ip {
+                    *conns.by_caller.entry(ip).or_default() += 1;
+                }
             }
             Err(e) => tracing::warn!(error = %e, "block stream: cannot start a thread"),
         }
@@ -432,7 +492,7 @@ impl DataServer {
         let mut live: Vec<Task> = {
             let mut conns = self.conns.lock();
             conns.closed = true;
-            conns.live.drain().map(|(_, t)| t).collect()
+            conns.live.drain().map(|(_, (t, _))| t).collect()
         };
         for t in &live {
             t.stop();

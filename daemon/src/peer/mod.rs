@@ -63,6 +63,16 @@ const MAX_BLOCK: usize = 64 << 20;
 const STEP: usize = 256 << 10;
 /// Idle block-stream connections kept per peer (about one per fill worker).
 const POOL: usize = 8;
+/// Most block-stream connections this node has open to one peer at once (in use and
+/// idle together). A fill worker's fetch takes one; when all are in use it waits for
+/// one, up to its deadline, and then reads the next source. Without the bound a node's
+/// pool of fill workers (up to 64 per root while readers wait) opened one each: three
+/// busy nodes opened more than a peer serves at once ([`data::MAX_CONNS_PER_CALLER`]),
+/// the peer closed the extra ones, and their fetches failed, marked the peer down, and
+/// read the backing store (docs/PYTHON.md's example under `torchrun` on 4 nodes of the
+/// testbed: peers flapping down and up every few hundred milliseconds). Sixteen streams
+/// carry a 10 gbit link: each keeps a block in flight.
+pub(crate) const MAX_STREAMS: usize = 16;
 /// How long an idle block-stream connection is kept for the next block (the serving end
 /// keeps it for longer, so a kept connection is normally still open).
 const KEEP_IDLE: Duration = Duration::from_secs(30);
@@ -162,6 +172,10 @@ pub struct Peers {
     tls: Option<Arc<tls::Tls>>,
     /// Idle block-stream connections, authenticated, by peer.
     idle: Mutex<HashMap<String, Vec<(Conn, Instant)>>>,
+    /// Block-stream connections in use, and fetches waiting for one, by peer (see
+    /// [`MAX_STREAMS`]).
+    streams: Mutex<HashMap<String, Streams>>,
+    streams_cv: parking_lot::Condvar,
     timeout: Duration,
     stats: Arc<Stats>,
     plans: Arc<Plans>,
@@ -367,6 +381,8 @@ impl Peers {
             channels: Mutex::new(HashMap::new()),
             block_size,
             idle: Mutex::new(HashMap::new()),
+            streams: Mutex::new(HashMap::new()),
+            streams_cv: parking_lot::Condvar::new(),
             tls,
             timeout: cfg.timeout,
             stats,
@@ -796,6 +812,9 @@ impl Peers {
                     FetchError::NotFound(_) => {
                         tracing::debug!(peer = %peer, error = %e, "peer does not hold the block");
                     }
+                    FetchError::Busy(_) => {
+                        tracing::debug!(peer = %peer, error = %e, "no block stream to the peer free; trying the next source");
+                    }
                     FetchError::Forged => {
                         tracing::warn!(peer = %peer, path = %req.path, index = req.index, error = %e, "peer fetch: refused the reply; reading elsewhere");
                         inc(&self.stats.peer_forged);
@@ -868,6 +887,7 @@ impl Peers {
         if len > MAX_BLOCK {
             return Err(FetchError::Failed(format!("block of {len} bytes")));
         }
+        let _slot = self.stream_slot(peer, deadline)?;
         loop {
             let (mut conn, kept) = match self.take_idle(peer) {
                 Some(c) => (c, true),
@@ -887,6 +907,50 @@ impl Peers {
                 Err(Broken::BeforeAnswer(e) | Broken::Midway(e)) => return Err(e),
             }
         }
+    }
+
+    /// One of the [`MAX_STREAMS`] block-stream connections to `peer`, in use until the
+    /// slot is dropped: at once, or when another fetch gives one back, by `deadline`
+    /// (else [`FetchError::Busy`]: this node's own load, not the peer's health).
+    fn stream_slot(&self, peer: &str, deadline: Instant) -> Result<StreamSlot<'_>, FetchError> {
+        let mut all = self.streams.lock();
+        let mut waited = false;
+        loop {
+            let s = all.entry(peer.to_owned()).or_default();
+            if s.in_use < MAX_STREAMS {
+                s.in_use += 1;
+                if waited {
+                    s.waiting -= 1;
+                }
+                return Ok(StreamSlot {
+                    peers: self,
+                    peer: peer.to_owned(),
+                });
+            }
+            if !waited {
+                s.waiting += 1;
+                waited = true;
+            }
+            if self.streams_cv.wait_until(&mut all, deadline).timed_out() {
+                let s = all.entry(peer.to_owned()).or_default();
+                if s.in_use < MAX_STREAMS {
+                    continue;
+                }
+                s.waiting -= 1;
+                return Err(FetchError::Busy(format!(
+                    "{MAX_STREAMS} block streams to the peer in use until the fetch's deadline"
+                )));
+            }
+        }
+    }
+
+    /// Block-stream connections to `peer` in use now, and fetches waiting for one.
+    #[cfg(test)]
+    pub(crate) fn streams(&self, peer: &str) -> (usize, usize) {
+        self.streams
+            .lock()
+            .get(peer)
+            .map_or((0, 0), |s| (s.in_use, s.waiting))
     }
 
     fn take_idle(&self, peer: &str) -> Option<Conn> {
@@ -1054,11 +1118,48 @@ fn await_answer(tcp: &TcpStream, deadline: Instant) -> Result<(), FetchError> {
 }
 
 /// Why a fetch from a peer failed (either way the caller reads the backing store).
+/// Block-stream connections to one peer in use, and fetches waiting for one.
+#[derive(Debug, Default)]
+struct Streams {
+    in_use: usize,
+    waiting: usize,
+}
+
+/// One block-stream connection to a peer in use (see [`Peers::stream_slot`]); given
+/// back, and a waiting fetch woken, when dropped.
+struct StreamSlot<'a> {
+    peers: &'a Peers,
+    peer: String,
+}
+
+impl Drop for StreamSlot<'_> {
+    fn drop(&mut self) {
+        let mut all = self.peers.streams.lock();
+        let mut waiting = false;
+        if let Some(s) = all.get_mut(&self.peer) {
+            s.in_use -= 1;
+            waiting = s.waiting > 0;
+            if s.in_use == 0 && !waiting {
+                all.remove(&self.peer);
+            }
+        }
+        drop(all);
+        // Every waiter (of any peer: one condvar for all) looks again; one gets it.
+        if waiting {
+            self.peers.streams_cv.notify_all();
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 enum FetchError {
     /// The peer does not have the block (and may not fill it): it is healthy.
     #[error("not found: {0}")]
     NotFound(String),
+    /// This node had no block stream to the peer free in time (its own load: the peer's
+    /// health is not judged by it).
+    #[error("busy: {0}")]
+    Busy(String),
     /// The peer failed, refused, or sent bytes that are not the block.
     #[error("{0}")]
     Failed(String),

@@ -96,6 +96,11 @@ mod tests {
     }
 
     fn fx() -> Fx {
+        fx_serving(|p| p)
+    }
+
+    /// [`fx`] with node B serving through `serve(its provider)`.
+    fn fx_serving(serve: impl FnOnce(Arc<MemProvider>) -> Arc<dyn BlockProvider>) -> Fx {
         let mem = Arc::new(MemBacking::new());
         let (meta, stats) = one_root(mem.clone());
         let roots = meta.roots().clone();
@@ -122,14 +127,8 @@ mod tests {
             BS as u32,
         )
         .unwrap();
-        let server = PeerServer::start(
-            &b_cfg,
-            listener,
-            &b,
-            meta.clone(),
-            provider.clone() as Arc<dyn BlockProvider>,
-        )
-        .unwrap();
+        let server =
+            PeerServer::start(&b_cfg, listener, &b, meta.clone(), serve(provider.clone())).unwrap();
         let a_cfg = config(
             "127.0.0.2:1".parse().unwrap(),
             &a_name,
@@ -186,6 +185,96 @@ mod tests {
     #[test]
     fn the_peer_client_conforms_as_a_source() {
         conformance::sources(&fx);
+    }
+
+    /// A gate the blocks a node serves wait at: how many wait, and whether it is open.
+    #[derive(Debug, Default)]
+    struct Gate {
+        state: parking_lot::Mutex<(usize, bool)>,
+        cv: parking_lot::Condvar,
+    }
+
+    /// A provider whose reads wait at a [`Gate`] (at most 10 s) before they are served.
+    #[derive(Debug)]
+    struct Gated {
+        inner: Arc<MemProvider>,
+        gate: Arc<Gate>,
+    }
+
+    impl BlockProvider for Gated {
+        fn block_size(&self) -> u32 {
+            self.inner.block_size()
+        }
+        fn read(&self, key: &Key, index: usize, buf: &mut Vec<u8>) -> Option<u64> {
+            let mut g = self.gate.state.lock();
+            g.0 += 1;
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while !g.1 && !self.gate.cv.wait_until(&mut g, deadline).timed_out() {}
+            g.0 -= 1;
+            drop(g);
+            self.inner.read(key, index, buf)
+        }
+        fn fill(&self, target: &Arc<Target>, index: usize, deadline: std::time::Instant) -> bool {
+            self.inner.fill(target, index, deadline)
+        }
+    }
+
+    /// However many fills fetch from one peer at once, a node opens at most
+    /// [`MAX_STREAMS`] block streams to it: the other fetches wait for one and then get
+    /// their block (before, each fill worker opened its own, past what the peer serves
+    /// from one caller: the peer closed the extra ones, and the failed fetches marked
+    /// it down).
+    #[test]
+    fn fetches_past_the_stream_bound_wait_for_a_stream_and_get_their_block() {
+        use crate::peer::MAX_STREAMS;
+        let gate = Arc::new(Gate::default());
+        let g = gate.clone();
+        let fx = fx_serving(move |p| Arc::new(Gated { inner: p, gate: g }));
+        let t = fx.put("f", &[7u8; BS]);
+        let b = fx.b.view().1;
+        let n = 4 * MAX_STREAMS;
+        std::thread::scope(|s| {
+            let fetches: Vec<_> = (0..n)
+                .map(|_| {
+                    s.spawn(|| {
+                        let req = BlockRequest {
+                            target: &t,
+                            root: "/r",
+                            index: 0,
+                            offset: 0,
+                            len: BS,
+                            prefetch: false,
+                        };
+                        fx.source.fetch(&req, &mut Vec::new())
+                    })
+                })
+                .collect();
+            // Every fetch is either at the peer (held at the gate) or waiting for a
+            // stream — or more than the bound reached the peer.
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            let at_peer = loop {
+                let at_peer = gate.state.lock().0;
+                let (_, waiting) = fx.a.streams(&b);
+                if at_peer + waiting == n || at_peer > MAX_STREAMS {
+                    break at_peer;
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "{at_peer} fetches at the peer, {waiting} waiting, of {n}"
+                );
+                std::thread::sleep(Duration::from_millis(2));
+            };
+            assert_eq!(at_peer, MAX_STREAMS, "fetches served at once");
+            assert!(fx.server.data.open() <= MAX_STREAMS, "streams open");
+            gate.state.lock().1 = true;
+            gate.cv.notify_all();
+            for f in fetches {
+                let got = f.join().unwrap();
+                assert!(matches!(got, Ok(Fetched::Got { .. })), "{got:?}");
+            }
+        });
+        assert_eq!(fx.a.streams(&b), (0, 0), "every stream given back");
+        assert_eq!(fx.a.view().0.len(), 2, "the peer never marked down");
     }
 
     /// A block-stream connection the client keeps idle for its next block holds a
