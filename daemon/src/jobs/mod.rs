@@ -191,6 +191,10 @@ pub struct Jobs {
     durable: Option<durable::Durable>,
     /// The positions last saved there.
     saved_positions: Mutex<HashMap<String, (u64, u64)>>,
+    /// Held through a registration's check of the jobs registered and its change to
+    /// them (one registration at a time: two ranks of one job registering at once each
+    /// found no job under the id, and the later replaced the other).
+    registering: Mutex<()>,
 }
 
 impl Jobs {
@@ -224,6 +228,7 @@ impl Jobs {
             procs: Arc::new(ProcFs),
             durable: None,
             saved_positions: Mutex::new(HashMap::default()),
+            registering: Mutex::new(()),
         }
     }
 
@@ -473,6 +478,44 @@ mod tests {
         jobs.register(&shuffle("j", 8, &[1]), &creds(1000), false)
             .unwrap();
         assert_eq!(ranks(&jobs), vec![("j".to_owned(), 4, vec![1])]);
+    }
+
+    /// Issue 15: the ranks of one job on one node register at the same moment (torchrun
+    /// starts them together): every rank is in the node's plan. Before, a registration
+    /// that came while another was being planned found no job under its id, and the
+    /// later of the two replaced the other (docs/PYTHON.md's example on 4 nodes of the
+    /// testbed: a node plan of one rank, and no cluster layout ever).
+    #[test]
+    fn ranks_registering_at_once_all_join_the_plan() {
+        let files: Vec<String> = (0..20_000).map(|i| format!("\"f{i}\"")).collect();
+        let manifest = |rank: u64| {
+            shuffle("j", 7, &[rank]).replacen(
+                &(0..12)
+                    .map(|i| format!("\"f{i}\""))
+                    .collect::<Vec<_>>()
+                    .join(","),
+                &files.join(","),
+                1,
+            )
+        };
+        for round in 0..8 {
+            let jobs = jobs();
+            let start = std::sync::Barrier::new(4);
+            std::thread::scope(|s| {
+                for rank in 0..4 {
+                    let (jobs, start, m) = (&jobs, &start, manifest(rank));
+                    s.spawn(move || {
+                        start.wait();
+                        jobs.register(&m, &creds(1000), false).unwrap();
+                    });
+                }
+            });
+            assert_eq!(
+                jobs.plans.planner().shuffles(),
+                vec![("j".to_owned(), 4, vec![0, 1, 2, 3])],
+                "round {round}"
+            );
+        }
     }
 
     /// A rank that registers again from the epoch it is at (the daemon restarted, or its

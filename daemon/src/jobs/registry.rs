@@ -163,6 +163,11 @@ impl Jobs {
         lease: Option<LeaseRequest<'_>>,
     ) -> Result<Registered, JobError> {
         let mut m = Manifest::from_json(json).map_err(|e| JobError::Manifest(e.to_string()))?;
+        // Parsed outside it (a large manifest takes a while); from here to the end, one
+        // registration at a time, or two ranks registering at once would each find no
+        // job under the id and the later would replace the other. Taken before every
+        // other lock of the jobs and the planner.
+        let _one_at_a_time = self.registering.lock();
         self.may_change(&m.job, creds.uid, operator)?;
         let lease = lease.filter(|l| !l.period.is_zero()).map(|l| {
             (
