@@ -104,19 +104,23 @@ mod tests {
         let mem = Arc::new(MemBacking::new());
         let (meta, stats) = one_root(mem.clone());
         let roots = meta.roots().clone();
-        let listener = bind("127.0.0.1:0".parse().unwrap()).unwrap();
-        let addr = listener.local_addr().unwrap();
-        let b_name = addr.to_string();
-        // A name for node A under which node B owns every path the suite uses (A's own
-        // port is never dialled).
-        let a_name = (1..10_000)
-            .map(|p| format!("127.0.0.2:{p}"))
-            .find(|a| {
-                PATHS.iter().all(|p| {
-                    file_owner([a.as_str(), b_name.as_str()], "/r", p) == Some(b_name.as_str())
-                })
+        // Node B's port, and a name for node A under which B owns every path the suite
+        // uses (A's own port is never dialled). For some of B's names no such name of A
+        // exists among those tried (B's rendezvous score for a path may be lower than
+        // almost any other name's: about 1 port in 250): then another port for B.
+        let (listener, addr, b_name, a_name) = (0..20)
+            .find_map(|_| {
+                let listener = bind("127.0.0.1:0".parse().unwrap()).unwrap();
+                let addr = listener.local_addr().unwrap();
+                let b_name = addr.to_string();
+                let a_name = (1..10_000).map(|p| format!("127.0.0.2:{p}")).find(|a| {
+                    PATHS.iter().all(|p| {
+                        file_owner([a.as_str(), b_name.as_str()], "/r", p) == Some(b_name.as_str())
+                    })
+                })?;
+                Some((listener, addr, b_name, a_name))
             })
-            .unwrap();
+            .expect("a port for node B under which it can own every path");
         let provider = Arc::new(MemProvider::new(BS as u32));
         let b_cfg = config(addr, &b_name, Vec::new());
         let b = Peers::start(
