@@ -241,14 +241,7 @@ mod tests {
             let fetches: Vec<_> = (0..n)
                 .map(|_| {
                     s.spawn(|| {
-                        let req = BlockRequest {
-                            target: &t,
-                            root: "/r",
-                            index: 0,
-                            offset: 0,
-                            len: BS,
-                            prefetch: false,
-                        };
+                        let req = conformance::request(&t, "/r", 0, BS);
                         fx.source.fetch(&req, &mut Vec::new())
                     })
                 })
@@ -288,14 +281,7 @@ mod tests {
     fn closing_the_server_ends_its_block_stream_threads() {
         let fx = fx();
         let t = fx.put("f", &[7u8; BS]);
-        let req = BlockRequest {
-            target: &t,
-            root: "/r",
-            index: 0,
-            offset: 0,
-            len: BS,
-            prefetch: false,
-        };
+        let req = conformance::request(&t, "/r", 0, BS);
         let mut buf = Vec::new();
         let got = fx.source.fetch(&req, &mut buf);
         assert!(matches!(got, Ok(Fetched::Got { .. })), "{got:?}");
