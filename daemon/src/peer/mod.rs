@@ -927,20 +927,19 @@ impl Peers {
                     peer: peer.to_owned(),
                 });
             }
-            if !waited {
-                s.waiting += 1;
-                waited = true;
-            }
-            if self.streams_cv.wait_until(&mut all, deadline).timed_out() {
-                let s = all.entry(peer.to_owned()).or_default();
-                if s.in_use < MAX_STREAMS {
-                    continue;
+            if Instant::now() >= deadline {
+                if waited {
+                    s.waiting -= 1;
                 }
-                s.waiting -= 1;
                 return Err(FetchError::Busy(format!(
                     "{MAX_STREAMS} block streams to the peer in use until the fetch's deadline"
                 )));
             }
+            if !waited {
+                s.waiting += 1;
+                waited = true;
+            }
+            self.streams_cv.wait_until(&mut all, deadline);
         }
     }
 
@@ -1117,7 +1116,6 @@ fn await_answer(tcp: &TcpStream, deadline: Instant) -> Result<(), FetchError> {
     }
 }
 
-/// Why a fetch from a peer failed (either way the caller reads the backing store).
 /// Block-stream connections to one peer in use, and fetches waiting for one.
 #[derive(Debug, Default)]
 struct Streams {
@@ -1151,6 +1149,7 @@ impl Drop for StreamSlot<'_> {
     }
 }
 
+/// Why a fetch from a peer failed (either way the caller reads the backing store).
 #[derive(Debug, thiserror::Error)]
 enum FetchError {
     /// The peer does not have the block (and may not fill it): it is healthy.
