@@ -7,9 +7,5 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --locked -p shardcache-daemon -p shardcache-preload -p shardcache-client
-VENV=target/torch-venv
-[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
-"$VENV/bin/python" -c 'import torch, fsspec' 2>/dev/null ||
-    "$VENV/bin/pip" install --quiet --disable-pip-version-check torch fsspec
-"$VENV/bin/pip" install --quiet --disable-pip-version-check ./client-lib/python
+. scripts/torch-venv.sh
 exec "$VENV/bin/python" tests/python/bench_torch.py "$@"
