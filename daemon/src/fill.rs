@@ -371,6 +371,9 @@ struct Inner {
     next_worker: AtomicU64,
     /// Workers that ended by a panic.
     died: AtomicUsize,
+    /// Times requests took the engine's locks (what a batch's one taking is tested by).
+    #[cfg(test)]
+    lockings: AtomicUsize,
 }
 
 /// Moving averages of block reads from the backing store (what the prefetcher paces
@@ -517,6 +520,8 @@ impl Filler {
             tasks: Mutex::new(Vec::new()),
             next_worker: AtomicU64::new(0),
             died: AtomicUsize::new(0),
+            #[cfg(test)]
+            lockings: AtomicUsize::new(0),
         });
         let filler = Self { inner };
         for root in 0..nroots {
@@ -550,59 +555,60 @@ impl Filler {
     /// Asks for block `index` of `target` at `prio`. Not blocking. A block of a root (or
     /// file) that is not answering is declined at once: the flight returned has ended.
     pub fn request(&self, target: &Arc<Target>, index: usize, prio: Priority) -> Scheduled {
+        self.request_many(&[(target, index, prio)])
+            .pop()
+            .expect("one answer per request")
+    }
+
+    /// [`Filler::request`] for several blocks at once, in order, with one taking of the
+    /// engine's locks for all of them (a loader's batch of 64 files is one acquisition,
+    /// not 64: on a node whose cores are all busy every acquisition the engine's workers
+    /// contend for can cost a scheduler's time slice).
+    pub fn request_many(&self, asks: &[(&Arc<Target>, usize, Priority)]) -> Vec<Scheduled> {
         let inner = &self.inner;
-        if inner.store.is_present(&target.key, index) {
-            return Scheduled::Present;
+        // What needs no lock of the engine's is judged first.
+        let mut out: Vec<Option<Scheduled>> = asks
+            .iter()
+            .map(|&(target, index, _)| {
+                if inner.store.is_present(&target.key, index) {
+                    Some(Scheduled::Present)
+                } else if refused(inner, target) {
+                    Some(Scheduled::InFlight(declined()))
+                } else {
+                    None
+                }
+            })
+            .collect();
+        if out.iter().all(Option::is_some) {
+            return out.into_iter().flatten().collect();
         }
-        if refused(inner, target) {
-            return Scheduled::InFlight(declined());
-        }
-        let mut flights = inner.flights.lock();
-        let id = (target.key, index);
-        let mut q = inner.queue.lock();
-        if q.closed {
-            return Scheduled::Shed;
-        }
-        if let Some(f) = flights.get(&id) {
-            if prio == Priority::Prefetch {
-                f.prefetch.store(true, Ordering::Release);
-            }
-            // Raise a queued read-ahead to demand.
-            let f = f.clone();
-            if q.queued.get(&id).is_some_and(|(queued, _)| *queued < prio) {
-                q.enqueue(target, index, prio, &f);
-                inner.cvs[target.root].notify_one();
-                let more = prio == Priority::Demand && grow(inner, &mut q, target.root);
-                drop(q);
-                drop(flights);
-                if more {
-                    self.add_worker(target.root);
+        let mut grown = Vec::new();
+        {
+            let mut flights = inner.flights.lock();
+            let mut q = inner.queue.lock();
+            #[cfg(test)]
+            inner.lockings.fetch_add(1, Ordering::Relaxed);
+            for (slot, &(target, index, prio)) in out.iter_mut().zip(asks) {
+                if slot.is_none() {
+                    let (scheduled, more) =
+                        schedule(inner, &mut flights, &mut q, target, index, prio);
+                    *slot = Some(scheduled);
+                    if more {
+                        grown.push(target.root);
+                    }
                 }
             }
-            return Scheduled::InFlight(f);
         }
-        let full = match prio {
-            Priority::Behind => q.behind >= inner.limit * BEHIND_QUEUE,
-            Priority::Prefetch | Priority::Readahead => q.ahead_of_readers() >= inner.limit,
-            Priority::Demand => q.ahead_of_readers() >= inner.limit * 2,
-        };
-        if full {
-            inc(&inner.stats.queue_shed);
-            return Scheduled::Shed;
+        for root in grown {
+            self.add_worker(root);
         }
-        let f = Arc::new(Flight::default());
-        f.prefetch
-            .store(prio == Priority::Prefetch, Ordering::Release);
-        flights.insert(id, f.clone());
-        q.enqueue(target, index, prio, &f);
-        inner.cvs[target.root].notify_one();
-        let more = prio == Priority::Demand && grow(inner, &mut q, target.root);
-        drop(q);
-        drop(flights);
-        if more {
-            self.add_worker(target.root);
-        }
-        Scheduled::InFlight(f)
+        out.into_iter().flatten().collect()
+    }
+
+    /// Times requests took the engine's locks.
+    #[cfg(test)]
+    pub(crate) fn lockings(&self) -> usize {
+        self.inner.lockings.load(Ordering::Relaxed)
     }
 
     /// Starts a worker for `root` whose pool already counts it.
@@ -715,6 +721,54 @@ impl Filler {
     }
 }
 
+/// Schedules block `index` of `target` at `prio` under the engine's locks (see
+/// [`Filler::request`]); true with it when the root needs another worker (counted in
+/// its pool already: the caller starts it once the locks are let go).
+fn schedule(
+    inner: &Inner,
+    flights: &mut HashMap<(Key, usize), Arc<Flight>>,
+    q: &mut Queue,
+    target: &Arc<Target>,
+    index: usize,
+    prio: Priority,
+) -> (Scheduled, bool) {
+    if q.closed {
+        return (Scheduled::Shed, false);
+    }
+    let id = (target.key, index);
+    if let Some(f) = flights.get(&id) {
+        if prio == Priority::Prefetch {
+            f.prefetch.store(true, Ordering::Release);
+        }
+        // Raise a queued read-ahead to demand.
+        let f = f.clone();
+        let mut more = false;
+        if q.queued.get(&id).is_some_and(|(queued, _)| *queued < prio) {
+            q.enqueue(target, index, prio, &f);
+            inner.cvs[target.root].notify_one();
+            more = prio == Priority::Demand && grow(inner, q, target.root);
+        }
+        return (Scheduled::InFlight(f), more);
+    }
+    let full = match prio {
+        Priority::Behind => q.behind >= inner.limit * BEHIND_QUEUE,
+        Priority::Prefetch | Priority::Readahead => q.ahead_of_readers() >= inner.limit,
+        Priority::Demand => q.ahead_of_readers() >= inner.limit * 2,
+    };
+    if full {
+        inc(&inner.stats.queue_shed);
+        return (Scheduled::Shed, false);
+    }
+    let f = Arc::new(Flight::default());
+    f.prefetch
+        .store(prio == Priority::Prefetch, Ordering::Release);
+    flights.insert(id, f.clone());
+    q.enqueue(target, index, prio, &f);
+    inner.cvs[target.root].notify_one();
+    let more = prio == Priority::Demand && grow(inner, q, target.root);
+    (Scheduled::InFlight(f), more)
+}
+
 /// Whether `root` needs another worker for a reader's block just queued: every worker
 /// is busy (none would take it now), none is stuck in the backing store (a store that
 /// does not answer gets no more threads than its stand-ins), and the pool is below its
@@ -780,9 +834,11 @@ impl Drop for Died<'_> {
 
 fn worker(inner: &Inner, root: usize, me: u64) {
     let _died = Died(inner);
+    // Held from one fill's bookkeeping into the next one's taking (one acquisition of
+    // the queue per fill, not two).
+    let mut q = inner.queue.lock();
     loop {
         let (job, blocks, others) = {
-            let mut q = inner.queue.lock();
             loop {
                 let pool = &q.pools[root];
                 // Closing, or more workers than a pool may have (a stuck worker came
@@ -903,16 +959,17 @@ fn worker(inner: &Inner, root: usize, me: u64) {
             }
         };
         let prefetch = job.prio == Priority::Prefetch;
-        if !others.is_empty() {
-            let mut files = vec![(job.target.clone(), blocks[0].1.clone())];
-            files.extend(others.iter().cloned());
-            fill_files_and_land(inner, root, &files, prefetch, me);
-        } else if let [(index, flight)] = &blocks[..] {
-            fill_and_land(inner, &job.target, *index, prefetch, flight);
-        } else {
-            fill_batch_and_land(inner, &job.target, &blocks, prefetch, me);
-        }
-        let mut q = inner.queue.lock();
+        parking_lot::MutexGuard::unlocked(&mut q, || {
+            if !others.is_empty() {
+                let mut files = vec![(job.target.clone(), blocks[0].1.clone())];
+                files.extend(others.iter().cloned());
+                fill_files_and_land(inner, root, &files, prefetch, me);
+            } else if let [(index, flight)] = &blocks[..] {
+                fill_and_land(inner, &job.target, *index, prefetch, flight);
+            } else {
+                fill_batch_and_land(inner, &job.target, &blocks, prefetch, me);
+            }
+        });
         let pool = &mut q.pools[root];
         if let Some(i) = pool.busy.iter().position(|b| b.worker == me)
             && pool.busy.swap_remove(i).stuck
@@ -1571,6 +1628,65 @@ mod tests {
             r.faults.hung.load(Ordering::Relaxed) == paths.len() as u64
         });
         flights
+    }
+
+    /// A batch of requests is answered as the same requests one by one would be, in
+    /// order: a block present, one asked twice (one flight), read-ahead raised to demand
+    /// by a later ask in the batch, a worker for each reader's block; with the engine's
+    /// locks taken once for the batch.
+    #[test]
+    fn a_batch_of_requests_is_answered_as_each_alone_with_one_locking() {
+        let r = rig_full(None, 1);
+        for p in ["a", "b", "c", "d"] {
+            r.put(p, 100);
+        }
+        let [a, b, c, d] = ["a", "b", "c", "d"].map(|p| r.target(p));
+        assert_eq!(r.wait(&b, 0), Some(true));
+        assert!(r.filler.settle(Instant::now() + Duration::from_secs(10)));
+        r.faults.hang();
+        let before = r.filler.lockings();
+        let answers = r.filler.request_many(&[
+            (&a, 0, Priority::Demand),
+            (&b, 0, Priority::Demand),
+            (&a, 0, Priority::Demand),
+            (&c, 0, Priority::Readahead),
+            (&c, 0, Priority::Demand),
+            (&d, 0, Priority::Prefetch),
+        ]);
+        assert_eq!(r.filler.lockings(), before + 1, "one taking for the batch");
+        let flight = |s: &Scheduled| match s {
+            Scheduled::InFlight(f) => f.clone(),
+            s => panic!("not in flight: {s:?}"),
+        };
+        assert!(matches!(answers[1], Scheduled::Present));
+        assert!(Arc::ptr_eq(&flight(&answers[0]), &flight(&answers[2])));
+        assert!(Arc::ptr_eq(&flight(&answers[3]), &flight(&answers[4])));
+        assert!(flight(&answers[5]).prefetch.load(Ordering::Acquire));
+        until(
+            Duration::from_secs(10),
+            "a worker on each reader's block",
+            || r.faults.hung.load(Ordering::Relaxed) >= 2,
+        );
+        {
+            let q = r.filler.inner.queue.lock();
+            // Two readers' blocks: a second worker was started for the second.
+            assert!(q.pools[0].threads >= 2, "{}", q.pools[0].threads);
+            let running: Vec<Key> = q.pools[0]
+                .busy
+                .iter()
+                .flat_map(|b| b.blocks.iter().map(|((k, _), _)| *k))
+                .collect();
+            assert!(running.contains(&c.key), "c raised to demand and taken");
+        }
+        r.faults.release();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for i in [0, 3, 5] {
+            assert_eq!(
+                flight(&answers[i]).wait_until(deadline),
+                Some(FillOutcome::Landed)
+            );
+        }
+        assert!(r.filler.settle(deadline));
     }
 
     #[test]
