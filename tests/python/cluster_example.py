@@ -223,6 +223,40 @@ def main() -> int:
             f"{summed(final, 'fills_no_space')}; cache use mean {(sum(uses) / len(uses)) if uses else 0:.2f}, "
             f"peak {max(uses, default=0):.2f}"
         )
+        # Per epoch, by the slowest node's position (the job's epoch in its status):
+        # backing bytes (daemons and fallbacks) / the dataset, and the share of opens
+        # that found their file on the node.
+        def at(sts):
+            if any(st is None for st in sts):
+                return None
+            epochs = [min((j["epoch"] for j in st.get("jobs", [])), default=0) for st in sts]
+            c = [st["counters"] for st in sts]
+            return (
+                min(epochs),
+                sum(x["backing_bytes"] + x["fallback_bytes"] for x in c),
+                sum(x["opens"] for x in c),
+                sum(x["opens_full"] for x in c),
+            )
+
+        marks = {}  # epoch -> (backing, opens, full) when the slowest node entered it
+        for _, sts in samples:
+            m = at(sts)
+            if m is not None and m[0] not in marks:
+                marks[m[0]] = m[1:]
+        end = at(final)
+        rows = []
+        for e in sorted(marks):
+            nxt = marks.get(e + 1) or (end[1:] if end else None)
+            if nxt is None:
+                continue
+            back, opens_e, full_e = (nxt[i] - marks[e][i] for i in range(3))
+            rows.append(f"{e}: backing {back / total:.3f}, local {full_e / max(opens_e, 1):.3f} of {opens_e}")
+        print("per epoch (from the slowest node's entering it): " + "; ".join(rows))
+        keys = ["backing_reads", "peer_blocks_in", "peer_blocks_out", "peer_errors", "peer_refused",
+                "queue_shed", "fills_not_kept", "fills_no_space", "evicted_files", "handoffs", "waits",
+                "wait_timeouts"]
+        print("daemons' counters (per node): " + ", ".join(
+            f"{k} {[st['counters'][k] for st in final]}" for k in keys))
         reasons: dict = {}
         for st in final:
             for f in st.get("fallbacks", []):
