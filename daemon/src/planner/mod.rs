@@ -1166,10 +1166,32 @@ impl Planner {
         &mut self,
         ok: &dyn Fn(&Planner, &FileRef) -> bool,
     ) -> Option<FileRef> {
+        self.victims_indexed_with(ok, 1).into_iter().next()
+    }
+
+    /// Up to `max` resident files to evict, in order, among those `ok` accepts, from one
+    /// look at the indexes: files no plan needs (least recently used first), then each
+    /// job's farthest accepted files ordered by their exact need, farthest first (the
+    /// first is [`Planner::victim_indexed_with`]'s choice). One look costs up to
+    /// [`SCAN`] calls of `ok` per index: a store that evicts several files takes them
+    /// from one look, not one look each.
+    pub fn victims_indexed_with(
+        &mut self,
+        ok: &dyn Fn(&Planner, &FileRef) -> bool,
+        max: usize,
+    ) -> Vec<FileRef> {
         // Bounded scans: `ok` may turn down many files in a row (files this node owns
         // for the cluster, when looking for a local copy to evict first).
-        if let Some((_, f)) = self.unplanned.iter().take(SCAN).find(|(_, f)| ok(self, f)) {
-            return Some(f.clone());
+        let mut out: Vec<FileRef> = self
+            .unplanned
+            .iter()
+            .take(SCAN)
+            .filter(|(_, f)| ok(self, f))
+            .take(max)
+            .map(|(_, f)| f.clone())
+            .collect();
+        if out.len() >= max {
+            return out;
         }
         let mut candidates: Vec<FileRef> = Vec::new();
         for job in &self.jobs {
@@ -1179,14 +1201,25 @@ impl Planner {
                 if ok(self, f) {
                     candidates.push(f.clone());
                     taken += 1;
-                    if taken >= CANDIDATES_PER_JOB {
+                    if taken >= CANDIDATES_PER_JOB.max(max) {
                         break;
                     }
                 }
             }
         }
-        let v = self.victim(&candidates)?;
-        Some(candidates.swap_remove(v))
+        let mut needs: Vec<(Need, FileRef)> =
+            candidates.into_iter().map(|f| (self.need(&f), f)).collect();
+        // Farthest first; a stable sort keeps the first of equals first (as `victim`).
+        needs.sort_by(|(a, _), (b, _)| b.key().total_cmp(&a.key()));
+        for (_, f) in needs {
+            if out.len() >= max {
+                break;
+            }
+            if !out.contains(&f) {
+                out.push(f);
+            }
+        }
+        out
     }
 
     fn reindex(&mut self) {

@@ -410,6 +410,17 @@ proptest! {
         }
         let indexed = p.victim_indexed(&|_| true).unwrap();
         prop_assert_eq!(p.need(&indexed), nv);
+        // Several from one look: the same first, then farthest first, each once.
+        let several = p.victims_indexed_with(&|_, _| true, 8);
+        prop_assert_eq!(p.need(&several[0]), nv);
+        prop_assert_eq!(several.len(), resident.len().min(8));
+        for w in several.windows(2) {
+            prop_assert!(!p.need(&w[1]).later_than(p.need(&w[0])), "farthest first");
+            prop_assert!(w[0] != w[1]);
+        }
+        for f in &several {
+            prop_assert!(resident.contains(f));
+        }
     }
 }
 

@@ -87,6 +87,10 @@ impl EvictionPolicy for PlannedPolicy {
     }
 
     fn victim(&mut self, evictable: &dyn Fn(&Key) -> bool) -> Option<Key> {
+        self.victims(1, evictable).into_iter().next()
+    }
+
+    fn victims(&mut self, max: usize, evictable: &dyn Fn(&Key) -> bool) -> Vec<Key> {
         // With peers, local copies of files other nodes own go before the files this
         // node owns (the cluster's copy: evicting it sends a peer to the backing store).
         let owned = self.owner_test();
@@ -100,14 +104,15 @@ impl EvictionPolicy for PlannedPolicy {
         if let Some(owned) = owned {
             let local =
                 |p: &Planner, k: &Key| evictable(k) && files.get(k).is_none_or(|f| !owned(p, f));
-            if let Some(v) = choose(lru, keys, plans, &local) {
-                if let Some(f) = files.get(&v) {
+            let v = choose(lru, keys, plans, &local, max);
+            if let Some(first) = v.first() {
+                if let Some(f) = files.get(first) {
                     tracing::trace!(path = %f.path, placement = %plans.planner().describe_placement(f), "victim");
                 }
-                return Some(v);
+                return v;
             }
         }
-        choose(lru, keys, plans, &|_, k| evictable(k))
+        choose(lru, keys, plans, &|_, k| evictable(k), max)
     }
 
     fn admits(&mut self, root: &str, path: &str, victim: &Key, prefetch: bool) -> bool {
@@ -179,23 +184,30 @@ impl EvictionPolicy for PlannedPolicy {
     }
 }
 
-/// The victim among files `ok` accepts: the planner's choice with jobs registered, least
-/// recently used without.
+/// Up to `max` victims among files `ok` accepts, in order: the planner's choice with
+/// jobs registered, least recently used without (one, then: a look at the LRU order is
+/// cheap).
 fn choose(
     lru: &mut Lru,
     keys: &HashMap<FileRef, Key>,
     plans: &Plans,
     ok: &dyn Fn(&Planner, &Key) -> bool,
-) -> Option<Key> {
+    max: usize,
+) -> Vec<Key> {
     let mut p = plans.planner();
     if !p.has_jobs() {
-        return lru.victim(&|k| ok(&p, k));
+        return lru.victim(&|k| ok(&p, k)).into_iter().collect();
     }
-    match p.victim_indexed_with(&|p, f| keys.get(f).is_some_and(|k| ok(p, k))) {
-        Some(f) => keys.get(&f).copied(),
+    let v: Vec<Key> = p
+        .victims_indexed_with(&|p, f| keys.get(f).is_some_and(|k| ok(p, k)), max)
+        .iter()
+        .filter_map(|f| keys.get(f).copied())
+        .collect();
+    if v.is_empty() {
         // Entries the planner cannot name (none in practice): least recently used.
-        None => lru.victim(&|k| ok(&p, k)),
+        return lru.victim(&|k| ok(&p, k)).into_iter().collect();
     }
+    v
 }
 
 #[cfg(test)]

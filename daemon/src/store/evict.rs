@@ -27,6 +27,17 @@ pub trait EvictionPolicy: Send + fmt::Debug {
     /// The file to evict next among those `evictable` accepts, if any.
     fn victim(&mut self, evictable: &dyn Fn(&Key) -> bool) -> Option<Key>;
 
+    /// Up to `max` files to evict next, in order, among those `evictable` accepts: what
+    /// one look at the policy's order finds, for a policy whose look is costly (the
+    /// store evicts them in turn, checking each again, and past the room a fill needs
+    /// evicts a few more of them, never looking again for those: see
+    /// `store::room::make_room`). The first is [`EvictionPolicy::victim`]'s choice. The
+    /// default: that one alone.
+    fn victims(&mut self, max: usize, evictable: &dyn Fn(&Key) -> bool) -> Vec<Key> {
+        let _ = max;
+        self.victim(evictable).into_iter().collect()
+    }
+
     /// Whether a fill of `path` under `root` may evict `victim` (false: bypass the
     /// cache); `prefetch` when no reader asked for it yet. The default admits everything.
     fn admits(&mut self, _root: &str, _path: &str, _victim: &Key, _prefetch: bool) -> bool {

@@ -2,7 +2,9 @@
 //! [`EvictionPolicy`](super::evict::EvictionPolicy) gives until one more block fits under
 //! the capacity and above the free-space floor — or refuses the block (`NoSpace`) when
 //! nothing may go (every candidate is being filled or pinned) or the policy does not
-//! admit it.
+//! admit it. Victims come several from one look at the policy, and a fill that had to
+//! evict frees a little room ahead from them ([`room_ahead`]), so that a full cache looks
+//! at its policy once per several fills.
 //!
 //! The numbers are [`super::space`]'s, the order is the policy's, taking an entry out is
 //! [`super::index`]'s. Nothing here does I/O: the files it evicts come back as
@@ -31,8 +33,23 @@ pub(super) struct Wanted<'a> {
     pub(super) dir: &'a std::path::Path,
 }
 
+/// Most victims taken from one look at the policy ([`EvictionPolicy::victims`]).
+const VICTIMS: usize = 16;
+
+/// The room past a fill's own that a fill which had to evict frees as well, from the
+/// victims already chosen (none chosen for it alone): 1/256 of the capacity. A full
+/// cache then asks its policy for victims once per several fills, not once per fill:
+/// under a cluster placement each look scans up to thousands of files under the index
+/// lock (`PlannedPolicy::victim`: 27 % of the daemons' CPU under docs/PYTHON.md's example
+/// on the testbed, with every open waiting on the lock behind it).
+fn room_ahead(space: &Space) -> u64 {
+    space.capacity / 256
+}
+
 /// Evicts until `w` fits (its reservation is the caller's); the evicted files are pushed
-/// onto `evicted`. `NoSpace` (counted) when it cannot fit.
+/// onto `evicted`. `NoSpace` (counted) when it cannot fit. Having evicted for it, evicts
+/// on until [`room_ahead`] is free too, while the victims already chosen last and the
+/// policy admits `w` over them.
 pub(super) fn make_room(
     idx: &mut Index,
     space: &Space,
@@ -43,12 +60,20 @@ pub(super) fn make_room(
     // Victims evicted below are unlinked after the lock: count them as freed.
     let fs_free = idx.fs.free_now(idx.used);
     let mut freed = 0u64;
+    // Chosen by the policy's last look, in its order.
+    let mut chosen: std::collections::VecDeque<Key> = Default::default();
+    // Evicting past what `w` needs (after evicting for it).
+    let mut ahead = false;
+    let mut evicting = false;
     loop {
         let wanted = idx.used + idx.reserved + w.len;
         let over_cap = wanted > space.capacity;
         let short = (space.min_free + idx.reserved + w.len).saturating_sub(fs_free + freed);
         if !over_cap && short == 0 {
-            break;
+            if !evicting || wanted + room_ahead(space) <= space.capacity {
+                break;
+            }
+            ahead = true;
         }
         let Index {
             files,
@@ -57,10 +82,27 @@ pub(super) fn make_room(
             ..
         } = idx;
         let now = Instant::now();
-        let victim = policy.victim(&|k| {
+        let evictable = |k: &Key| {
             k != w.key && files.get(k).is_some_and(|e| e.filling == 0) && !pins.holds(k, now)
-        });
+        };
+        let mut looked = false;
+        let victim = loop {
+            match chosen.pop_front() {
+                // (Checked again: an earlier eviction's bookkeeping may have changed it.)
+                Some(k) if evictable(&k) => break Some(k),
+                Some(_) => {}
+                // Room ahead only from victims already chosen.
+                None if ahead || looked => break None,
+                None => {
+                    chosen = policy.victims(VICTIMS, &evictable).into();
+                    looked = true;
+                }
+            }
+        };
         let Some(victim) = victim else {
+            if ahead {
+                break;
+            }
             inc(&stats.fills_no_space);
             return Err(StoreError::NoSpace);
         };
@@ -68,23 +110,30 @@ pub(super) fn make_room(
         // before the other lets go of its copy: the cache may go over its
         // capacity by the copies it keeps until other nodes take them (a
         // bounded number, for a bounded time), never past the free-space floor.
-        if short == 0 && wanted <= space.capacity + policy.overcommit(w.root, w.path, &victim) {
+        if !ahead
+            && short == 0
+            && wanted <= space.capacity + policy.overcommit(w.root, w.path, &victim)
+        {
             tracing::debug!(path = %w.path, over = wanted - space.capacity, "over capacity for an exchange");
             break;
         }
         if !policy.admits(w.root, w.path, &victim, w.prefetch) {
+            if ahead {
+                break;
+            }
             // Everything cached is needed sooner than this file: bypass.
             tracing::debug!(path = %w.path, prefetch = w.prefetch, "not admitted: everything cached is needed sooner");
             inc(&stats.fills_no_space);
             return Err(StoreError::NoSpace);
         }
         if let Some(e) = idx.files.get(&victim) {
-            tracing::debug!(dir = %w.dir.display(), path = %e.path, to_admit = %w.path, prefetch = w.prefetch, "evicting");
+            tracing::debug!(dir = %w.dir.display(), path = %e.path, to_admit = %w.path, prefetch = w.prefetch, ahead, "evicting");
         }
         if let Some(ev) = evict_locked(idx, &victim) {
             freed += ev.bytes;
             evicted.push(ev);
         }
+        evicting = true;
     }
     Ok(())
 }

@@ -5,6 +5,7 @@ use crate::backing::{Owner, Version};
 use std::fs::OpenOptions;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
+use std::sync::atomic::AtomicUsize;
 
 const BS: u32 = 4096;
 
@@ -1163,4 +1164,80 @@ fn a_view_racing_a_landing_never_reports_blocks_without_a_descriptor() {
     done.store(true, Ordering::Relaxed);
     let bad: u64 = viewers.into_iter().map(|t| t.join().unwrap()).sum();
     assert_eq!(bad, 0, "views with present blocks and no descriptor");
+}
+
+/// An LRU whose look at its order is counted and gives several victims, as
+/// `PlannedPolicy`'s does.
+#[derive(Debug, Default)]
+struct CountedLooks {
+    lru: crate::store::evict::Lru,
+    looks: Arc<AtomicUsize>,
+}
+
+impl EvictionPolicy for CountedLooks {
+    fn insert(&mut self, key: Key, root: &str, path: &str) {
+        self.lru.insert(key, root, path);
+    }
+    fn touch(&mut self, key: Key) {
+        self.lru.touch(key);
+    }
+    fn remove(&mut self, key: &Key) {
+        self.lru.remove(key);
+    }
+    fn victim(&mut self, evictable: &dyn Fn(&Key) -> bool) -> Option<Key> {
+        self.victims(1, evictable).pop()
+    }
+    fn victims(&mut self, max: usize, evictable: &dyn Fn(&Key) -> bool) -> Vec<Key> {
+        self.looks.fetch_add(1, Ordering::Relaxed);
+        self.lru
+            .order()
+            .into_iter()
+            .filter(|k| evictable(k))
+            .take(max)
+            .collect()
+    }
+    fn order(&self) -> Vec<Key> {
+        self.lru.order()
+    }
+}
+
+/// A full cache asks its policy for victims once per several fills: a fill that has to
+/// evict frees the room of a few more files (1/256 of the capacity) from the victims of
+/// the same look, in the policy's order, never going over the capacity. Under a cluster
+/// placement each look scanned thousands of files under the index lock, once per fill.
+#[test]
+fn a_full_cache_evicts_ahead_from_one_look_at_its_policy() {
+    let dir = tempfile::tempdir().unwrap();
+    let stats = Arc::new(Stats::default());
+    let looks = Arc::new(AtomicUsize::new(0));
+    let policy = CountedLooks {
+        looks: looks.clone(),
+        ..CountedLooks::default()
+    };
+    // 1 024 blocks: 4 blocks of room ahead.
+    let capacity = 1024 * BS as u64;
+    let s = Store::open_with_policy(&cfg(dir.path(), capacity), stats.clone(), Box::new(policy))
+        .unwrap();
+    let files: Vec<Stat> = (0..1024 + 400)
+        .map(|i| stat(&format!("f{i}"), BS as u64, 1))
+        .collect();
+    for f in &files[..1024] {
+        fill(&s, f, 0).unwrap();
+    }
+    assert_eq!(s.status().used, capacity);
+    assert_eq!(looks.load(Ordering::Relaxed), 0);
+    for f in &files[1024..] {
+        fill(&s, f, 0).unwrap();
+        assert!(s.status().used <= capacity);
+    }
+    let looks = looks.load(Ordering::Relaxed);
+    let evicted = stats.evicted_files.load(Ordering::Relaxed);
+    // One look per 5 fills (the one that evicts, then 4 into the room ahead), not one
+    // per fill; at most the room ahead evicted past what the fills needed.
+    assert_eq!(looks, 400 / 5, "{looks} looks, {evicted} evicted");
+    assert!((400..=404).contains(&evicted), "{evicted}");
+    // In the policy's order: the least recently used went, nothing else.
+    for (i, f) in files.iter().enumerate() {
+        assert_eq!(check(&s, f), usize::from(i >= evicted as usize), "file {i}");
+    }
 }
