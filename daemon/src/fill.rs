@@ -29,7 +29,9 @@
 //! priority other than demand go along the same way, up to 16 per worker: their data
 //! files are created, written and synced together with one sync of their directory,
 //! and their records go in one journal group ([`Store::commit_new_files`]); a reader
-//! already waiting on one of them gets its bytes as soon as they are read.
+//! already waiting on one of them gets its bytes as soon as they are read. A small file
+//! read for a waiting reader while the store lands all it may is landed behind its
+//! readers by the root's lander thread, in batches of the same kind ([`Backlog`]).
 //!
 //! A fill asks its root's sources in order ([`crate::blocks::Sources`], handed over at
 //! construction: the peers when this node shares, then the backing store), and the
@@ -117,7 +119,8 @@ pub enum Declined {
     /// Read for a waiting reader, who got its bytes ([`Ready::Bytes`]), but not kept:
     /// the store was landing as many blocks as it may at once, and landing this one too
     /// would have made readers wait for the store's writes (a cold epoch through the
-    /// cache is never slower than reading the backing store directly).
+    /// cache is never slower than reading the backing store directly), and the root's
+    /// backlog landed behind the readers was full ([`Backlog`]).
     Busy,
 }
 
@@ -360,6 +363,11 @@ struct Inner {
     workers: usize,
     /// Blocks being landed now, per root (see [`Landing`]).
     landing: Vec<AtomicUsize>,
+    /// Small files handed to their readers while the store landed all it may, waiting
+    /// for their root's lander (see [`Backlog`]).
+    backlogs: Vec<Backlog>,
+    /// Most bytes a root's backlog holds ([`BACKLOG_BYTES`]; less in tests).
+    backlog_bytes: AtomicU64,
     meter: Mutex<Meter>,
     /// Each root's sources, in the order a fill asks them.
     sources: Sources,
@@ -429,7 +437,8 @@ fn max_workers(workers: usize) -> usize {
 }
 
 /// Blocks one root lands at once for each of its `fill_workers`, before a block read
-/// for a waiting reader is handed over and not kept (see [`Declined::Busy`]).
+/// for a waiting reader is handed over and landed behind its readers, or not kept (see
+/// [`Backlog`], [`Declined::Busy`]).
 const LANDING_PER_WORKER: usize = 2;
 
 /// A block being landed: counted in its root's `landing` while it lives.
@@ -454,6 +463,107 @@ impl<'a> Landing<'a> {
 impl Drop for Landing<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Most bytes of small files one root's backlog holds (see [`Backlog`]): about 600
+/// files of 100 KiB, landed in a second or so.
+const BACKLOG_BYTES: u64 = 64 << 20;
+
+/// Most files a lander lands as one batch ([`Store::commit_new_files`]).
+const LANDER_BATCH: usize = 32;
+
+/// Small files read for readers who took their bytes while the store landed as many
+/// blocks as it may: rather than make the next reader wait for the store's writes (or
+/// drop the bytes, and read the file again in a later epoch), the fill hands them here
+/// and its worker moves on; the root's lander thread lands them in batches, one
+/// [`Store::commit_new_files`] each (durable before visible, as any fill). Their flights
+/// stay registered until they land: a reader who opens such a file meanwhile takes the
+/// bytes from the flight. Bounded in bytes: past the bound a handed block is not kept
+/// ([`Declined::Busy`]), as before there was a backlog.
+#[derive(Default)]
+struct Backlog {
+    q: Mutex<Pending>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct Pending {
+    files: std::collections::VecDeque<Deferred>,
+    bytes: u64,
+    /// The engine is closing: land what is here, then end.
+    closed: bool,
+}
+
+/// A small file read and handed to its readers, waiting to land.
+struct Deferred {
+    target: Arc<Target>,
+    permit: crate::store::Permit,
+    buf: Vec<u8>,
+    flight: Arc<Flight>,
+}
+
+impl Inner {
+    /// Hands a read small file to its root's backlog; gives it back when the backlog
+    /// is full or closed (the caller does not keep it).
+    fn defer(&self, d: Deferred) -> Result<(), Deferred> {
+        let b = &self.backlogs[d.target.root];
+        let mut q = b.q.lock();
+        let len = d.buf.len() as u64;
+        if q.closed || q.bytes + len > self.backlog_bytes.load(Ordering::Relaxed) {
+            return Err(d);
+        }
+        q.bytes += len;
+        q.files.push_back(d);
+        drop(q);
+        b.cv.notify_one();
+        Ok(())
+    }
+}
+
+/// Lands root `root`'s backlog in batches until the engine closes and the backlog is
+/// empty.
+fn lander(inner: &Inner, root: usize) {
+    let b = &inner.backlogs[root];
+    loop {
+        let batch: Vec<Deferred> = {
+            let mut q = b.q.lock();
+            while q.files.is_empty() && !q.closed {
+                b.cv.wait(&mut q);
+            }
+            if q.files.is_empty() {
+                return;
+            }
+            let n = q.files.len().min(LANDER_BATCH);
+            q.files.drain(..n).collect()
+        };
+        let (mut permits, mut rest) = (Vec::new(), Vec::new());
+        for d in batch {
+            permits.push(d.permit);
+            rest.push((d.target, d.buf, d.flight));
+        }
+        let landing = Landing::enter(inner, root, false);
+        let landed = inner.store.commit_new_files(
+            permits
+                .into_iter()
+                .zip(rest.iter().map(|(_, buf, _)| buf.as_slice()))
+                .collect(),
+        );
+        drop(landing);
+        let bytes: u64 = rest.iter().map(|(_, buf, _)| buf.len() as u64).sum();
+        // Its room in the backlog first: what waits for the flights to end (`settle`)
+        // finds the backlog as the landing left it.
+        b.q.lock().bytes -= bytes;
+        for ((t, _, flight), r) in rest.into_iter().zip(landed) {
+            let outcome = match r {
+                Ok(()) => {
+                    inc(&inner.stats.blocks_filled);
+                    FillOutcome::Landed
+                }
+                Err(e) => outcome_of(inner, &t, 0, &FillError::Store(e)),
+            };
+            end_flight(inner, (t.key, 0), &flight, outcome);
+        }
     }
 }
 
@@ -514,6 +624,8 @@ impl Filler {
             limit,
             workers,
             landing: (0..nroots).map(|_| AtomicUsize::new(0)).collect(),
+            backlogs: (0..nroots).map(|_| Backlog::default()).collect(),
+            backlog_bytes: AtomicU64::new(BACKLOG_BYTES),
             meter: Mutex::new(Meter::default()),
             sources,
             prefetch_wake,
@@ -528,6 +640,21 @@ impl Filler {
             for _ in 0..workers {
                 filler.inner.queue.lock().pools[root].threads += 1;
                 if let Err(e) = spawn_worker(&filler.inner, root) {
+                    filler.close();
+                    return Err(e);
+                }
+            }
+        }
+        for root in 0..nroots {
+            let inner = filler.inner.clone();
+            let task = Task::spawn(
+                &format!("sc-land-{root}"),
+                Arc::new(AtomicBool::new(false)),
+                move |_| lander(&inner, root),
+            );
+            match task {
+                Ok(t) => filler.inner.tasks.lock().push(t),
+                Err(e) => {
                     filler.close();
                     return Err(e);
                 }
@@ -605,6 +732,12 @@ impl Filler {
         out.into_iter().flatten().collect()
     }
 
+    /// Sets the most bytes a root's backlog holds.
+    #[cfg(test)]
+    fn set_backlog_bytes(&self, n: u64) {
+        self.inner.backlog_bytes.store(n, Ordering::Relaxed);
+    }
+
     /// Times requests took the engine's locks.
     #[cfg(test)]
     pub(crate) fn lockings(&self) -> usize {
@@ -641,7 +774,12 @@ impl Filler {
         if theirs {
             flight.wait_until(deadline).is_some_and(FillOutcome::landed)
         } else {
-            fill_and_land(inner, target, index, false, &flight).landed()
+            match fill_and_land(inner, target, index, false, &flight) {
+                Some(outcome) => outcome.landed(),
+                // Landing behind (not for a flight nobody waits on, as this one: kept
+                // for completeness).
+                None => flight.wait_until(deadline).is_some_and(FillOutcome::landed),
+            }
         }
     }
 
@@ -695,6 +833,11 @@ impl Filler {
         }
         for cv in &self.inner.cvs {
             cv.notify_all();
+        }
+        // Each lander lands what its backlog holds, then ends.
+        for b in &self.inner.backlogs {
+            b.q.lock().closed = true;
+            b.cv.notify_all();
         }
         self.inner.tick.notify_all();
         // Each task ends after its current fill; one stuck in a backing store is left
@@ -1232,20 +1375,23 @@ fn outcome_of(inner: &Inner, t: &Target, index: usize, e: &FillError) -> FillOut
 }
 
 /// Fills one block whose flight `flight` is registered, counts a failure, and ends the
-/// flight (releasing its waiters) with the outcome it returns.
+/// flight (releasing its waiters) with the outcome it returns; `None` when the block
+/// went to its root's lander, which ends the flight once the block has landed.
 fn fill_and_land(
     inner: &Inner,
-    target: &Target,
+    target: &Arc<Target>,
     index: usize,
     prefetch: bool,
     flight: &Arc<Flight>,
-) -> FillOutcome {
+) -> Option<FillOutcome> {
     let outcome = match fill(inner, target, index, prefetch, Some(flight)) {
-        Ok(()) => FillOutcome::Landed,
+        Ok(Filled::Landed) => FillOutcome::Landed,
+        // The lander ends the flight.
+        Ok(Filled::Deferred) => return None,
         Err(e) => outcome_of(inner, target, index, &e),
     };
     end_flight(inner, (target.key, index), flight, outcome);
-    outcome
+    Some(outcome)
 }
 
 /// Fills blocks of one file, each with its registered flight, as one durable batch
@@ -1255,7 +1401,7 @@ fn fill_and_land(
 /// after it are filled one by one, so that each waiter gets its own block's outcome.
 fn fill_batch_and_land(
     inner: &Inner,
-    t: &Target,
+    t: &Arc<Target>,
     blocks: &[(usize, Arc<Flight>)],
     prefetch: bool,
     me: u64,
@@ -1377,19 +1523,31 @@ thread_local! {
     static BUFS: std::cell::Cell<Vec<Vec<u8>>> = const { std::cell::Cell::new(Vec::new()) };
 }
 
+/// How a fill that did not fail ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Filled {
+    /// The block is in the store.
+    Landed,
+    /// Handed to its readers and to the root's lander, which ends its flight when the
+    /// block has landed ([`Backlog`]).
+    Deferred,
+}
+
 /// Fills block `index` of `t`: reads it from the first source that has it, hands its
 /// bytes to the readers waiting on `flight` (if any waits), and lands it — unless it
-/// was handed over and the root lands as many blocks as it may already (`Busy`).
+/// was handed over and the root lands as many blocks as it may already: then the root's
+/// lander lands it behind ([`Filled::Deferred`]), or, with its backlog full, it is not
+/// kept (`Busy`).
 fn fill(
     inner: &Inner,
-    t: &Target,
+    t: &Arc<Target>,
     index: usize,
     prefetch: bool,
-    flight: Option<&Flight>,
-) -> Result<(), FillError> {
+    flight: Option<&Arc<Flight>>,
+) -> Result<Filled, FillError> {
     let root = &inner.meta.roots().get(t.root).name;
     let Some(permit) = inner.store.begin_fill(root, &t.stat, index, prefetch)? else {
-        return Ok(());
+        return Ok(Filled::Landed);
     };
     let req = BlockRequest {
         target: t,
@@ -1411,11 +1569,26 @@ fn fill(
             if let Some(f) = flight.filter(|_| small) {
                 f.read(&buf);
             }
-            let handed = small && flight.is_some_and(Flight::wanted);
+            let handed = small && flight.is_some_and(|f| f.wanted());
             let Some(_landing) = Landing::enter(inner, t.root, handed) else {
-                inner.store.abort_fill(permit);
-                inc(&inner.stats.fills_not_kept);
-                break 'land Err(FillError::Busy);
+                // Its readers have the bytes: the lander lands them behind (or, with
+                // its backlog full, they are not kept).
+                let flight = flight.expect("handed to a flight's readers").clone();
+                let d = Deferred {
+                    target: t.clone(),
+                    permit,
+                    buf: std::mem::take(&mut buf),
+                    flight,
+                };
+                match inner.defer(d) {
+                    Ok(()) => break 'land Ok(Filled::Deferred),
+                    Err(d) => {
+                        buf = d.buf;
+                        inner.store.abort_fill(d.permit);
+                        inc(&inner.stats.fills_not_kept);
+                        break 'land Err(FillError::Busy);
+                    }
+                }
             };
             let r = match xxh3 {
                 Some(sum) => inner.store.commit_fill_summed(permit, &buf, sum),
@@ -1424,7 +1597,7 @@ fn fill(
             if r.is_ok() {
                 inc(&inner.stats.blocks_filled);
             }
-            r.map_err(FillError::from)
+            r.map(|()| Filled::Landed).map_err(FillError::from)
         }
         Err(e) => {
             inner.store.abort_fill(permit);
@@ -1871,10 +2044,69 @@ mod tests {
         assert!(r.filler.settle(deadline));
     }
 
+    /// A small file read for its readers while the store lands all it may goes to the
+    /// root's lander, which lands it behind them: kept, not dropped (under
+    /// docs/PYTHON.md's example each node dropped about 12 700 cold files this way, and
+    /// later epochs read them from the backing store again). Its flight lasts until it
+    /// has landed; a reader meanwhile takes the bytes from it.
     #[test]
-    fn a_handed_block_is_not_kept_while_the_store_lands_all_it_may() {
+    fn a_handed_block_lands_behind_its_readers_while_the_store_lands_all_it_may() {
         // One worker: the store lands at most two blocks at once.
         let r = rig_full(None, 1);
+        let paths = ["a", "b", "c"];
+        for p in paths {
+            r.put(p, 1000);
+        }
+        let flights = demand_while_hung(&r, &paths);
+        r.io.hold();
+        r.faults.release();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for f in &flights {
+            assert!(matches!(
+                f.wait_ready_until(deadline),
+                Some(Ready::Bytes(_))
+            ));
+        }
+        // Two landings by their workers and the lander's batch, all held in the store's
+        // writes; none dropped, no flight ended.
+        until(Duration::from_secs(10), "three landings under way", || {
+            r.io.held.load(Ordering::Relaxed) == 3
+        });
+        assert_eq!(r.stats.fills_not_kept.load(Ordering::Relaxed), 0);
+        assert!(flights.iter().all(|f| f.outcome().is_none()));
+        // A reader opening the files meanwhile joins their flights and takes the bytes;
+        // none is visible in the store before it is durable.
+        for (p, f) in paths.iter().zip(&flights) {
+            let t = r.target(p);
+            let Scheduled::InFlight(g) = r.filler.request(&t, 0, Priority::Demand) else {
+                panic!("{p} is still in flight");
+            };
+            assert!(Arc::ptr_eq(f, &g));
+            assert!(matches!(
+                g.wait_ready_until(deadline),
+                Some(Ready::Bytes(_))
+            ));
+            assert!(!r.store.is_present(&t.key, 0));
+        }
+        r.io.release();
+        for f in &flights {
+            assert_eq!(f.wait_until(deadline), Some(FillOutcome::Landed));
+        }
+        assert!(r.filler.settle(deadline));
+        assert!(
+            paths
+                .iter()
+                .all(|p| r.store.is_present(&r.target(p).key, 0))
+        );
+        assert_eq!(r.stats.blocks_filled.load(Ordering::Relaxed), 3);
+        assert_eq!(r.filler.inner.backlogs[0].q.lock().bytes, 0);
+    }
+
+    #[test]
+    fn a_handed_block_is_not_kept_while_the_store_lands_all_it_may_and_the_backlog_is_full() {
+        // One worker: the store lands at most two blocks at once; no backlog.
+        let r = rig_full(None, 1);
+        r.filler.set_backlog_bytes(0);
         let paths = ["a", "b", "c"];
         for p in paths {
             r.put(p, 1000);

@@ -127,7 +127,7 @@ defs! {
     HANDOFFS: Counter "shardcache_handoffs_total" COUNT, [],
         "Opens of a cold small file and waits answered with blocks read for the reader before they landed (the reader did not wait for the store's durable write).";
     FILLS_NOT_KEPT: Counter "shardcache_fills_not_kept_total" COUNT, [],
-        "Blocks read for a waiting reader, handed over, and not kept: the store was landing as many blocks as it may at once.";
+        "Blocks read for a waiting reader, handed over, and not kept: the store was landing as many blocks as it may at once and the backlog landed behind the readers was full.";
     BACKING_STALLED: Gauge "shardcache_backing_stalled" NONE, ["root"],
         "1 while the backing root is stalled (a call stuck and none completed for backing_stall_timeout: its calls are refused, clients read it directly), else 0.";
     BACKING_STUCK_CALLS: Gauge "shardcache_backing_stuck_calls" COUNT, ["root"],
