@@ -365,20 +365,15 @@ impl ReadPath {
 
     /// Queues read-ahead for the first `n` missing blocks at or after `from`.
     fn readahead(&self, t: &Arc<Target>, view: &View, from: usize, n: u32) {
-        let mut queued = 0;
-        for i in from..view.nblocks {
-            if queued >= n {
-                break;
-            }
-            if !is_set(&view.present, i) {
-                if matches!(
-                    self.filler.request(t, i, Priority::Readahead),
-                    Scheduled::Shed
-                ) {
-                    break;
-                }
-                queued += 1;
-            }
+        // Asked of the fill engine at once (one taking of its locks); past a full queue
+        // the rest are shed with the first.
+        let asks: Vec<_> = (from..view.nblocks)
+            .filter(|&i| !is_set(&view.present, i))
+            .take(n as usize)
+            .map(|i| (t, i, Priority::Readahead))
+            .collect();
+        if !asks.is_empty() {
+            self.filler.request_many(&asks);
         }
     }
 
@@ -619,15 +614,19 @@ impl ReadPath {
         let first = w.first_block.min(view.nblocks as u64) as usize;
         let end =
             (w.first_block.saturating_add(w.count.max(1) as u64)).min(view.nblocks as u64) as usize;
-        let mut flights = Vec::new();
-        for i in first..end {
-            if is_set(&view.present, i) {
-                continue;
-            }
-            if let Scheduled::InFlight(f) = self.filler.request(&t, i, Priority::Demand) {
-                flights.push((i, f));
-            }
-        }
+        // Every missing block asked of the fill engine at once (one taking of its locks).
+        let missing: Vec<usize> = (first..end)
+            .filter(|&i| !is_set(&view.present, i))
+            .collect();
+        let asks: Vec<_> = missing.iter().map(|&i| (&t, i, Priority::Demand)).collect();
+        let flights: Vec<(usize, Arc<crate::fill::Flight>)> = missing
+            .iter()
+            .zip(self.filler.request_many(&asks))
+            .filter_map(|(&i, s)| match s {
+                Scheduled::InFlight(f) => Some((i, f)),
+                _ => None,
+            })
+            .collect();
         self.readahead(&t, &view, end, self.cfg.readahead);
         let deadline = Instant::now() + timeout;
         let (mut timed_out, mut declined) = (false, false);

@@ -711,8 +711,11 @@ impl Filler {
         }
         let mut grown = Vec::new();
         {
-            let mut flights = inner.flights.lock();
+            // The queue first, then the flights: every other holder of the flights takes
+            // nothing else, so none waits behind this request's wait for the queue (the
+            // workers' ends of their fills, above all).
             let mut q = inner.queue.lock();
+            let mut flights = inner.flights.lock();
             #[cfg(test)]
             inner.lockings.fetch_add(1, Ordering::Relaxed);
             for (slot, &(target, index, prio)) in out.iter_mut().zip(asks) {
