@@ -470,6 +470,13 @@ impl Drop for Landing<'_> {
 /// files of 100 KiB, landed in a second or so.
 const BACKLOG_BYTES: u64 = 64 << 20;
 
+/// Most bytes one root's backlog holds in a store of `capacity`: [`BACKLOG_BYTES`], at
+/// most a sixteenth of the capacity (a file waiting to land holds its room in the store,
+/// which other files were evicted for).
+fn backlog_bytes(capacity: u64) -> u64 {
+    BACKLOG_BYTES.min(capacity / 16)
+}
+
 /// Most files a lander lands as one batch ([`Store::commit_new_files`]).
 const LANDER_BATCH: usize = 32;
 
@@ -612,6 +619,7 @@ impl Filler {
             pools: (0..nroots).map(|_| Pool::default()).collect(),
             ..Queue::default()
         };
+        let backlog = backlog_bytes(store.capacity());
         let inner = Arc::new(Inner {
             queue: Mutex::new(queue),
             cvs: (0..nroots).map(|_| Condvar::new()).collect(),
@@ -625,7 +633,7 @@ impl Filler {
             workers,
             landing: (0..nroots).map(|_| AtomicUsize::new(0)).collect(),
             backlogs: (0..nroots).map(|_| Backlog::default()).collect(),
-            backlog_bytes: AtomicU64::new(BACKLOG_BYTES),
+            backlog_bytes: AtomicU64::new(backlog),
             meter: Mutex::new(Meter::default()),
             sources,
             prefetch_wake,
