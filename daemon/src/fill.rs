@@ -31,7 +31,7 @@
 //! and their records go in one journal group ([`Store::commit_new_files`]); a reader
 //! already waiting on one of them gets its bytes as soon as they are read. A small file
 //! read for a waiting reader while the store lands all it may is landed behind its
-//! readers by the root's lander thread, in batches of the same kind ([`Backlog`]).
+//! readers by the root's lander thread, in batches of the same kind (`Backlog`).
 //!
 //! A fill asks its root's sources in order ([`crate::blocks::Sources`], handed over at
 //! construction: the peers when this node shares, then the backing store), and the
@@ -120,7 +120,7 @@ pub enum Declined {
     /// the store was landing as many blocks as it may at once, and landing this one too
     /// would have made readers wait for the store's writes (a cold epoch through the
     /// cache is never slower than reading the backing store directly), and the root's
-    /// backlog landed behind the readers was full ([`Backlog`]).
+    /// backlog landed behind the readers was full (`Backlog`).
     Busy,
 }
 

@@ -1173,7 +1173,7 @@ impl Planner {
     /// look at the indexes: files no plan needs (least recently used first), then each
     /// job's farthest accepted files ordered by their exact need, farthest first (the
     /// first is [`Planner::victim_indexed_with`]'s choice). One look costs up to
-    /// [`SCAN`] calls of `ok` per index: a store that evicts several files takes them
+    /// `SCAN` (4 096) calls of `ok` per index: a store that evicts several files takes them
     /// from one look, not one look each.
     pub fn victims_indexed_with(
         &mut self,
