@@ -198,16 +198,12 @@ fn choose(
     if !p.has_jobs() {
         return lru.victim(&|k| ok(&p, k)).into_iter().collect();
     }
-    let v: Vec<Key> = p
-        .victims_indexed_with(&|p, f| keys.get(f).is_some_and(|k| ok(p, k)), max)
-        .iter()
-        .filter_map(|f| keys.get(f).copied())
-        .collect();
-    if v.is_empty() {
+    let named = p.victims_indexed_with(&|p, f| keys.get(f).is_some_and(|k| ok(p, k)), max);
+    if named.is_empty() {
         // Entries the planner cannot name (none in practice): least recently used.
         return lru.victim(&|k| ok(&p, k)).into_iter().collect();
     }
-    v
+    named.iter().filter_map(|f| keys.get(f).copied()).collect()
 }
 
 #[cfg(test)]

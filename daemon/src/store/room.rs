@@ -37,7 +37,9 @@ pub(super) struct Wanted<'a> {
 const VICTIMS: usize = 16;
 
 /// The room past a fill's own that a fill which had to evict frees as well, from the
-/// victims already chosen (none chosen for it alone): 1/256 of the capacity. A full
+/// victims already chosen (none chosen for it alone): up to 1/256 of the capacity, never
+/// a file past it (a cache of a few hundred files evicts only what its fills need: one
+/// file more there cost the planner's tests a point of their hit ceiling). A full
 /// cache then asks its policy for victims once per several fills, not once per fill:
 /// under a cluster placement each look scans up to thousands of files under the index
 /// lock (`PlannedPolicy::victim`: 27 % of the daemons' CPU under docs/PYTHON.md's example
@@ -48,8 +50,8 @@ fn room_ahead(space: &Space) -> u64 {
 
 /// Evicts until `w` fits (its reservation is the caller's); the evicted files are pushed
 /// onto `evicted`. `NoSpace` (counted) when it cannot fit. Having evicted for it, evicts
-/// on until [`room_ahead`] is free too, while the victims already chosen last and the
-/// policy admits `w` over them.
+/// on while [`room_ahead`] is not free yet, the next victim already chosen fits in it,
+/// and the policy admits `w` over it.
 pub(super) fn make_room(
     idx: &mut Index,
     space: &Space,
@@ -128,6 +130,14 @@ pub(super) fn make_room(
         }
         if let Some(e) = idx.files.get(&victim) {
             tracing::debug!(dir = %w.dir.display(), path = %e.path, to_admit = %w.path, prefetch = w.prefetch, ahead, "evicting");
+        }
+        if ahead
+            && let Some(e) = idx.files.get(&victim)
+            && space.capacity.saturating_sub(wanted) + e.bytes > room_ahead(space)
+        {
+            // Never past the room ahead: a cache whose files are each more than 1/256
+            // of it evicts only what its fills need.
+            break;
         }
         if let Some(ev) = evict_locked(idx, &victim) {
             freed += ev.bytes;
