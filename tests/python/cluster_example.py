@@ -227,9 +227,10 @@ def main() -> int:
         # backing bytes (daemons and fallbacks) / the dataset, and the share of opens
         # that found their file on the node.
         def at(sts):
-            if any(st is None for st in sts):
+            # Only polls where every node answered and holds the job.
+            if any(st is None or not st.get("jobs") for st in sts):
                 return None
-            epochs = [min((j["epoch"] for j in st.get("jobs", [])), default=0) for st in sts]
+            epochs = [min(j["epoch"] for j in st["jobs"]) for st in sts]
             c = [st["counters"] for st in sts]
             return (
                 min(epochs),
@@ -241,12 +242,14 @@ def main() -> int:
         marks = {}  # epoch -> (backing, opens, full) when the slowest node entered it
         for _, sts in samples:
             m = at(sts)
-            if m is not None and m[0] not in marks:
+            # Marks in time order, each epoch once (a later poll never moves one back).
+            if m is not None and m[0] not in marks and all(m[0] > e for e in marks):
                 marks[m[0]] = m[1:]
         end = at(final)
         rows = []
-        for e in sorted(marks):
-            nxt = marks.get(e + 1) or (end[1:] if end else None)
+        entered = sorted(marks)
+        for k, e in enumerate(entered):
+            nxt = marks[entered[k + 1]] if k + 1 < len(entered) else (end[1:] if end else None)
             if nxt is None:
                 continue
             back, opens_e, full_e = (nxt[i] - marks[e][i] for i in range(3))
