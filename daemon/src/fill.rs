@@ -551,26 +551,17 @@ fn lander(inner: &Inner, root: usize) {
             permits.push(d.permit);
             rest.push((d.target, d.buf, d.flight));
         }
-        let landing = Landing::enter(inner, root, false);
-        let landed = inner.store.commit_new_files(
-            permits
-                .into_iter()
-                .zip(rest.iter().map(|(_, buf, _)| buf.as_slice()))
-                .collect(),
-        );
-        drop(landing);
+        let blocks = permits
+            .into_iter()
+            .zip(rest.iter().map(|(_, buf, _)| buf.as_slice()))
+            .collect();
+        let targets: Vec<&Target> = rest.iter().map(|(t, _, _)| &**t).collect();
+        let outcomes = land_new_files(inner, root, blocks, &targets);
         let bytes: u64 = rest.iter().map(|(_, buf, _)| buf.len() as u64).sum();
         // Its room in the backlog first: what waits for the flights to end (`settle`)
         // finds the backlog as the landing left it.
         b.q.lock().bytes -= bytes;
-        for ((t, _, flight), r) in rest.into_iter().zip(landed) {
-            let outcome = match r {
-                Ok(()) => {
-                    inc(&inner.stats.blocks_filled);
-                    FillOutcome::Landed
-                }
-                Err(e) => outcome_of(inner, &t, 0, &FillError::Store(e)),
-            };
+        for ((t, _, flight), outcome) in rest.into_iter().zip(outcomes) {
             end_flight(inner, (t.key, 0), &flight, outcome);
         }
     }
@@ -789,8 +780,8 @@ impl Filler {
         } else {
             match fill_and_land(inner, target, index, false, &flight) {
                 Some(outcome) => outcome.landed(),
-                // Landing behind (not for a flight nobody waits on, as this one: kept
-                // for completeness).
+                // Landing behind its readers (a reader who joined this flight made it
+                // one whose bytes are handed over): landed when the lander says so.
                 None => flight.wait_until(deadline).is_some_and(FillOutcome::landed),
             }
         }
@@ -1271,6 +1262,31 @@ fn one_block(inner: &Inner, t: &Target) -> bool {
     t.stat.version.size <= u64::from(inner.store.block_size())
 }
 
+/// Lands small files (one block each, of root `root`; `targets` theirs, in order) as one
+/// batch ([`Store::commit_new_files`]), counted as a landing of the root: each one's
+/// outcome, a failure counted.
+fn land_new_files(
+    inner: &Inner,
+    root: usize,
+    blocks: Vec<(crate::store::Permit, &[u8])>,
+    targets: &[&Target],
+) -> Vec<FillOutcome> {
+    let landing = Landing::enter(inner, root, false);
+    let landed = inner.store.commit_new_files(blocks);
+    drop(landing);
+    landed
+        .into_iter()
+        .zip(targets)
+        .map(|(r, t)| match r {
+            Ok(()) => {
+                inc(&inner.stats.blocks_filled);
+                FillOutcome::Landed
+            }
+            Err(e) => outcome_of(inner, t, 0, &FillError::Store(e)),
+        })
+        .collect()
+}
+
 /// Fills small files (one block each, all of root `root`) one after another and lands
 /// them as one batch: their data files created and synced together, their records in
 /// one journal group. A reader already waiting on a file gets its bytes as soon as they
@@ -1335,17 +1351,12 @@ fn fill_files_and_land(
             .into_iter()
             .zip(used.iter().map(Vec::as_slice))
             .collect();
-        let landing = Landing::enter(inner, root, false);
-        let landed = inner.store.commit_new_files(batch);
-        drop(landing);
-        for (&pos, r) in read.iter().zip(landed) {
-            outcomes[pos] = Some(match r {
-                Ok(()) => {
-                    inc(&inner.stats.blocks_filled);
-                    FillOutcome::Landed
-                }
-                Err(e) => outcome_of(inner, &files[pos].0, 0, &FillError::Store(e)),
-            });
+        let targets: Vec<&Target> = read.iter().map(|&pos| &*files[pos].0).collect();
+        for (&pos, o) in read
+            .iter()
+            .zip(land_new_files(inner, root, batch, &targets))
+        {
+            outcomes[pos] = Some(o);
         }
     }
     bufs.extend(used);
@@ -2057,6 +2068,26 @@ mod tests {
         assert!(r.filler.settle(deadline));
     }
 
+    /// Small files `paths` read for readers waiting on them while the store's writes are
+    /// held: returns their flights, once every reader has its bytes, and a deadline 10 s
+    /// on (the caller releases `r.io`).
+    fn handed_while_landings_hold(r: &Rig, paths: &[&str]) -> (Vec<Arc<Flight>>, Instant) {
+        for p in paths {
+            r.put(p, 1000);
+        }
+        let flights = demand_while_hung(r, paths);
+        r.io.hold();
+        r.faults.release();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for f in &flights {
+            assert!(matches!(
+                f.wait_ready_until(deadline),
+                Some(Ready::Bytes(_))
+            ));
+        }
+        (flights, deadline)
+    }
+
     /// A small file read for its readers while the store lands all it may goes to the
     /// root's lander, which lands it behind them: kept, not dropped (under
     /// docs/PYTHON.md's example each node dropped about 12 700 cold files this way, and
@@ -2067,19 +2098,7 @@ mod tests {
         // One worker: the store lands at most two blocks at once.
         let r = rig_full(None, 1);
         let paths = ["a", "b", "c"];
-        for p in paths {
-            r.put(p, 1000);
-        }
-        let flights = demand_while_hung(&r, &paths);
-        r.io.hold();
-        r.faults.release();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        for f in &flights {
-            assert!(matches!(
-                f.wait_ready_until(deadline),
-                Some(Ready::Bytes(_))
-            ));
-        }
+        let (flights, deadline) = handed_while_landings_hold(&r, &paths);
         // Two landings by their workers and the lander's batch, all held in the store's
         // writes; none dropped, no flight ended.
         until(Duration::from_secs(10), "three landings under way", || {
@@ -2121,21 +2140,8 @@ mod tests {
         let r = rig_full(None, 1);
         r.filler.set_backlog_bytes(0);
         let paths = ["a", "b", "c"];
-        for p in paths {
-            r.put(p, 1000);
-        }
-        let flights = demand_while_hung(&r, &paths);
-        r.io.hold();
-        r.faults.release();
-        let deadline = Instant::now() + Duration::from_secs(10);
-        // Every reader gets its bytes; two blocks wait in the store's writes, the third
-        // is not kept.
-        for f in &flights {
-            assert!(matches!(
-                f.wait_ready_until(deadline),
-                Some(Ready::Bytes(_))
-            ));
-        }
+        // Two blocks wait in the store's writes, the third is not kept.
+        let (flights, deadline) = handed_while_landings_hold(&r, &paths);
         until(
             Duration::from_secs(10),
             "two landings under way, one block not kept",
