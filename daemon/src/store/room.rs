@@ -108,6 +108,15 @@ pub(super) fn make_room(
             inc(&stats.fills_no_space);
             return Err(StoreError::NoSpace);
         };
+        if ahead
+            && files.get(&victim).is_some_and(|e| {
+                space.capacity.saturating_sub(wanted) + e.bytes > room_ahead(space)
+            })
+        {
+            // Never past the room ahead: a cache whose files are each more than 1/256
+            // of it evicts only what its fills need.
+            break;
+        }
         // Two nodes exchanging the cluster's copies each need a file's room
         // before the other lets go of its copy: the cache may go over its
         // capacity by the copies it keeps until other nodes take them (a
@@ -130,14 +139,6 @@ pub(super) fn make_room(
         }
         if let Some(e) = idx.files.get(&victim) {
             tracing::debug!(dir = %w.dir.display(), path = %e.path, to_admit = %w.path, prefetch = w.prefetch, ahead, "evicting");
-        }
-        if ahead
-            && let Some(e) = idx.files.get(&victim)
-            && space.capacity.saturating_sub(wanted) + e.bytes > room_ahead(space)
-        {
-            // Never past the room ahead: a cache whose files are each more than 1/256
-            // of it evicts only what its fills need.
-            break;
         }
         if let Some(ev) = evict_locked(idx, &victim) {
             freed += ev.bytes;
