@@ -412,10 +412,10 @@ impl ReadPath {
             .iter()
             .map(|p| self.open_begin(creds, p.as_ref()))
             .collect();
-        let asks: Vec<(usize, &Ask)> = begun
-            .iter()
+        let asks: Vec<(usize, Ask)> = begun
+            .iter_mut()
             .enumerate()
-            .filter_map(|(i, b)| Some((i, b.as_ref().ok()?.1.as_ref()?)))
+            .filter_map(|(i, b)| Some((i, b.as_mut().ok()?.1.take()?)))
             .collect();
         if !asks.is_empty() {
             let scheduled = self.filler.request_many(
@@ -424,27 +424,16 @@ impl ReadPath {
                     .map(|(_, a)| (&a.target, 0, a.prio))
                     .collect::<Vec<_>>(),
             );
-            let colds: Vec<(usize, Option<Cold>)> = asks
-                .iter()
-                .zip(scheduled)
-                .map(|(&(i, a), s)| {
-                    let cold = match (s, &a.cold) {
-                        (Scheduled::InFlight(flight), Some((root_name, key))) => {
-                            flight.want();
-                            Some(Cold {
-                                flight,
-                                root_name: root_name.clone(),
-                                key: *key,
-                            })
-                        }
-                        _ => None,
-                    };
-                    (i, cold)
-                })
-                .collect();
-            for (i, cold) in colds {
-                if let Ok((b, _)) = &mut begun[i] {
-                    b.cold = cold;
+            for ((i, a), s) in asks.into_iter().zip(scheduled) {
+                if let (Scheduled::InFlight(flight), Some((root_name, key))) = (s, a.cold)
+                    && let Ok((b, _)) = &mut begun[i]
+                {
+                    flight.want();
+                    b.cold = Some(Cold {
+                        flight,
+                        root_name,
+                        key,
+                    });
                 }
             }
         }
