@@ -413,9 +413,10 @@ mirror! {
         peer_forged: u64,
         /// Waits answered with blocks read for the waiting reader and not yet landed.
         handoffs: u64,
-        /// Blocks read for a waiting reader, handed over, and not kept: the store was
-        /// landing as many blocks as it may at once.
-        fills_not_kept: u64,
+        /// Small files handed to their readers that the backlog landed behind readers
+        /// had no room for: their fill workers landed them (the store's writes set the
+        /// pace of the fills).
+        backlog_full: u64,
     }
 }
 

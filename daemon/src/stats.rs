@@ -81,7 +81,7 @@ counters!(
     journal_recoveries,
     peer_forged,
     handoffs,
-    fills_not_kept,
+    backlog_full,
 );
 
 /// Charges bytes a fill read from a backing store to the job whose plan holds the file

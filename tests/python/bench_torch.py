@@ -309,7 +309,7 @@ def child(spec: dict) -> None:
             c0, c1 = st0["counters"], st1["counters"]
             for k in ("opens", "opens_full", "backing_bytes", "fallback_bytes", "fallback_opens",
                       "waits", "evicted_files", "fills_no_space", "hit_bytes", "filled_bytes",
-                      "wait_timeouts", "handoffs", "fills_not_kept"):
+                      "wait_timeouts", "handoffs", "backlog_full"):
                 r["d_" + k] = c1.get(k, 0) - c0.get(k, 0)
             # Clients' fallbacks by reason (opens and reads reported in this epoch).
             f0 = {f["reason"]: f for f in st0.get("fallbacks", [])}

@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -98,6 +99,7 @@ def main() -> int:
     ap.add_argument("--link", default="1gbit")
     ap.add_argument("--dir", default=tempfile.gettempdir())
     ap.add_argument("--release", default=str(REPO / "target" / "release"))
+    ap.add_argument("--timeline", help="write every poll's per-node counters here (JSON)")
     a = ap.parse_args()
     if os.geteuid() != 0:
         print("root only (network namespaces)", file=sys.stderr)
@@ -176,24 +178,43 @@ def main() -> int:
             procs.append(p)
             runs.append(p)
         started = time.monotonic()
-        samples = []  # (t, [status per node])
+        # Each node polled by a thread of its own every 0.1 s (a slow answer from one
+        # node delays no other node's polls): (t, status or None) per node.
+        samples: list[list] = [[] for _ in range(n)]
+        done = threading.Event()
+
+        def poll_node(k: int) -> None:
+            poll = poller(socks[k])
+            while not done.is_set():
+                st = poll()
+                samples[k].append((time.monotonic() - started, st))
+                done.wait(0.1)
+
+        pollers = [threading.Thread(target=poll_node, args=(k,), daemon=True) for k in range(n)]
+        for t in pollers:
+            t.start()
+        limit = 600 + 120 * a.epochs
+        try:
+            while any(p.poll() is None for p in runs):
+                if time.monotonic() - started > limit:
+                    raise RuntimeError(f"the run took over {limit} s")
+                time.sleep(0.2)
+        finally:
+            done.set()
+            for t in pollers:
+                t.join(timeout=15)
         jobs_seen: list[set] = [set() for _ in range(n)]
         holders = [0] * n
         layout_nodes = [0] * n
-        limit = 600 + 120 * a.epochs
-        polls = [poller(s) for s in socks]
-        while any(p.poll() is None for p in runs):
-            if time.monotonic() - started > limit:
-                raise RuntimeError(f"the run took over {limit} s")
-            sts = [poll() for poll in polls]
-            samples.append((time.monotonic() - started, sts))
-            for k, st in enumerate(sts):
+        for k in range(n):
+            for _, st in samples[k]:
                 for j in (st or {}).get("jobs", []):
                     jobs_seen[k].add(j["job"])
                     holders[k] = max(holders[k], j.get("lease_holders", 0))
                     layout_nodes[k] = max(layout_nodes[k], j.get("placement_nodes", 0))
-            time.sleep(0.1)
         final = [status(cli, s) for s in socks]
+        if any(st is None for st in final):
+            raise RuntimeError("a daemon did not answer its final status")
         rcs = [p.returncode for p in runs]
         wall = time.monotonic() - started
         print(
@@ -214,7 +235,7 @@ def main() -> int:
         fallback = summed(final, "fallback_bytes")
         opens, full = summed(final, "opens"), summed(final, "opens_full")
         floor = 1 + (a.epochs - 1) * max(0.0, 1.0 - a.a)
-        uses = [st["used_bytes"] / max(st["capacity_bytes"], 1) for _, sts in samples for st in sts if st]
+        uses = [st["used_bytes"] / max(st["capacity_bytes"], 1) for node in samples for _, st in node if st]
         print(
             f"over the run: backing {(daemon_back + fallback) / total:.3f} of the dataset (floor {floor:.3f}: "
             f"the cold epoch, then max(0, 1 - a) per epoch; the daemons {daemon_back / total:.3f}, the clients' "
@@ -223,40 +244,64 @@ def main() -> int:
             f"{summed(final, 'fills_no_space')}; cache use mean {(sum(uses) / len(uses)) if uses else 0:.2f}, "
             f"peak {max(uses, default=0):.2f}"
         )
-        # Per epoch, by the slowest node's position (the job's epoch in its status):
-        # backing bytes (daemons and fallbacks) / the dataset, and the share of opens
-        # that found their file on the node.
-        def at(sts):
-            # Only polls where every node answered and holds the job.
-            if any(st is None or not st.get("jobs") for st in sts):
-                return None
-            epochs = [min(j["epoch"] for j in st["jobs"]) for st in sts]
-            c = [st["counters"] for st in sts]
-            return (
-                min(epochs),
-                sum(x["backing_bytes"] + x["fallback_bytes"] for x in c),
-                sum(x["opens"] for x in c),
-                sum(x["opens_full"] for x in c),
-            )
-
-        marks = {}  # epoch -> (backing, opens, full) when the slowest node entered it
-        for _, sts in samples:
-            m = at(sts)
-            # Marks in time order, each epoch once (a later poll never moves one back).
-            if m is not None and m[0] not in marks and all(m[0] > e for e in marks):
-                marks[m[0]] = m[1:]
-        end = at(final)
+        # Per epoch, each node by its own opens: its ranks open the same number of files
+        # every epoch (its final opens / the epochs), so a poll's count of a node's opens
+        # says which epoch its loaders are reading (to the gap between its polls: 0.1 s
+        # and the time the daemon takes to answer), whatever the
+        # daemon's view of the job. Every poll's growth of a node's counters goes to that
+        # epoch, so the rows add up to the run's totals. A node's backing reads include
+        # the files it reads for its peers (a file's owner reads the backing store) and
+        # its prefetch of the next epoch's files.
+        per_epoch: dict = {}  # epoch -> summed growth of ROW_KEYS
+        row_keys = ["backing_bytes", "fallback_bytes", "opens", "opens_full", "backlog_full",
+                    "evicted_files", "peer_blocks_in"]
+        for k in range(n):
+            last = {key: 0 for key in row_keys}
+            per_node = max(final[k]["counters"]["opens"] // a.epochs, 1)
+            polls_k = [st for _, st in samples[k]] + [final[k]]
+            for st in polls_k:
+                if st is None:
+                    continue
+                c = st["counters"]
+                epoch = min(max(c["opens"] - 1, 0) // per_node, a.epochs - 1)
+                row = per_epoch.setdefault(epoch, {key: 0 for key in row_keys})
+                for key in row_keys:
+                    row[key] += c[key] - last[key]
+                    last[key] = c[key]
         rows = []
-        entered = sorted(marks)
-        for k, e in enumerate(entered):
-            nxt = marks[entered[k + 1]] if k + 1 < len(entered) else (end[1:] if end else None)
-            if nxt is None:
-                continue
-            back, opens_e, full_e = (nxt[i] - marks[e][i] for i in range(3))
-            rows.append(f"{e}: backing {back / total:.3f}, local {full_e / max(opens_e, 1):.3f} of {opens_e}")
-        print("per epoch (from the slowest node's entering it): " + "; ".join(rows))
+        for e in sorted(per_epoch):
+            x = per_epoch[e]
+            rows.append(
+                f"{e}: backing {(x['backing_bytes'] + x['fallback_bytes']) / total:.3f}, local "
+                f"{x['opens_full'] / max(x['opens'], 1):.3f} of {x['opens']}, backlog full {x['backlog_full']}, "
+                f"evicted {x['evicted_files']}, peer blocks {x['peer_blocks_in']}"
+            )
+        print("per epoch (each node by its own opens): " + "; ".join(rows))
+        if a.timeline:
+            with open(a.timeline, "w") as f:
+                json.dump(
+                    [
+                        [
+                            {
+                                "t": round(t, 2),
+                                **(
+                                    {}
+                                    if st is None
+                                    else {
+                                        "epoch": [j["epoch"] for j in st.get("jobs", [])],
+                                        **{key: st["counters"][key] for key in row_keys + ["blocks_filled", "backing_reads", "waits"]},
+                                        "used_bytes": st["used_bytes"],
+                                    }
+                                ),
+                            }
+                            for t, st in node
+                        ]
+                        for node in samples
+                    ],
+                    f,
+                )
         keys = ["backing_reads", "peer_blocks_in", "peer_blocks_out", "peer_errors", "peer_refused",
-                "queue_shed", "fills_not_kept", "fills_no_space", "evicted_files", "handoffs", "waits",
+                "queue_shed", "backlog_full", "fills_no_space", "evicted_files", "handoffs", "waits",
                 "wait_timeouts"]
         print("daemons' counters (per node): " + ", ".join(
             f"{k} {[st['counters'][k] for st in final]}" for k in keys))

@@ -131,10 +131,10 @@ impl Bed {
     /// least one byte long) is cached whole, as the daemon's listing says (its landed
     /// blocks: a data file exists from the start of its landing, before its bytes are
     /// durable and visible): a reader of a small file gets its bytes before they land,
-    /// so a read alone does not say they have, and a file handed over while the cache
-    /// disk was busy is not kept at all (`fills_not_kept`) until it is read again —
-    /// which this does for each file still missing after a second (and every second
-    /// after), as the next reader of it would.
+    /// so a read alone does not say they have, and a fill that did not land (declined,
+    /// failed) leaves its file uncached until it is read again — which this does for
+    /// each file still missing after a second (and every second after), as the next
+    /// reader of it would.
     pub fn until_cached(&self, paths: &[PathBuf]) {
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         let client = self.client();
@@ -163,7 +163,7 @@ impl Bed {
             );
             std::thread::sleep(Duration::from_millis(10));
             // A landing in progress ends on its own; a file still missing after a
-            // second was not kept, and is read again (once a second at most).
+            // second did not land, and is read again (once a second at most).
             if last_read.elapsed() >= Duration::from_secs(1) {
                 for p in missing {
                     read_all(&client, p).expect("read again");

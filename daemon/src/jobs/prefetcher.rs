@@ -466,7 +466,7 @@ impl Backoffs {
         let rank = |o: &FillOutcome| match o {
             FillOutcome::Landed => 0,
             FillOutcome::Declined(Declined::Closed) => 1,
-            FillOutcome::Declined(Declined::Moved | Declined::Busy) => 2,
+            FillOutcome::Declined(Declined::Moved) => 2,
             FillOutcome::Declined(Declined::NoSpace) => 3,
             FillOutcome::Declined(Declined::Stalled) => 4,
             FillOutcome::Failed => 5,
@@ -483,8 +483,7 @@ impl Backoffs {
                 return true;
             }
             FillOutcome::Declined(Declined::Closed) => return false,
-            // Read for a reader and not kept: the next round may keep it.
-            FillOutcome::Declined(Declined::Moved | Declined::Busy) => PLACED_BACKOFF,
+            FillOutcome::Declined(Declined::Moved) => PLACED_BACKOFF,
             FillOutcome::Declined(Declined::NoSpace) if mine => PLACED_BACKOFF,
             FillOutcome::Declined(Declined::NoSpace) => DECLINED_BACKOFF,
             FillOutcome::Declined(Declined::Stalled) => STALLED_BACKOFF,

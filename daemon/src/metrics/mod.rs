@@ -126,8 +126,8 @@ defs! {
         "Fill requests (read-ahead, prefetch) dropped because the fill queue was full.";
     HANDOFFS: Counter "shardcache_handoffs_total" COUNT, [],
         "Opens of a cold small file and waits answered with blocks read for the reader before they landed (the reader did not wait for the store's durable write).";
-    FILLS_NOT_KEPT: Counter "shardcache_fills_not_kept_total" COUNT, [],
-        "Blocks read for a waiting reader, handed over, and not kept: the store was landing as many blocks as it may at once and the backlog landed behind the readers was full.";
+    FILL_BACKLOG_FULL: Counter "shardcache_fill_backlog_full_total" COUNT, [],
+        "Small files handed to their readers while the store landed as many blocks as it may and the backlog landed behind the readers was full: their fill workers landed them (the store's writes set the pace of the fills).";
     BACKING_STALLED: Gauge "shardcache_backing_stalled" NONE, ["root"],
         "1 while the backing root is stalled (a call stuck and none completed for backing_stall_timeout: its calls are refused, clients read it directly), else 0.";
     BACKING_STUCK_CALLS: Gauge "shardcache_backing_stuck_calls" COUNT, ["root"],
@@ -423,7 +423,7 @@ impl Metrics {
             (&FILLS_NO_SPACE, c.fills_no_space),
             (&FILL_QUEUE_SHED, c.queue_shed),
             (&HANDOFFS, c.handoffs),
-            (&FILLS_NOT_KEPT, c.fills_not_kept),
+            (&FILL_BACKLOG_FULL, c.backlog_full),
             (&PEER_ERRORS, c.peer_errors),
             (&PEER_REFUSED, c.peer_refused),
             (&PEER_FORGED, c.peer_forged),

@@ -690,8 +690,8 @@ fn small(a: &SmallArgs) {
     );
     cold_small_table(&rows, small.len());
     println!(
-        "last daemon: {} waits, {} handed over before landing, {} blocks filled, {} not kept",
-        c.waits, c.handoffs, c.blocks_filled, c.fills_not_kept
+        "last daemon: {} waits, {} handed over before landing, {} blocks filled, {} landed by their workers (backlog full)",
+        c.waits, c.handoffs, c.blocks_filled, c.backlog_full
     );
 }
 

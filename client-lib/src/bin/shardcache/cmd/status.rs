@@ -303,12 +303,12 @@ fn status_text(s: &Status) -> String {
         (
             "fills",
             format!(
-                "{} blocks, {} errors, {} no space, {} shed, {} not kept; {} waits ({} timed out, {} handed over)",
+                "{} blocks, {} errors, {} no space, {} shed, {} backlog full; {} waits ({} timed out, {} handed over)",
                 c.blocks_filled,
                 c.fill_errors,
                 c.fills_no_space,
                 c.queue_shed,
-                c.fills_not_kept,
+                c.backlog_full,
                 c.waits,
                 c.wait_timeouts,
                 c.handoffs
