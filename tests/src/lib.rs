@@ -15,6 +15,7 @@ use shardcache_client::{Client, ClientConfig};
 pub mod certs;
 pub mod live;
 pub mod peerbench;
+pub mod placementscale;
 pub mod policy;
 pub mod restartbench;
 
@@ -519,6 +520,18 @@ pub fn quantile_us(v: &mut [Duration], q: f64) -> f64 {
     v.sort();
     let i = ((v.len() - 1) as f64 * q).round() as usize;
     v[i].as_secs_f64() * 1e6
+}
+
+/// CPU seconds (user + system) this process has used so far.
+pub fn cpu_secs() -> f64 {
+    // SAFETY: getrusage writes only into the struct it is given.
+    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; RUSAGE_SELF is always valid.
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
+        return f64::NAN;
+    }
+    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 / 1e6;
+    t(u.ru_utime) + t(u.ru_stime)
 }
 
 #[cfg(test)]

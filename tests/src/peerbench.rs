@@ -257,23 +257,14 @@ pub struct Transfer {
     pub raw_cpu: f64,
 }
 
-/// CPU seconds (user + system) this process has used so far.
-fn cpu_secs() -> f64 {
-    // SAFETY: getrusage writes only into the struct it is given.
-    let mut u: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: as above; RUSAGE_SELF is always valid.
-    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut u) } != 0 {
-        return f64::NAN;
-    }
-    let t = |v: libc::timeval| v.tv_sec as f64 + v.tv_usec as f64 / 1e6;
-    t(u.ru_utime) + t(u.ru_stime)
-}
-
 /// `f`'s result and the CPU seconds per GiB of `len` bytes it used.
 fn with_cpu<T>(len: u64, f: impl FnOnce() -> anyhow::Result<T>) -> anyhow::Result<(T, f64)> {
-    let c = cpu_secs();
+    let c = crate::cpu_secs();
     let r = f()?;
-    Ok((r, (cpu_secs() - c) / (len as f64 / (1u64 << 30) as f64)))
+    Ok((
+        r,
+        (crate::cpu_secs() - c) / (len as f64 / (1u64 << 30) as f64),
+    ))
 }
 
 /// Peer transfer (over TLS with `tls`) and raw TCP, both on loopback or both across

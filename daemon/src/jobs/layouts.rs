@@ -26,7 +26,30 @@ use super::*;
 /// files not fitting the room left, not the margin.
 const BYTES_HEADROOM_PER_MILLE: u64 = 3;
 
+/// Most time one prefetch round spends bringing the placements after the positions
+/// ([`Jobs::sync_placements`]); the rest waits for the next round, which starts at once.
+const PLACEMENT_SYNC_BUDGET: Duration = Duration::from_millis(50);
+
 impl Jobs {
+    /// Brings every shuffle's cluster placement after its position (reads and position
+    /// reports only move positions: [`crate::planner::Planner::sync_placements`]),
+    /// [`crate::planner::PLACEMENT_CHUNK_READS`] simulated reads per taking of the planner
+    /// lock, for at most [`PLACEMENT_SYNC_BUDGET`]; past it, another round is asked for
+    /// at once.
+    pub(super) fn sync_placements(&self) {
+        let start = Instant::now();
+        while !self
+            .plans
+            .planner()
+            .sync_placements(crate::planner::PLACEMENT_CHUNK_READS)
+        {
+            if start.elapsed() >= PLACEMENT_SYNC_BUDGET {
+                self.wake.notify();
+                return;
+            }
+        }
+    }
+
     /// Computes this node's slots for every shuffle that has none yet, and gives each
     /// its cluster layout as the peers report it (none until every rank's node and
     /// every node's slots are known: eviction and fetches then go by ownership).

@@ -137,6 +137,7 @@ impl Jobs {
         }
         self.measure_rates();
         self.update_layouts(store);
+        self.sync_placements();
         let Rounds {
             flights, declined, ..
         } = &mut *r;

@@ -151,6 +151,10 @@ struct Job {
     /// The widest spread seen in the current epoch: at the next epoch it becomes
     /// `spread`, so that one stray read far ahead inflates it for two epochs at most.
     spread_now: u64,
+    /// The first step of the current epoch whose other ranks' reads have not re-keyed
+    /// the resident files yet ([`Job::rerank_remote`], M × R world positions a round:
+    /// left to [`Planner::sync_placements`], never an open); `None`: none pending.
+    remote_from: Option<u64>,
     /// Steps per second (1.0 until measured).
     rate: f64,
     /// Steps read so far (every epoch).
@@ -195,6 +199,11 @@ pub const MAX_READ_AHEAD: usize = 8192;
 /// twice [`MAX_READ_AHEAD`], so that reads past a hole can pile up beyond the allowance
 /// and pass it.
 pub const READ_WINDOW: u64 = 2 * MAX_READ_AHEAD as u64;
+
+/// Simulated reads of the cluster placement per taking of the planner lock
+/// ([`Planner::sync_placements`]): about 10–50 ms of the simulation at 1.28 M files
+/// (`shardcache-bench placement-scale`), every round of a small cluster's epoch.
+pub const PLACEMENT_CHUNK_READS: u64 = 1 << 16;
 
 /// Rounds the cluster placement runs ahead of the job's position, at most: the moves it
 /// decides for a round start this many rounds before the round is read.
@@ -334,13 +343,24 @@ impl Job {
     /// Brings the placement to the position (plus its lookahead); back to the start and
     /// forward again when the position went back.
     fn sync_placement(&mut self) {
+        self.sync_placement_by(u64::MAX);
+    }
+
+    /// [`Job::sync_placement`] by at most `max` rounds: true when the placement is at
+    /// the position plus its lookahead (or at the end of the plan).
+    fn sync_placement_by(&mut self, max: u64) -> bool {
         let round = self.round();
-        let Some(p) = &mut self.placement else { return };
+        let Some(p) = &mut self.placement else {
+            return true;
+        };
         let target = round + p.lookahead();
         if target < p.placed() {
             *p = p.restarted();
         }
-        p.advance(target);
+        let before = p.placed();
+        p.advance(target.min(before.saturating_add(max.max(1))));
+        let after = p.placed();
+        after >= target || after == before
     }
 
     /// (world, this node's ranks) of a shuffle.
@@ -462,8 +482,24 @@ impl Job {
         }
     }
 
+    /// [`Job::rerank_remote`] of the steps read since `remote_from`, at most
+    /// `max_steps` of them: true when none is left pending.
+    fn rerank_remote_pending(&mut self, max_steps: u64) -> bool {
+        let Some(from) = self.remote_from.take() else {
+            return true;
+        };
+        let to = self.step.min(from.saturating_add(max_steps.max(1)));
+        self.rerank_remote(from, to);
+        if to < self.step {
+            self.remote_from = Some(to);
+            return false;
+        }
+        true
+    }
+
     /// Recomputes every key (after the position jumped).
     fn rerank_all(&mut self) {
+        self.remote_from = None;
         let fs: Vec<u32> = self.rank_of.keys().copied().collect();
         for f in fs {
             self.rank(f);
@@ -537,10 +573,10 @@ impl Job {
                 self.rank(f);
             }
         }
-        // The placement follows the watermark: nothing to do when it did not move.
-        if passed > 0 {
-            self.sync_placement();
-        }
+        // The placement follows the watermark, but not here: a read only moves the
+        // position, and the prefetcher brings the placement after it
+        // ([`Planner::sync_placements`]): an open never runs the simulation of the
+        // cluster's reads (M simulated reads per round of this node's ranks).
         Some(passed)
     }
 
@@ -557,11 +593,13 @@ impl Job {
         self.step = step;
         let passed = step - from;
         self.done += passed;
-        // Files other ranks read meanwhile are next needed later too.
-        self.rerank_remote(from, step);
+        // Files other ranks read meanwhile are next needed later too: re-keyed later,
+        // off the open path (`sync_placements`), or now if the epoch ends.
+        self.remote_from.get_or_insert(from);
         let len = cur.order.len() as u64;
         let rolled = step >= len && self.has_epoch(self.epoch + 1);
         if rolled {
+            self.rerank_remote_pending(u64::MAX);
             self.epoch += 1;
             self.step = 0;
             self.consumed.clear();
@@ -704,6 +742,7 @@ impl Planner {
             consumed: BTreeSet::new(),
             spread: 0,
             spread_now: 0,
+            remote_from: None,
             rate: 1.0,
             done: 0,
             epochs: Vec::new(),
@@ -954,6 +993,42 @@ impl Planner {
         tracing::debug!(job = %id, layout = ?p.layout(), "cluster placement layout");
         job.placement = Some(p);
         job.sync_placement();
+    }
+
+    /// Brings every job's cluster placement toward its position (plus its lookahead) by
+    /// at most about `max_reads` simulated reads each (whole rounds, one at least), and
+    /// the eviction keys of the resident files other ranks read since (as many world
+    /// positions), and the orders of the next two epochs: true when all are there.
+    /// Reads and position reports only move positions; the daemon's
+    /// prefetcher calls this between its rounds, taking the planner lock for each call,
+    /// so that neither an open nor an eviction ever waits for the simulation of the
+    /// cluster's reads for long ([`PLACEMENT_CHUNK_READS`] per taking).
+    pub fn sync_placements(&mut self, max_reads: u64) -> bool {
+        let mut done = true;
+        for j in &mut self.jobs {
+            let world = j.walk().map_or(1, |w| w.world.max(1));
+            let nr = j.world().map_or(1, |(_, r)| r.len().max(1) as u64);
+            // The next two epochs' orders (each a shuffle of the whole dataset, kept
+            // three at a time), so that the open entering an epoch builds none.
+            for e in [j.epoch + 1, j.epoch + 2] {
+                j.index(e);
+                if j.cluster {
+                    j.world_index(e);
+                }
+            }
+            // The other ranks' reads re-key this node's resident files, then the
+            // placement moves: each about `max_reads` world positions at most.
+            done &= j.rerank_remote_pending((max_reads / world).saturating_mul(nr));
+            done &= j.sync_placement_by(max_reads / world);
+        }
+        done
+    }
+
+    /// What job `id`'s cluster placement found in its simulated reads so far (local,
+    /// remote and backing reads, copies moved); `None` when it has none.
+    pub fn placement_stats(&self, id: &str) -> Option<placement::SimStats> {
+        let job = self.jobs.iter().find(|j| j.id == id)?;
+        Some(job.placement.as_ref()?.stats)
     }
 
     /// The cluster placement of job `id` as `shardcache status` shows it: (nodes, this
@@ -1268,14 +1343,13 @@ impl Planner {
             // node plan has read some of it) would forget them.
             if step > j.step {
                 j.advance_to(step, &ix);
-                j.sync_placement();
             }
             return Ok(true);
         }
         (j.epoch, j.step) = (epoch, step);
         j.consumed.clear();
         j.rerank_all();
-        j.sync_placement();
+        // (The placement follows in the prefetcher: [`Planner::sync_placements`].)
         Ok(true)
     }
 

@@ -182,6 +182,31 @@ enum Cmd {
     /// The first epoch after a restart (every block checked on first use) against the
     /// same read before it and a raw read of the cache's data files.
     Restart(RestartArgs),
+    /// The cluster placement at scale: one node's planner simulating M nodes × R ranks
+    /// over N files (the real planner and placement, no sockets), each (M, N) in a child
+    /// process: CPU per epoch on the open path, µs per open, local reads, backing,
+    /// copies moved per read, bytes per file.
+    PlacementScale {
+        /// Nodes (repeat for several rows).
+        #[arg(long, default_values_t = [8, 64, 256, 1024])]
+        nodes: Vec<u64>,
+        /// Files (repeat for several columns of rows).
+        #[arg(long, default_values_t = [100_000, 1_280_000])]
+        files: Vec<u64>,
+        /// Ranks per node.
+        #[arg(long, default_value_t = 8)]
+        ranks_per_node: u64,
+        /// Aggregate cache ÷ dataset.
+        #[arg(long, default_value_t = 1.0)]
+        a: f64,
+        /// Shuffle seed.
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+        /// One cell (the first of `--nodes` and `--files`) in this process, printed as a
+        /// line for the parent.
+        #[arg(long, hide = true)]
+        one: bool,
+    },
     /// The planner's eviction index against an exhaustive search, at scale.
     PlannerScale {
         /// Files in the dataset (half of them cached).
@@ -812,6 +837,30 @@ fn main() {
         Cmd::Foundation(a) => foundation(&a),
         Cmd::Small(a) => small(&a),
         Cmd::Policy(a) => policy(&a),
+        Cmd::PlacementScale {
+            nodes,
+            files,
+            ranks_per_node,
+            a,
+            seed,
+            one,
+        } => {
+            use shardcache_tests::placementscale as ps;
+            if one {
+                let c = ps::cell(nodes[0], files[0], ranks_per_node, a, seed)
+                    .expect("placement-scale cell");
+                println!("{}", ps::cell_line(&c));
+            } else {
+                ps::run(&ps::Args {
+                    nodes,
+                    files,
+                    ranks_per_node,
+                    a,
+                    seed,
+                })
+                .expect("placement-scale");
+            }
+        }
         Cmd::PlannerScale { files } => planner_scale(files),
         Cmd::Restart(a) => {
             shardcache_tests::restartbench::run(&shardcache_tests::restartbench::Args {

@@ -1,0 +1,300 @@
+//! `shardcache-bench placement-scale`: what the cluster placement costs one node as the
+//! cluster and the dataset grow (issue 15: 1 024 nodes, 10 M files).
+//!
+//! Every node runs the same deterministic simulation of the whole cluster's reads
+//! (`planner::placement`), so one node is measured: the real `Planner` with a
+//! shuffle of N files registered for node 0's R ranks of a world of M × R, the layout of
+//! M nodes (a × N ÷ M files each, counted in files) set as the daemon sets it, then node
+//! 0's own opens fed to `Planner::on_access` in its real order, epoch by epoch, as the
+//! daemon does for each open, and the placement brought after them
+//! (`Planner::sync_placements`, as the daemon's prefetcher does, woken by reads) after each round of its R opens. No
+//! sockets, no store. It reports the CPU of each apart: what an open holds the planner
+//! lock for, and what the simulation of the cluster's reads costs the node per epoch.
+//!
+//! Each cell (M, N) runs in a child process (this program again, with `--one`), so that
+//! its memory is its own: the planner's bytes per file are the growth of the process's
+//! resident set while the job is registered and placed, over N.
+//!
+//! Per cell: the simulation's CPU per epoch (the cold epoch, then a steady one) on node
+//! 0, the planner's µs per open (steady epoch), the placement's simulated reads over the
+//! steady epoch (local, backing ÷ the dataset, copies moved per read) and the planner's
+//! bytes per file.
+
+use std::time::Instant;
+
+use shardcache_daemon::planner::placement::Layout;
+use shardcache_daemon::planner::{FileRef, PLACEMENT_CHUNK_READS, Planner, READ_WINDOW, Source};
+
+/// What to measure.
+#[derive(Debug, Clone)]
+pub struct Args {
+    /// Nodes (M), one row each.
+    pub nodes: Vec<u64>,
+    /// Files (N), one column group each.
+    pub files: Vec<u64>,
+    /// Ranks per node (R).
+    pub ranks_per_node: u64,
+    /// Aggregate cache ÷ dataset.
+    pub a: f64,
+    /// Shuffle seed.
+    pub seed: u64,
+}
+
+/// One cell's figures.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Cell {
+    /// Nodes.
+    pub m: u64,
+    /// Files.
+    pub n: u64,
+    /// CPU seconds to register the job and set its layout.
+    pub setup_s: f64,
+    /// CPU seconds of the placement's simulation over the cold epoch.
+    pub cold_s: f64,
+    /// CPU seconds of the placement's simulation over the steady (second) epoch.
+    pub steady_s: f64,
+    /// CPU microseconds per open (`on_access`) over the steady epoch.
+    pub open_us: f64,
+    /// Node 0's opens per epoch.
+    pub opens: u64,
+    /// Simulated reads that were local, over the steady epoch (all nodes').
+    pub local: f64,
+    /// Simulated backing reads over the steady epoch ÷ the dataset.
+    pub backing: f64,
+    /// Copies moved per simulated read over the steady epoch.
+    pub moves: f64,
+    /// Resident bytes the registered, placed job added, per file.
+    pub bytes_per_file: f64,
+}
+
+/// Resident set size of this process, in bytes (0 when /proc is unreadable).
+fn rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmRSS:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        })
+        .map_or(0, |kb| kb << 10)
+}
+
+/// Measures one cell in this process (the child's side of `--one`).
+pub fn cell(m: u64, n: u64, r: u64, a: f64, seed: u64) -> anyhow::Result<Cell> {
+    let fs: Vec<FileRef> = (0..n)
+        .map(|i| FileRef {
+            root: 0,
+            path: format!("train/c{:04}/{i:09}.JPEG", i % 1000),
+        })
+        .collect();
+    let world = m * r;
+    let ranks: Vec<u64> = (0..r).collect();
+    let before = rss();
+    let c0 = crate::cpu_secs();
+    let mut p = Planner::new();
+    p.set_cluster(true);
+    p.register(
+        "job",
+        fs.clone(),
+        Source::Shuffle {
+            seed,
+            first: 0,
+            count: 3,
+            world,
+            ranks: ranks.clone(),
+            drop_last: false,
+        },
+    )
+    .map_err(|e| anyhow::anyhow!("register: {e}"))?;
+    let slots = (a * n as f64 / m as f64).ceil() as u64;
+    let nodes = u16::try_from(m).map_err(|_| anyhow::anyhow!("at most 65 535 nodes"))?;
+    let layout = Layout {
+        nodes: (0..nodes).map(|i| format!("n{i:05}")).collect(),
+        node_of_rank: (0..world).map(|k| Some((k / r) as u16)).collect(),
+        slots: vec![slots; m as usize],
+        bytes: false,
+    };
+    p.set_layout("job", Some(layout), "n00000");
+    let setup_s = crate::cpu_secs() - c0;
+    let mut out = Cell {
+        m,
+        n,
+        setup_s,
+        ..Cell::default()
+    };
+    for epoch in 0..2 {
+        let order = shardcache_plan::shuffle::node_order(n, seed, epoch, world, &ranks, false);
+        let s0 = p.placement_stats("job").unwrap_or_default();
+        let (mut opening, mut placing) = (0.0, 0.0);
+        for batch in order.chunks(r as usize) {
+            let c = crate::cpu_secs();
+            for &i in batch {
+                p.on_access(&fs[i as usize], READ_WINDOW);
+            }
+            let c2 = crate::cpu_secs();
+            // Each call makes progress (or says it is done).
+            while !p.sync_placements(PLACEMENT_CHUNK_READS) {}
+            opening += c2 - c;
+            placing += crate::cpu_secs() - c2;
+        }
+        let s1 = p.placement_stats("job").unwrap_or_default();
+        out.opens = order.len() as u64;
+        if epoch == 0 {
+            out.cold_s = placing;
+        } else {
+            out.steady_s = placing;
+            out.open_us = opening / out.opens.max(1) as f64 * 1e6;
+            let reads = ((s1.local + s1.remote) - (s0.local + s0.remote)).max(1) as f64;
+            out.local = (s1.local - s0.local) as f64 / reads;
+            out.backing = (s1.backing - s0.backing) as f64 / n as f64;
+            out.moves = (s1.moves - s0.moves) as f64 / reads;
+        }
+    }
+    out.bytes_per_file = rss().saturating_sub(before) as f64 / n as f64;
+    drop(p);
+    Ok(out)
+}
+
+/// The child's answer: one line (the parent reads it back).
+pub fn cell_line(c: &Cell) -> String {
+    format!(
+        "CELL {} {} {} {} {} {} {} {} {} {} {}",
+        c.m,
+        c.n,
+        c.setup_s,
+        c.cold_s,
+        c.steady_s,
+        c.open_us,
+        c.opens,
+        c.local,
+        c.backing,
+        c.moves,
+        c.bytes_per_file
+    )
+}
+
+fn parse_cell(out: &str) -> Option<Cell> {
+    let line = out.lines().find_map(|l| l.strip_prefix("CELL "))?;
+    let v: Vec<f64> = line
+        .split_whitespace()
+        .map(str::parse)
+        .collect::<Result<_, _>>()
+        .ok()?;
+    let [
+        m,
+        n,
+        setup_s,
+        cold_s,
+        steady_s,
+        open_us,
+        opens,
+        local,
+        backing,
+        moves,
+        bytes_per_file,
+    ] = v[..]
+    else {
+        return None;
+    };
+    Some(Cell {
+        m: m as u64,
+        n: n as u64,
+        setup_s,
+        cold_s,
+        steady_s,
+        open_us,
+        opens: opens as u64,
+        local,
+        backing,
+        moves,
+        bytes_per_file,
+    })
+}
+
+/// Runs every cell, each in a child process (`exe placement-scale --one ...`), and
+/// prints the table.
+pub fn run(a: &Args) -> anyhow::Result<Vec<Cell>> {
+    let exe = std::env::current_exe()?;
+    println!(
+        "shardcache placement at scale: one node's planner simulating the cluster (R = {} ranks per node, a = {}, counted in files; the real Planner, node 0's opens in order; CPU seconds of the simulation per epoch, µs of the planner per open)",
+        a.ranks_per_node, a.a
+    );
+    println!(
+        "{:>6} {:>10} {:>9} {:>10} {:>10} {:>9} {:>7} {:>8} {:>11} {:>8}",
+        "M",
+        "N",
+        "setup s",
+        "cold s",
+        "steady s",
+        "µs/open",
+        "local",
+        "backing",
+        "moves/read",
+        "B/file"
+    );
+    let mut cells = Vec::new();
+    for &n in &a.files {
+        for &m in &a.nodes {
+            let t = Instant::now();
+            let out = std::process::Command::new(&exe)
+                .args([
+                    "placement-scale",
+                    "--one",
+                    "--nodes",
+                    &m.to_string(),
+                    "--files",
+                    &n.to_string(),
+                    "--ranks-per-node",
+                    &a.ranks_per_node.to_string(),
+                    "--a",
+                    &a.a.to_string(),
+                    "--seed",
+                    &a.seed.to_string(),
+                ])
+                .output()?;
+            let text = String::from_utf8_lossy(&out.stdout);
+            let Some(c) = parse_cell(&text).filter(|_| out.status.success()) else {
+                anyhow::bail!(
+                    "cell M = {m}, N = {n} failed ({}): {}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            };
+            println!(
+                "{:>6} {:>10} {:>9.2} {:>10.2} {:>10.2} {:>9.1} {:>7.3} {:>8.4} {:>11.3} {:>8.0}   ({:.0} s)",
+                c.m,
+                c.n,
+                c.setup_s,
+                c.cold_s,
+                c.steady_s,
+                c.open_us,
+                c.local,
+                c.backing,
+                c.moves,
+                c.bytes_per_file,
+                t.elapsed().as_secs_f64()
+            );
+            cells.push(c);
+        }
+    }
+    Ok(cells)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A small cell in this process: the placement engages (nearly every read local at
+    /// a = 1 after the cold epoch, nothing from the backing store), and the child's line
+    /// parses back to the same figures.
+    #[test]
+    fn a_small_cell_places_its_reads_and_its_line_parses_back() {
+        let c = cell(4, 2_000, 2, 1.0, 7).expect("cell");
+        assert_eq!(c.opens, 500);
+        assert!(c.local > 0.9, "{c:?}");
+        assert!(c.backing < 0.01, "{c:?}");
+        let back = parse_cell(&cell_line(&c)).expect("parses");
+        assert_eq!((back.m, back.n, back.opens), (c.m, c.n, c.opens));
+        assert_eq!(back.local, c.local);
+    }
+}
