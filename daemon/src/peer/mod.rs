@@ -61,8 +61,11 @@ const MAX_BLOCK: usize = 64 << 20;
 /// Bytes the block-stream receiver reads before it hashes them (while they are still in
 /// the CPU's cache).
 const STEP: usize = 256 << 10;
-/// Idle block-stream connections kept per peer (about one per fill worker).
-const POOL: usize = 8;
+/// Idle block-stream connections kept per peer: as many as may be in use at once
+/// ([`MAX_STREAMS`]), so that a burst of fetches finds every stream the last one opened
+/// (with 8 kept, each burst past 8 fetches at once dialled the rest again: a TCP
+/// connection, TLS and stream handshakes and a serving thread at the peer each).
+const POOL: usize = MAX_STREAMS;
 /// Most block-stream connections this node has open to one peer at once (in use and
 /// idle together). A fill worker's fetch takes one; when all are in use it waits for
 /// one, up to its deadline, and then reads the next source. Without the bound a node's
@@ -176,6 +179,8 @@ pub struct Peers {
     /// [`MAX_STREAMS`]).
     streams: Mutex<HashMap<String, Streams>>,
     streams_cv: parking_lot::Condvar,
+    /// Block-stream connections dialled (past their handshakes) since the start.
+    dials: std::sync::atomic::AtomicU64,
     timeout: Duration,
     stats: Arc<Stats>,
     plans: Arc<Plans>,
@@ -383,6 +388,7 @@ impl Peers {
             idle: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
             streams_cv: parking_lot::Condvar::new(),
+            dials: std::sync::atomic::AtomicU64::new(0),
             tls,
             timeout: cfg.timeout,
             stats,
@@ -999,7 +1005,17 @@ impl Peers {
         };
         let session = wire::client_handshake(&mut s, &self.key)
             .map_err(|e| FetchError::Failed(format!("handshake: {e}")))?;
+        self.dials
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(Conn { io: s, session })
+    }
+
+    /// Block-stream connections dialled since the start (each a TCP connection, a TLS
+    /// handshake when configured, the stream's own handshake and a serving thread at
+    /// the peer).
+    #[cfg(test)]
+    pub(crate) fn dials(&self) -> u64 {
+        self.dials.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Probes down peer `peer`: a new block-stream connection past its handshake within

@@ -274,6 +274,58 @@ mod tests {
         assert_eq!(fx.a.view().0.len(), 2, "the peer never marked down");
     }
 
+    /// Connections a burst of fetches opened to a peer (as many as may be in use at
+    /// once) are all kept for the next burst: the next one dials none (before, 8 of 16
+    /// were closed once idle, and every burst past 8 fetches at once dialled again — a
+    /// TCP connection, a TLS and a stream handshake and a new serving thread at the peer
+    /// each, which took 8 of 64 fill workers of a node in docs/PYTHON.md's example on the
+    /// testbed).
+    #[test]
+    fn a_burst_of_fetches_at_the_stream_bound_reuses_every_stream_the_last_one_opened() {
+        use crate::peer::MAX_STREAMS;
+        let gate = Arc::new(Gate::default());
+        let g = gate.clone();
+        let fx = fx_serving(move |p| Arc::new(Gated { inner: p, gate: g }));
+        let t = fx.put("f", &[7u8; BS]);
+        let burst = || {
+            gate.state.lock().1 = false;
+            std::thread::scope(|s| {
+                let fetches: Vec<_> = (0..MAX_STREAMS)
+                    .map(|_| {
+                        s.spawn(|| {
+                            let req = conformance::request(&t, "/r", 0, BS);
+                            fx.source.fetch(&req, &mut Vec::new())
+                        })
+                    })
+                    .collect();
+                // All of them at the peer at once, then served.
+                let deadline = std::time::Instant::now() + Duration::from_secs(10);
+                while gate.state.lock().0 < MAX_STREAMS {
+                    assert!(std::time::Instant::now() < deadline, "fetches at the peer");
+                    std::thread::sleep(Duration::from_millis(2));
+                }
+                gate.state.lock().1 = true;
+                gate.cv.notify_all();
+                for f in fetches {
+                    let got = f.join().unwrap();
+                    assert!(matches!(got, Ok(Fetched::Got { .. })), "{got:?}");
+                }
+            });
+        };
+        burst();
+        assert_eq!(
+            fx.a.dials(),
+            MAX_STREAMS as u64,
+            "the first burst dials each"
+        );
+        burst();
+        assert_eq!(
+            fx.a.dials(),
+            MAX_STREAMS as u64,
+            "the second burst finds every stream kept"
+        );
+    }
+
     /// A block-stream connection the client keeps idle for its next block holds a
     /// serving thread (`sc-peer-data`, a lifecycle task): closing the server wakes it
     /// (its socket shut down) and joins it, well before its idle limit.
