@@ -97,12 +97,15 @@ impl Bed {
         Self::new_in(&std::env::temp_dir())
     }
 
-    /// A fresh bed in a new directory under `parent`.
+    /// A fresh bed in a new directory under `parent` (made, with its parents, if it is
+    /// not there: a benchmark's `--dir` need not exist).
     pub fn new_in(parent: &Path) -> Self {
+        std::fs::create_dir_all(parent)
+            .unwrap_or_else(|e| panic!("making {}: {e}", parent.display()));
         let tmp = tempfile::Builder::new()
             .prefix("shardcache-test-")
             .tempdir_in(parent)
-            .expect("tempdir");
+            .unwrap_or_else(|e| panic!("a temporary directory in {}: {e}", parent.display()));
         // World-searchable, so that tests can run clients as other users.
         std::fs::set_permissions(
             tmp.path(),
