@@ -71,16 +71,19 @@ def status(cli: Path, sock: Path) -> dict | None:
     return json.loads(r.stdout) if r.returncode == 0 else None
 
 
-def poller(sock: Path):
-    """A quicker [`status`] for polling: the Python client in this process."""
+def poller(sock: Path, failures: list):
+    """A quicker [`status`] for polling: the Python client in this process. A poll that
+    fails appends (when, seconds it took, the error) to ``failures``."""
     import shardcache
 
     c = shardcache.Client(socket=str(sock), timeout=5)
 
     def poll() -> dict | None:
+        t0 = time.monotonic()
         try:
             return c.status()
-        except OSError:
+        except OSError as e:
+            failures.append((t0, time.monotonic() - t0, f"{type(e).__name__}: {e}"))
             return None
 
     return poll
@@ -181,10 +184,11 @@ def main() -> int:
         # Each node polled by a thread of its own every 0.1 s (a slow answer from one
         # node delays no other node's polls): (t, status or None) per node.
         samples: list[list] = [[] for _ in range(n)]
+        failures: list[list] = [[] for _ in range(n)]
         done = threading.Event()
 
         def poll_node(k: int) -> None:
-            poll = poller(socks[k])
+            poll = poller(socks[k], failures[k])
             while not done.is_set():
                 st = poll()
                 samples[k].append((time.monotonic() - started, st))
@@ -277,6 +281,20 @@ def main() -> int:
                 f"evicted {x['evicted_files']}, peer blocks {x['peer_blocks_in']}"
             )
         print("per epoch (each node by its own opens): " + "; ".join(rows))
+        # Polls a daemon did not answer (its status call timed out at 5 s, or the
+        # client's breaker sent it nowhere for 2 s after one): when, and why.
+        for k in range(n):
+            if not failures[k]:
+                continue
+            kinds: dict = {}
+            for t0, dt, err in failures[k]:
+                kind = err.split(":", 1)[0] + (" (timed out)" if dt >= 4.5 else "")
+                kinds[kind] = kinds.get(kind, 0) + 1
+            first, last = failures[k][0][0] - started, failures[k][-1][0] - started
+            print(
+                f"node {k}: {len(failures[k])} polls unanswered between {first:.0f} s and {last:.0f} s, "
+                f"longest {max(f[1] for f in failures[k]):.1f} s; {kinds}; first error: {failures[k][0][2]}"
+            )
         if a.timeline:
             with open(a.timeline, "w") as f:
                 json.dump(
