@@ -192,10 +192,6 @@ pub struct Peers {
     /// The shuffles whose layout inputs are all known (every rank's node and every such
     /// node's slots), with their world, as of the last refresh of the rank map.
     complete: Mutex<HashMap<String, u64>>,
-    /// (job, peer): peers that answer without a job this node runs, whose last ranks
-    /// and slots for it are kept (see [`Peers::keep_finished_ranks_of`]); for logging
-    /// each change once.
-    finished: Mutex<std::collections::HashSet<(String, String)>>,
     /// Down peers being probed now (one probe at a time each).
     probing: Mutex<std::collections::HashSet<String>>,
 }
@@ -401,7 +397,6 @@ impl Peers {
             slots: Mutex::new(HashMap::new()),
             probing: Mutex::new(std::collections::HashSet::new()),
             complete: Mutex::new(HashMap::new()),
-            finished: Mutex::new(std::collections::HashSet::new()),
             closed: std::sync::atomic::AtomicBool::new(false),
             rt: Mutex::new(None),
         });
@@ -533,15 +528,12 @@ impl Peers {
             };
             match tokio::time::timeout(self.timeout, ask).await {
                 Ok(Ok(Some(reply))) => {
-                    let listed: std::collections::HashSet<String> =
-                        reply.jobs.iter().map(|j| j.job.clone()).collect();
                     for j in reply.jobs {
                         for r in j.ranks {
                             map.insert((j.job.clone(), r), peer.clone());
                         }
                         slots.insert((j.job, peer.clone()), flagged(j.slots, j.slots_in_bytes));
                     }
-                    self.keep_finished_ranks_of(&peer, &listed, &worlds, &mut map, &mut slots);
                 }
                 Ok(Ok(None)) => self.keep_ranks_of(&peer, &mut map, &mut slots),
                 Ok(Err(e)) => {
@@ -602,57 +594,6 @@ impl Peers {
                 .filter(|((_, n), _)| n.as_str() == peer)
                 .map(|(k, v)| (k.clone(), *v)),
         );
-    }
-
-    /// Keeps what `peer` said last about the jobs this node runs (`worlds`) that its
-    /// answer no longer lists (`listed`): its ranks there finished the job (a rank that
-    /// ran ahead released it at its clean exit) or let its lease run out. Dropping them
-    /// would leave every other node without a complete layout for the rest of the job —
-    /// no placement, the readers' files fetched from hashed owners that do not hold them
-    /// and read from the backing store (docs/PYTHON.md's example on the testbed: a node
-    /// whose ranks finished 10–40 s before the others'). The node still holds the copies
-    /// the placement put there. A rank another node now claims goes to that node (a
-    /// claim in this refresh replaces a kept entry, whichever peer was asked first);
-    /// the entries go when this node's own job ends. Each change is logged once.
-    fn keep_finished_ranks_of(
-        &self,
-        peer: &str,
-        listed: &std::collections::HashSet<String>,
-        worlds: &HashMap<String, u64>,
-        map: &mut HashMap<(String, u64), String>,
-        slots: &mut HashMap<(String, String), u64>,
-    ) {
-        let gone = |job: &String| worlds.contains_key(job) && !listed.contains(job);
-        let mut kept: std::collections::HashSet<String> = std::collections::HashSet::new();
-        {
-            let old = self.ranks.lock();
-            for ((job, rank), node) in old.iter() {
-                if node == peer && gone(job) {
-                    map.entry((job.clone(), *rank))
-                        .or_insert_with(|| peer.to_owned());
-                    kept.insert(job.clone());
-                }
-            }
-        }
-        {
-            let old = self.slots.lock();
-            for ((job, node), v) in old.iter() {
-                if node == peer && gone(job) {
-                    slots.entry((job.clone(), peer.to_owned())).or_insert(*v);
-                }
-            }
-        }
-        let mut finished = self.finished.lock();
-        for job in kept {
-            if finished.insert((job.clone(), peer.to_owned())) {
-                tracing::info!(
-                    peer,
-                    job = %job,
-                    "peer no longer runs the job: its ranks and slots stay in the job's layout while this node runs it"
-                );
-            }
-        }
-        finished.retain(|(job, p)| p != peer || !listed.contains(job));
     }
 
     /// The cluster layout of shuffle `job` over `world` ranks, once every rank's node
