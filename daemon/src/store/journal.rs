@@ -80,6 +80,9 @@ pub struct Journal {
     alive: Arc<AtomicBool>,
     /// Bytes appended since the last rewrite, and the size of that rewrite.
     appended: AtomicU64,
+    /// Appends waited for (each one wait for a group's `fdatasync`).
+    #[cfg(test)]
+    appends: AtomicU64,
     base: AtomicU64,
     compacting: AtomicBool,
 }
@@ -308,6 +311,8 @@ impl Journal {
             writer: Mutex::new(Some(writer)),
             alive,
             appended: AtomicU64::new(0),
+            #[cfg(test)]
+            appends: AtomicU64::new(0),
             base: AtomicU64::new(size),
             compacting: AtomicBool::new(false),
         })
@@ -372,6 +377,12 @@ impl Journal {
         self.append_frames(frame(rec))
     }
 
+    /// Appends waited for since the journal opened.
+    #[cfg(test)]
+    pub(crate) fn appends(&self) -> u64 {
+        self.appends.load(Ordering::Relaxed)
+    }
+
     /// Appends `recs` in one write and one `fdatasync` (shared with whatever else is
     /// queued); returns once every one is durable. A crash during the write keeps a
     /// prefix of them (replay stops at a torn frame).
@@ -387,6 +398,8 @@ impl Journal {
         };
         self.appended
             .fetch_add(frame.len() as u64, Ordering::Relaxed);
+        #[cfg(test)]
+        self.appends.fetch_add(1, Ordering::Relaxed);
         tx.send(Msg::Append(frame, done_tx))
             .map_err(|_| io::Error::other("journal writer stopped"))?;
         match done_rx.recv() {

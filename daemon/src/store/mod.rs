@@ -916,11 +916,20 @@ impl Store {
     }
 
     fn finish_evictions(&self, evicted: Vec<Evicted>) {
+        if evicted.is_empty() {
+            return;
+        }
+        // Every removal's record in one journal group (one wait for its `fdatasync`, not
+        // one per file: a fill that makes room for several files waited out several),
+        // durable before any data file goes.
+        let records: Vec<_> = evicted
+            .iter()
+            .map(|ev| Record::file_removed(&ev.key, ev.generation))
+            .collect();
+        if let Err(e) = self.journal.append_all(&records) {
+            tracing::warn!(error = %e, files = records.len(), "journal append failed during eviction");
+        }
         for ev in evicted {
-            let rec = Record::file_removed(&ev.key, ev.generation);
-            if let Err(e) = self.journal.append(&rec) {
-                tracing::warn!(error = %e, "journal append failed during eviction");
-            }
             match self.io.remove(&data_name(&ev.key, ev.generation)) {
                 Ok(()) => {}
                 Err(e) if e.kind() == stdio::ErrorKind::NotFound => {}

@@ -1241,3 +1241,57 @@ fn a_full_cache_evicts_ahead_from_one_look_at_its_policy() {
         assert_eq!(check(&s, f), usize::from(i >= evicted as usize), "file {i}");
     }
 }
+
+/// A fill that makes room for several files writes their removal records as one journal
+/// group: one wait for the journal's `fdatasync`, not one per evicted file (stack
+/// samples of docs/PYTHON.md's example on the testbed found many fill workers waiting
+/// in journal appends, one per eviction, while the fill they made room for waited).
+#[test]
+fn the_files_one_fill_evicts_are_journalled_in_one_append() {
+    let dir = tempfile::tempdir().unwrap();
+    let stats = Arc::new(Stats::default());
+    // 1 024 blocks: a fill into the full store evicts one file and 4 more ahead.
+    let capacity = 1024 * BS as u64;
+    let s = Store::open_with_policy(
+        &cfg(dir.path(), capacity),
+        stats.clone(),
+        Box::new(CountedLooks::default()),
+    )
+    .unwrap();
+    let files: Vec<Stat> = (0..1026)
+        .map(|i| stat(&format!("f{i}"), BS as u64, 1))
+        .collect();
+    for f in &files[..1023] {
+        fill(&s, f, 0).unwrap();
+    }
+    // What a fill that evicts nothing appends.
+    let before = s.journal.appends();
+    fill(&s, &files[1023], 0).unwrap();
+    let alone = s.journal.appends() - before;
+    assert_eq!(stats.evicted_files.load(Ordering::Relaxed), 0);
+    let before = s.journal.appends();
+    fill(&s, &files[1024], 0).unwrap();
+    let evicting = s.journal.appends() - before;
+    let evicted = stats.evicted_files.load(Ordering::Relaxed);
+    assert!(evicted >= 2, "{evicted} evicted");
+    assert_eq!(
+        evicting,
+        alone + 1,
+        "{evicted} files evicted in {} appends",
+        evicting - alone
+    );
+    // Gone from the store, and still gone after a reopen (their records are durable).
+    for f in &files[..evicted as usize] {
+        assert_eq!(check(&s, f), 0);
+    }
+    drop(s);
+    let s = Store::open_with_policy(
+        &cfg(dir.path(), capacity),
+        stats,
+        Box::new(CountedLooks::default()),
+    )
+    .unwrap();
+    for (i, f) in files[..1025].iter().enumerate() {
+        assert_eq!(check(&s, f), usize::from(i >= evicted as usize), "file {i}");
+    }
+}
