@@ -180,6 +180,7 @@ pub struct Peers {
     streams: Mutex<HashMap<String, Streams>>,
     streams_cv: parking_lot::Condvar,
     /// Block-stream connections dialled (past their handshakes) since the start.
+    #[cfg(test)]
     dials: std::sync::atomic::AtomicU64,
     timeout: Duration,
     stats: Arc<Stats>,
@@ -388,6 +389,7 @@ impl Peers {
             idle: Mutex::new(HashMap::new()),
             streams: Mutex::new(HashMap::new()),
             streams_cv: parking_lot::Condvar::new(),
+            #[cfg(test)]
             dials: std::sync::atomic::AtomicU64::new(0),
             tls,
             timeout: cfg.timeout,
@@ -1005,6 +1007,7 @@ impl Peers {
         };
         let session = wire::client_handshake(&mut s, &self.key)
             .map_err(|e| FetchError::Failed(format!("handshake: {e}")))?;
+        #[cfg(test)]
         self.dials
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(Conn { io: s, session })

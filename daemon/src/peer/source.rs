@@ -198,6 +198,49 @@ mod tests {
         cv: parking_lot::Condvar,
     }
 
+    impl Gate {
+        /// Blocks served from now on wait at the gate.
+        fn close(&self) {
+            self.state.lock().1 = false;
+        }
+
+        /// Every block waiting at the gate, and every later one, is served.
+        fn open(&self) {
+            self.state.lock().1 = true;
+            self.cv.notify_all();
+        }
+
+        /// Blocks waiting at the gate now.
+        fn held(&self) -> usize {
+            self.state.lock().0
+        }
+    }
+
+    /// `n` fetches of `t`'s block at once, each on a thread of `s`.
+    fn fetches_at_once<'s>(
+        s: &'s std::thread::Scope<'s, '_>,
+        fx: &'s Fx,
+        t: &'s Arc<Target>,
+        n: usize,
+    ) -> Vec<std::thread::ScopedJoinHandle<'s, Result<Fetched, SourceError>>> {
+        (0..n)
+            .map(|_| {
+                s.spawn(|| {
+                    let req = conformance::request(t, "/r", 0, BS);
+                    fx.source.fetch(&req, &mut Vec::new())
+                })
+            })
+            .collect()
+    }
+
+    /// Waits for `fetches`; each got its block.
+    fn each_got(fetches: Vec<std::thread::ScopedJoinHandle<'_, Result<Fetched, SourceError>>>) {
+        for f in fetches {
+            let got = f.join().unwrap();
+            assert!(matches!(got, Ok(Fetched::Got { .. })), "{got:?}");
+        }
+    }
+
     /// A provider whose reads wait at a [`Gate`] (at most 10 s) before they are served.
     #[derive(Debug)]
     struct Gated {
@@ -238,19 +281,12 @@ mod tests {
         let b = fx.b.view().1;
         let n = 4 * MAX_STREAMS;
         std::thread::scope(|s| {
-            let fetches: Vec<_> = (0..n)
-                .map(|_| {
-                    s.spawn(|| {
-                        let req = conformance::request(&t, "/r", 0, BS);
-                        fx.source.fetch(&req, &mut Vec::new())
-                    })
-                })
-                .collect();
+            let fetches = fetches_at_once(s, &fx, &t, n);
             // Every fetch is either at the peer (held at the gate) or waiting for a
             // stream — or more than the bound reached the peer.
             let deadline = std::time::Instant::now() + Duration::from_secs(10);
             let at_peer = loop {
-                let at_peer = gate.state.lock().0;
+                let at_peer = gate.held();
                 let (_, waiting) = fx.a.streams(&b);
                 if at_peer + waiting == n || at_peer > MAX_STREAMS {
                     break at_peer;
@@ -263,12 +299,8 @@ mod tests {
             };
             assert_eq!(at_peer, MAX_STREAMS, "fetches served at once");
             assert!(fx.server.data.open() <= MAX_STREAMS, "streams open");
-            gate.state.lock().1 = true;
-            gate.cv.notify_all();
-            for f in fetches {
-                let got = f.join().unwrap();
-                assert!(matches!(got, Ok(Fetched::Got { .. })), "{got:?}");
-            }
+            gate.open();
+            each_got(fetches);
         });
         assert_eq!(fx.a.streams(&b), (0, 0), "every stream given back");
         assert_eq!(fx.a.view().0.len(), 2, "the peer never marked down");
@@ -288,28 +320,17 @@ mod tests {
         let fx = fx_serving(move |p| Arc::new(Gated { inner: p, gate: g }));
         let t = fx.put("f", &[7u8; BS]);
         let burst = || {
-            gate.state.lock().1 = false;
+            gate.close();
             std::thread::scope(|s| {
-                let fetches: Vec<_> = (0..MAX_STREAMS)
-                    .map(|_| {
-                        s.spawn(|| {
-                            let req = conformance::request(&t, "/r", 0, BS);
-                            fx.source.fetch(&req, &mut Vec::new())
-                        })
-                    })
-                    .collect();
+                let fetches = fetches_at_once(s, &fx, &t, MAX_STREAMS);
                 // All of them at the peer at once, then served.
                 let deadline = std::time::Instant::now() + Duration::from_secs(10);
-                while gate.state.lock().0 < MAX_STREAMS {
+                while gate.held() < MAX_STREAMS {
                     assert!(std::time::Instant::now() < deadline, "fetches at the peer");
                     std::thread::sleep(Duration::from_millis(2));
                 }
-                gate.state.lock().1 = true;
-                gate.cv.notify_all();
-                for f in fetches {
-                    let got = f.join().unwrap();
-                    assert!(matches!(got, Ok(Fetched::Got { .. })), "{got:?}");
-                }
+                gate.open();
+                each_got(fetches);
             });
         };
         burst();
