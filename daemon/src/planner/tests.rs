@@ -440,6 +440,14 @@ fn read_by(n: usize, epoch: u64, world: u64, rank: u64, k: usize) -> usize {
     shuffle::rank_order(n as u64, 7, epoch, world, rank, false)[k] as usize
 }
 
+/// The files rank 0 (this node's) reads in epochs 0 and 1.
+fn read_by_rank_0(n: usize, world: u64) -> std::collections::HashSet<usize> {
+    (0..2)
+        .flat_map(|e| shuffle::rank_order(n as u64, 7, e, world, 0, false))
+        .map(|f| f as usize)
+        .collect()
+}
+
 #[test]
 fn cluster_mode_keeps_what_other_ranks_read_next_until_they_took_it() {
     let (n, world) = (40usize, 4u64);
@@ -450,10 +458,7 @@ fn cluster_mode_keeps_what_other_ranks_read_next_until_they_took_it() {
     // Rank 2 reads `soon` at its first step of epoch 1; `late` is read by nobody but
     // rank 2, at its last step of epoch 1 (and this node's rank 0 reads neither in
     // epoch 0 or 1 — pick such files).
-    let mine: std::collections::HashSet<usize> = (0..2)
-        .flat_map(|e| shuffle::rank_order(n as u64, 7, e, world, 0, false))
-        .map(|f| f as usize)
-        .collect();
+    let mine = read_by_rank_0(n, world);
     let soon = read_by(n, 1, world, 2, 0);
     let late = read_by(n, 1, world, 2, 9);
     if mine.contains(&soon) || mine.contains(&late) {
@@ -493,10 +498,7 @@ fn other_ranks_reads_rekey_resident_files_off_the_open_path() {
     p.set_cluster(true);
     p.register("j", fs.clone(), shuffle_of(world, vec![0], 3))
         .unwrap();
-    let mine: std::collections::HashSet<usize> = (0..2)
-        .flat_map(|e| shuffle::rank_order(n as u64, 7, e, world, 0, false))
-        .map(|f| f as usize)
-        .collect();
+    let mine = read_by_rank_0(n, world);
     // Rank 2 reads `g` at its third step of epoch 0; this node's rank 0 never does.
     let g = read_by(n, 0, world, 2, 2);
     if mine.contains(&g) {
