@@ -441,6 +441,25 @@ impl Daemon {
     pub fn counters(&self) -> shardcache_client::Counters {
         self.status().counters
     }
+
+    /// The daemon's counters once `holds` is true of them (a count the daemon makes
+    /// after its answer went out, e.g. a block served to a peer), asking at most for
+    /// 10 s; panics with `what` if it never holds.
+    pub fn counters_once(
+        &self,
+        what: &str,
+        holds: impl Fn(&shardcache_client::Counters) -> bool,
+    ) -> shardcache_client::Counters {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let c = self.counters();
+            if holds(&c) {
+                return c;
+            }
+            assert!(Instant::now() < deadline, "never counted: {what}");
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
 }
 
 impl Drop for Daemon {

@@ -16,8 +16,8 @@
 //! planner (the store's policy: a file used, a file cached or dropped; the jobs: a read
 //! that may move a job's position) is [deferred](Plans::defer) into a short-lock queue,
 //! and applied, in order, by whoever takes the planner lock next ([`Plans::planner`]):
-//! the prefetcher every round (an open wakes it), the store's policy when it chooses a
-//! victim, the jobs' status. A read applied to a job is handed back to the jobs for
+//! the prefetcher every round (an open wakes it), the store's policy when it chooses
+//! victims (outside the store's index lock), the jobs' status. A read applied to a job is handed back to the jobs for
 //! their accounting ([`Plans::take_applied`]). The queue is bounded: past
 //! [`MAX_DEFERRED`] entries the thread that adds one applies them itself (the
 //! prefetcher drains it every round, so only an idle or absent prefetcher lets it
@@ -156,8 +156,9 @@ impl Plans {
     }
 
     /// The planner, locked, with every deferred update applied first. Lock order: the
-    /// store's index lock (the policy is called under it), then this one; never the
-    /// other way round. Never called on a client's open (see the module doc).
+    /// store's policy lock (the policy is called under it), then this one; never the
+    /// other way round, and never under the store's index lock. Never called on a
+    /// client's open (see the module doc).
     pub fn planner(&self) -> MutexGuard<'_, Planner> {
         let mut p = self.planner.lock();
         self.apply(&mut p);

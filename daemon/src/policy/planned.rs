@@ -9,11 +9,12 @@
 //! the cluster, and the copies a cluster placement moves between nodes may take the
 //! store over its capacity while they are exchanged ([`EvictionPolicy::overcommit`]).
 //!
-//! Called by the store with its index lock held. What a client's open causes (a file
-//! used, cached or dropped) is deferred ([`Plans::defer`]: no planner lock on the open
-//! path); choosing a victim or admitting a fill takes the planner lock inside the index
-//! lock (the lock order is store → planner), applying the deferred updates first. No
-//! I/O.
+//! Called by the store under its policy lock, never its index lock (the store logs what
+//! happens to its entries and tells the policy at its next look). What a client's open
+//! causes (a file used, cached or dropped) is deferred ([`Plans::defer`]: no planner
+//! lock on the open path); choosing victims or judging them for a fill takes the
+//! planner lock inside the policy lock (the lock order is store → planner), applying
+//! the deferred updates first, once per look ([`EvictionPolicy::verdicts`]). No I/O.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -21,7 +22,7 @@ use std::sync::Arc;
 use super::{Deferred, Members, Plans, ownership::owner_of};
 use crate::planner::{FileRef, Need, Planner};
 use crate::store::Key;
-use crate::store::evict::{EvictionPolicy, Lru};
+use crate::store::evict::{EvictionPolicy, Lru, Verdict};
 
 /// See the module doc.
 #[derive(Debug)]
@@ -119,42 +120,8 @@ impl EvictionPolicy for PlannedPolicy {
         let (Some(f), Some(v)) = (self.plans.file_ref(root, path), self.files.get(victim)) else {
             return true;
         };
-        if let Some(owned) = self.owner_test() {
-            let (incoming, victim, placed) = {
-                let p = self.plans.planner();
-                let placed = p.protects(&f).is_some() && p.protects(v).is_some();
-                (owned(&p, &f), owned(&p, v), placed)
-            };
-            match (incoming, victim) {
-                // Under a cluster placement, its copies never displace each other (the
-                // store goes over capacity by the copies leaving, see `overcommit`).
-                (true, true) if placed => return false,
-                // A local copy never displaces the cluster's copy of another file.
-                (false, true) => return false,
-                // The cluster's copy displaces a local copy; and a local copy displaces
-                // another: refetching one from its owner costs a transfer between nodes,
-                // not reading the shared file system (which is what a client turned away
-                // here would do).
-                (true, false) | (false, false) => return true,
-                (true, true) => {}
-            }
-        }
-        let mut p = self.plans.planner();
-        if !p.has_jobs() {
-            return true;
-        }
-        let (incoming, needed) = (p.need(&f), p.need(v));
-        if incoming == Need::Never && needed == Need::Never {
-            return true; // neither is planned: least recently used goes
-        }
-        if !needed.later_than(incoming) {
-            return false; // everything cached is needed sooner: bypass
-        }
-        // A prefetch decided a moment ago is checked again against the epoch rule.
-        !prefetch || {
-            let epoch = p.use_epoch(&f);
-            p.may_evict_for_prefetch(v, epoch)
-        }
+        let owned = self.owner_test();
+        admits_with(&mut self.plans.planner(), owned.as_ref(), &f, v, prefetch)
     }
 
     /// When both are copies a cluster placement keeps here: the copies this node keeps
@@ -165,22 +132,117 @@ impl EvictionPolicy for PlannedPolicy {
         let (Some(f), Some(v)) = (self.plans.file_ref(root, path), self.files.get(victim)) else {
             return 0;
         };
-        let departing = {
+        {
             let p = self.plans.planner();
             if p.protects(&f) != Some(true) || p.protects(v) != Some(true) {
                 return 0;
             }
-            p.departing()
+        }
+        self.departing_bytes()
+    }
+
+    /// One planner lock for every victim of a look (two when some may go over the
+    /// capacity instead), not two per victim.
+    fn verdicts(
+        &mut self,
+        root: &str,
+        path: &str,
+        victims: &[Key],
+        prefetch: bool,
+    ) -> Vec<Verdict> {
+        let free = Verdict {
+            admits: true,
+            overcommit: 0,
         };
+        let Some(f) = self.plans.file_ref(root, path) else {
+            return vec![free; victims.len()];
+        };
+        let owned = self.owner_test();
+        let mut both_kept = false;
+        let mut out: Vec<(Verdict, bool)> = {
+            let mut p = self.plans.planner();
+            let incoming_kept = p.protects(&f) == Some(true);
+            victims
+                .iter()
+                .map(|victim| match self.files.get(victim) {
+                    None => (free, false),
+                    Some(v) => {
+                        let kept = incoming_kept && p.protects(v) == Some(true);
+                        both_kept |= kept;
+                        let admits = admits_with(&mut p, owned.as_ref(), &f, v, prefetch);
+                        (Verdict { admits, ..free }, kept)
+                    }
+                })
+                .collect()
+        };
+        if both_kept {
+            let departing = self.departing_bytes();
+            for (v, kept) in &mut out {
+                if *kept {
+                    v.overcommit = departing;
+                }
+            }
+        }
+        out.into_iter().map(|(v, _)| v).collect()
+    }
+
+    fn order(&self) -> Vec<Key> {
+        self.lru.order()
+    }
+}
+
+impl PlannedPolicy {
+    /// The bytes of the copies this node keeps for other nodes until they take them
+    /// (the slots lock is taken after the planner's, not inside it).
+    fn departing_bytes(&self) -> u64 {
+        let departing = self.plans.planner().departing();
         let slots = self.plans.slots();
         departing
             .iter()
             .map(|(job, n)| n * slots.get(job).map_or(0, |s| s.unit_bytes))
             .sum()
     }
+}
 
-    fn order(&self) -> Vec<Key> {
-        self.lru.order()
+/// Whether a fill of `f` may evict `v` (see [`EvictionPolicy::admits`]), with the
+/// planner locked and `owned` the owner test when peers are on.
+fn admits_with(
+    p: &mut Planner,
+    owned: Option<&impl Fn(&Planner, &FileRef) -> bool>,
+    f: &FileRef,
+    v: &FileRef,
+    prefetch: bool,
+) -> bool {
+    if let Some(owned) = owned {
+        let placed = p.protects(f).is_some() && p.protects(v).is_some();
+        match (owned(p, f), owned(p, v)) {
+            // Under a cluster placement, its copies never displace each other (the
+            // store goes over capacity by the copies leaving, see `overcommit`).
+            (true, true) if placed => return false,
+            // A local copy never displaces the cluster's copy of another file.
+            (false, true) => return false,
+            // The cluster's copy displaces a local copy; and a local copy displaces
+            // another: refetching one from its owner costs a transfer between nodes,
+            // not reading the shared file system (which is what a client turned away
+            // here would do).
+            (true, false) | (false, false) => return true,
+            (true, true) => {}
+        }
+    }
+    if !p.has_jobs() {
+        return true;
+    }
+    let (incoming, needed) = (p.need(f), p.need(v));
+    if incoming == Need::Never && needed == Need::Never {
+        return true; // neither is planned: least recently used goes
+    }
+    if !needed.later_than(incoming) {
+        return false; // everything cached is needed sooner: bypass
+    }
+    // A prefetch decided a moment ago is checked again against the epoch rule.
+    !prefetch || {
+        let epoch = p.use_epoch(f);
+        p.may_evict_for_prefetch(v, epoch)
     }
 }
 

@@ -5,9 +5,13 @@
 //! plan. The plan-aware policy (evict what is needed farthest in the future) is
 //! `crate::policy::planned`; this module knows no plans, peers or clients.
 //!
-//! A policy sees keys and (root, path) names only, and is called under the index lock:
-//! it must not call back into the store, and touches no data file, journal or index
-//! entry (the store evicts what it names, after checking pins and running fills).
+//! A policy sees keys and (root, path) names only, and is called under the store's
+//! policy lock, never under its index lock: it hears of inserts, uses and removals a
+//! little after they happen (the index logs them; they are applied, in order, before
+//! each look), so what it names may have been used, pinned, filled or dropped since.
+//! It must not call back into the store, and touches no data file, journal or index
+//! entry: the store takes its choices and verdicts to the index, checks each victim
+//! there again (present, no fill running, not pinned) and evicts what still holds.
 
 use std::collections::BTreeMap;
 
@@ -15,6 +19,16 @@ use rustc_hash::FxHashMap as HashMap;
 use std::fmt;
 
 use super::Key;
+
+/// A policy's word on evicting one victim for one fill ([`EvictionPolicy::admits`],
+/// [`EvictionPolicy::overcommit`]), given before the store takes the index lock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Verdict {
+    /// The fill may evict the victim.
+    pub admits: bool,
+    /// How far the fill may take the store over its capacity instead, in bytes.
+    pub overcommit: u64,
+}
 
 /// Orders cached files for eviction.
 pub trait EvictionPolicy: Send + fmt::Debug {
@@ -50,6 +64,26 @@ pub trait EvictionPolicy: Send + fmt::Debug {
     /// before the other lets go. The default: 0.
     fn overcommit(&mut self, _root: &str, _path: &str, _victim: &Key) -> u64 {
         0
+    }
+
+    /// [`EvictionPolicy::admits`] and [`EvictionPolicy::overcommit`] of a fill of
+    /// `path` under `root` over each of `victims`, in order: what the store decides by
+    /// once it holds the index lock. A policy whose answers cost a lock of their own
+    /// takes it once here.
+    fn verdicts(
+        &mut self,
+        root: &str,
+        path: &str,
+        victims: &[Key],
+        prefetch: bool,
+    ) -> Vec<Verdict> {
+        victims
+            .iter()
+            .map(|v| Verdict {
+                admits: self.admits(root, path, v, prefetch),
+                overcommit: self.overcommit(root, path, v),
+            })
+            .collect()
     }
 
     /// Every file, least recently used first.

@@ -6,12 +6,13 @@
 //! Everything here runs under the store's index lock, so it does no I/O: no file is
 //! opened, unlinked or `statvfs`ed, and no journal record is written here. An entry
 //! that leaves comes back as an [`Evicted`], whose journal record and unlink the store
-//! does after the lock is released.
+//! does after the lock is released. Nor does it call the eviction policy: what the
+//! policy must hear (a file cached, used or dropped) is logged here ([`PolicyEvent`])
+//! and applied by the next holder of the store's policy lock.
 
 use rustc_hash::FxHashMap as HashMap;
 
 use super::Residency;
-use super::evict::EvictionPolicy;
 use super::key::{Key, PathKey, path_key};
 use super::pins::Pins;
 use super::space::FsSample;
@@ -78,7 +79,9 @@ pub(super) struct Index {
     pub(super) reserved: u64,
     /// Present blocks not yet checked since this start.
     pub(super) unverified: u64,
-    pub(super) policy: Box<dyn EvictionPolicy>,
+    /// What the eviction policy has yet to hear, in the order it happened (see
+    /// [`PolicyEvent`]).
+    pub(super) policy_log: Vec<PolicyEvent>,
     /// Files a reader is waiting on (see [`super::Store::pin`]).
     pub(super) pins: Pins,
     /// The cache file system's free space as last sampled (see [`super::space`]).
@@ -86,19 +89,32 @@ pub(super) struct Index {
 }
 
 impl Index {
-    /// An empty index ordering evictions by `policy`.
-    pub(super) fn new(policy: Box<dyn EvictionPolicy>) -> Self {
+    /// An empty index.
+    pub(super) fn new() -> Self {
         Self {
             files: HashMap::default(),
             by_path: HashMap::default(),
             used: 0,
             reserved: 0,
             unverified: 0,
-            policy,
+            policy_log: Vec::new(),
             pins: Pins::default(),
             fs: FsSample::default(),
         }
     }
+}
+
+/// What the eviction policy must hear of the index, logged under the index lock and
+/// applied under the policy's own lock (`super::Store::policy`): no index lock holder
+/// waits for the policy, whose choices may take the planner's lock.
+#[derive(Debug)]
+pub(super) enum PolicyEvent {
+    /// A file version entered the index (root name, path).
+    Insert(Key, String, String),
+    /// A file version was used.
+    Touch(Key),
+    /// A file version left the index.
+    Remove(Key),
 }
 
 /// A file that left the index and whose data file is still to be removed.
@@ -144,7 +160,7 @@ pub(super) fn residency_locked(idx: &Index, root: &str, path: &str) -> Option<Re
 /// Takes `key` out of the index and the policy, keeping the counts right.
 pub(super) fn evict_locked(idx: &mut Index, key: &Key) -> Option<Evicted> {
     let e = idx.files.remove(key)?;
-    idx.policy.remove(key);
+    idx.policy_log.push(PolicyEvent::Remove(*key));
     let pkey = path_key(&e.root, &e.path);
     if idx.by_path.get(&pkey) == Some(key) {
         idx.by_path.remove(&pkey);

@@ -77,7 +77,7 @@ use crate::config::SizeSpec;
 use crate::stats::{Stats, add, inc};
 use evict::{EvictionPolicy, Lru};
 use index::{
-    BlockMeta, Entry, Evicted, Index, evict_locked, nblocks, residency_locked,
+    BlockMeta, Entry, Evicted, Index, PolicyEvent, evict_locked, nblocks, residency_locked,
     retire_other_versions,
 };
 use io::{BlockIo, IoEngine};
@@ -221,6 +221,9 @@ pub struct Store {
     /// The engine of every write and check of a data file (see [`io`]).
     io: Arc<dyn BlockIo>,
     index: Mutex<Index>,
+    /// The eviction policy, behind a lock of its own, taken before the index lock and
+    /// never under it (see [`Store::policy`]).
+    policy: Mutex<Box<dyn EvictionPolicy>>,
     journal: Journal,
     space: Space,
     block_size: u32,
@@ -272,8 +275,27 @@ impl Store {
         self.io.engine()
     }
 
-    fn lock(&self) -> MutexGuard<'_, Index> {
-        self.index.lock()
+    fn lock(&self) -> IndexGuard<'_> {
+        IndexGuard {
+            guard: Some(self.index.lock()),
+            store: self,
+        }
+    }
+
+    /// Runs `f` on the eviction policy, locked, having told it everything the index
+    /// logged for it ([`index::PolicyEvent`]), and tells it what was logged meanwhile
+    /// before letting go. Lock order: this lock, then the index lock (briefly, to take
+    /// the log), then whatever the policy takes (the planner's); no index lock holder
+    /// ever waits for this one (see [`IndexGuard`]), so a policy's slow look holds up
+    /// the fills that need victims, never an open.
+    fn with_policy<R>(&self, f: impl FnOnce(&mut dyn EvictionPolicy) -> R) -> R {
+        let mut p = self.policy.lock();
+        let log = std::mem::take(&mut self.index.lock().policy_log);
+        tell(&mut **p, log);
+        let r = f(&mut **p);
+        let log = std::mem::take(&mut self.index.lock().policy_log);
+        tell(&mut **p, log);
+        r
     }
 
     /// Opens a data file read-only (a fresh open file description each time, so that
@@ -314,7 +336,7 @@ impl Store {
                     data_gen: 0,
                 });
             }
-            idx.policy.touch(key);
+            idx.policy_log.push(PolicyEvent::Touch(key));
             let e = &idx.files[&key];
             // The first unverified blocks, up to VERIFY_PER_VIEW bytes (at least one):
             // a small file is checked whole at its open; a large one a part at a time,
@@ -386,9 +408,9 @@ impl Store {
     /// Files cached whole (every block present), least recently used first, as
     /// (root name, path, size).
     pub fn cached_files(&self) -> Vec<(String, String, u64)> {
+        let order = self.with_policy(|p| p.order());
         let idx = self.lock();
-        idx.policy
-            .order()
+        order
             .iter()
             .filter_map(|k| idx.files.get(k))
             .filter(|e| e.blocks.iter().all(Option::is_some))
@@ -533,9 +555,13 @@ impl Store {
             self.verify_blocks(key, generation, &[(i, meta)]);
         }
         let mut evicted = Vec::new();
-        let result = (|| {
+        let mut making = room::Making::default();
+        let result = loop {
             // The file system is asked (when the last sample is stale) before the lock.
-            let sample = self.space.sample_due()?;
+            let sample = match self.space.sample_due() {
+                Ok(s) => s,
+                Err(e) => break Err(e.into()),
+            };
             let mut idx = self.lock();
             let used = idx.used;
             idx.fs.update(sample, used);
@@ -554,43 +580,65 @@ impl Store {
                     doomed: false,
                 };
                 idx.files.insert(*key, e);
-                idx.policy.insert(*key, root, &stat.path);
+                idx.policy_log.push(PolicyEvent::Insert(
+                    *key,
+                    root.to_owned(),
+                    stat.path.clone(),
+                ));
                 idx.by_path.insert(path_key(root, &stat.path), *key);
             }
-            let e = idx.files.get(key).ok_or(StoreError::Gone)?;
+            let Some(e) = idx.files.get(key) else {
+                break Err(StoreError::Gone);
+            };
             if e.doomed {
-                return Err(StoreError::Gone);
+                break Err(StoreError::Gone);
             }
             match e.blocks.get(i) {
-                None => return Err(StoreError::Gone),
-                Some(Some(_)) => return Ok(None),
+                None => break Err(StoreError::Gone),
+                Some(Some(_)) => break Ok(None),
                 Some(None) => {}
             }
             let len = e.block_len(i);
             let offset = i as u64 * e.block_size as u64;
-            room::make_room(
+            let wanted = room::Wanted {
+                key,
+                root,
+                path: &stat.path,
+                len: len as u64,
+                prefetch,
+                dir: &self.dir,
+            };
+            match room::make_room(
                 &mut idx,
                 &self.space,
                 &self.stats,
-                &room::Wanted {
-                    key,
-                    root,
-                    path: &stat.path,
-                    len: len as u64,
-                    prefetch,
-                    dir: &self.dir,
-                },
+                &wanted,
+                &mut making,
                 &mut evicted,
-            )?;
+            ) {
+                Ok(room::Made::Room) => {}
+                Ok(room::Made::Look) => {
+                    // Victims are chosen without the index lock (see `room`).
+                    drop(idx);
+                    if making.looks < room::MAX_LOOKS
+                        && self.with_policy(|p| room::choose(p, &wanted, &mut making))
+                    {
+                        continue;
+                    }
+                    inc(&self.stats.fills_no_space);
+                    break Err(StoreError::NoSpace);
+                }
+                Err(e) => break Err(e),
+            }
             idx.reserved += len as u64;
             idx.files.get_mut(key).expect("checked above").filling += 1;
-            Ok(Some(Permit {
+            break Ok(Some(Permit {
                 key: *key,
                 index: i,
                 len,
                 offset,
-            }))
-        })();
+            }));
+        };
         if result.is_err() {
             // Do not keep an entry that a refused fill created and nothing fills.
             let mut idx = self.lock();
@@ -998,6 +1046,57 @@ impl Store {
 const CREATE_STRIPES: usize = 256;
 
 /// The creation locks of a store.
+/// Tells `p` what the index logged for it, in order.
+fn tell(p: &mut dyn EvictionPolicy, log: Vec<PolicyEvent>) {
+    for ev in log {
+        match ev {
+            PolicyEvent::Insert(k, root, path) => p.insert(k, &root, &path),
+            PolicyEvent::Touch(k) => p.touch(k),
+            PolicyEvent::Remove(k) => p.remove(&k),
+        }
+    }
+}
+
+/// The index, locked (see [`Store::lock`]). On release, what it logged for the policy
+/// is told to the policy by this thread when the policy lock is free, and left for its
+/// holder otherwise (who tells it before letting go, [`Store::with_policy`]): never
+/// waited for. The log is taken under both locks and told under the policy's, so the
+/// policy hears everything in the order it happened.
+struct IndexGuard<'a> {
+    guard: Option<MutexGuard<'a, Index>>,
+    store: &'a Store,
+}
+
+impl std::ops::Deref for IndexGuard<'_> {
+    type Target = Index;
+    fn deref(&self) -> &Index {
+        self.guard.as_ref().expect("held until dropped")
+    }
+}
+
+impl std::ops::DerefMut for IndexGuard<'_> {
+    fn deref_mut(&mut self) -> &mut Index {
+        self.guard.as_mut().expect("held until dropped")
+    }
+}
+
+impl Drop for IndexGuard<'_> {
+    fn drop(&mut self) {
+        let Some(mut g) = self.guard.take() else {
+            return;
+        };
+        if g.policy_log.is_empty() {
+            return;
+        }
+        // (A try: the lock order is policy, then index.)
+        if let Some(mut p) = self.store.policy.try_lock() {
+            let log = std::mem::take(&mut g.policy_log);
+            drop(g);
+            tell(&mut **p, log);
+        }
+    }
+}
+
 pub(super) fn create_stripes() -> Box<[Mutex<()>]> {
     (0..CREATE_STRIPES).map(|_| Mutex::new(())).collect()
 }

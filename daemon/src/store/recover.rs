@@ -121,7 +121,8 @@ impl Store {
         });
         remove_orphans(&data_dir, &files);
 
-        let mut index = Index::new(policy);
+        let mut policy = policy;
+        let mut index = Index::new();
         // No block is trusted for what a previous run did, however it ended: each is
         // checked against its checksum before it is first handed out (`view`, `begin_fill`,
         // `read_block_into`) or by the background scrub.
@@ -132,7 +133,7 @@ impl Store {
                 index.used += b.len as u64;
                 e.bytes += b.len as u64;
             }
-            index.policy.insert(key, &e.root, &e.path);
+            policy.insert(key, &e.root, &e.path);
             index.by_path.insert(path_key(&e.root, &e.path), key);
             index.files.insert(key, e);
         }
@@ -159,6 +160,7 @@ impl Store {
             )?,
             io,
             index: Mutex::new(index),
+            policy: Mutex::new(policy),
             journal,
             space,
             block_size: cfg.block_size,

@@ -6,6 +6,7 @@ use std::fs::OpenOptions;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::atomic::AtomicUsize;
+use std::time::Duration;
 
 const BS: u32 = 4096;
 
@@ -1172,6 +1173,10 @@ fn a_view_racing_a_landing_never_reports_blocks_without_a_descriptor() {
 struct CountedLooks {
     lru: crate::store::evict::Lru,
     looks: Arc<AtomicUsize>,
+    /// Each look says so here, then waits while the test holds `gate` (as
+    /// `PlannedPolicy`'s waits for the planner's lock).
+    looking: Option<Mutex<std::sync::mpsc::Sender<()>>>,
+    gate: Arc<Mutex<()>>,
 }
 
 impl EvictionPolicy for CountedLooks {
@@ -1189,6 +1194,10 @@ impl EvictionPolicy for CountedLooks {
     }
     fn victims(&mut self, max: usize, evictable: &dyn Fn(&Key) -> bool) -> Vec<Key> {
         self.looks.fetch_add(1, Ordering::Relaxed);
+        if let Some(tx) = &self.looking {
+            let _ = tx.lock().send(());
+        }
+        drop(self.gate.lock());
         self.lru
             .order()
             .into_iter()
@@ -1294,4 +1303,112 @@ fn the_files_one_fill_evicts_are_journalled_in_one_append() {
     for (i, f) in files[..1025].iter().enumerate() {
         assert_eq!(check(&s, f), usize::from(i >= evicted as usize), "file {i}");
     }
+}
+
+/// A fill that must evict asks the policy for victims without the index lock: while its
+/// look waits (a plan-aware policy's look takes the planner's lock, held by the
+/// prefetcher's simulation or a status), opens of cached files, residency checks and
+/// pins are answered. Stack samples of docs/PYTHON.md's example found every connection
+/// thread queued on the index lock behind such a look, for seconds: clients timed out
+/// and read the shared file system themselves.
+#[test]
+fn an_open_does_not_wait_for_a_fill_choosing_victims() {
+    let dir = tempfile::tempdir().unwrap();
+    let stats = Arc::new(Stats::default());
+    let (looking, looks_started) = std::sync::mpsc::channel();
+    let gate = Arc::new(Mutex::new(()));
+    let policy = CountedLooks {
+        looking: Some(Mutex::new(looking)),
+        gate: gate.clone(),
+        ..CountedLooks::default()
+    };
+    let capacity = 64 * BS as u64;
+    let s = Store::open_with_policy(&cfg(dir.path(), capacity), stats.clone(), Box::new(policy))
+        .unwrap();
+    let files: Vec<Stat> = (0..65)
+        .map(|i| stat(&format!("f{i}"), BS as u64, 1))
+        .collect();
+    for f in &files[..64] {
+        fill(&s, f, 0).unwrap();
+    }
+    let held = gate.lock();
+    let (answered, answers) = std::sync::mpsc::channel();
+    let (filled, opened) = std::thread::scope(|sc| {
+        let filling = sc.spawn(|| fill(&s, &files[64], 0));
+        looks_started
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the fill into the full store looks for victims");
+        let opening = sc.spawn(|| {
+            for f in &files[32..64] {
+                let v = s.view("/r", f).unwrap();
+                let cached = s.is_cached("/r", &f.path);
+                s.pin(&v.key, Instant::now() + Duration::from_secs(1));
+                let _ = answered.send((v.npresent, cached));
+            }
+        });
+        let got: Vec<_> = (32..64)
+            .map_while(|_| answers.recv_timeout(Duration::from_secs(5)).ok())
+            .collect();
+        drop(held);
+        opening.join().unwrap();
+        (filling.join().unwrap(), got)
+    });
+    assert_eq!(
+        opened,
+        vec![(1, true); 32],
+        "opens answered while a fill's look at the policy waited"
+    );
+    filled.unwrap();
+    // The look named the least recently used; the pinned files stayed.
+    assert_eq!(check(&s, &files[0]), 0);
+    assert!(files[32..].iter().all(|f| check(&s, f) == 1));
+}
+
+/// The policy hears of what happens to the index through a log, told to it by the
+/// thread releasing the index lock, or, while a look holds the policy, by that look
+/// before it lets go: nothing is left in the log once the policy is free.
+#[test]
+fn the_policy_hears_everything_once_it_is_free() {
+    let dir = tempfile::tempdir().unwrap();
+    let (looking, looks_started) = std::sync::mpsc::channel();
+    let gate = Arc::new(Mutex::new(()));
+    let policy = CountedLooks {
+        looking: Some(Mutex::new(looking)),
+        gate: gate.clone(),
+        ..CountedLooks::default()
+    };
+    let s = Store::open_with_policy(
+        &cfg(dir.path(), 4 * BS as u64),
+        Arc::new(Stats::default()),
+        Box::new(policy),
+    )
+    .unwrap();
+    let files: Vec<Stat> = (0..6)
+        .map(|i| stat(&format!("f{i}"), BS as u64, 1))
+        .collect();
+    for f in &files[..4] {
+        fill(&s, f, 0).unwrap();
+        assert!(s.index.lock().policy_log.is_empty());
+    }
+    let held = gate.lock();
+    std::thread::scope(|sc| {
+        let filling = sc.spawn(|| fill(&s, &files[4], 0));
+        looks_started
+            .recv_timeout(Duration::from_secs(10))
+            .expect("a look");
+        // Used while the look holds the policy: logged, not told yet.
+        // (f0 is the look's first victim, and goes for f4.)
+        s.view("/r", &files[1]).unwrap();
+        assert_eq!(s.index.lock().policy_log.len(), 1);
+        drop(held);
+        filling.join().unwrap().unwrap();
+    });
+    assert!(
+        s.index.lock().policy_log.is_empty(),
+        "told before the look let go"
+    );
+    // The use was heard: the next victim is f2, not f1.
+    fill(&s, &files[5], 0).unwrap();
+    let kept: Vec<usize> = (0..6).filter(|&i| check(&s, &files[i]) == 1).collect();
+    assert_eq!(kept, vec![1, 3, 4, 5]);
 }
