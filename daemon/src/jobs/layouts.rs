@@ -30,19 +30,55 @@ const BYTES_HEADROOM_PER_MILLE: u64 = 3;
 /// ([`Jobs::sync_placements`]); the rest waits for the next round, which starts at once.
 const PLACEMENT_SYNC_BUDGET: Duration = Duration::from_millis(50);
 
+/// How long one chunk of the cluster placement's simulation may hold the planner lock,
+/// about: every fetch from a peer asks the planner who holds the file, and the status
+/// waits for it too. A fixed chunk of [`crate::planner::PLACEMENT_CHUNK_READS`] reads
+/// held it for seconds under docs/PYTHON.md's example on the testbed (stack samples: 62
+/// fill workers and the status waiting on the lock, its holder in the simulation's
+/// victim scan).
+pub(super) const PLACEMENT_CHUNK_TIME: Duration = Duration::from_millis(5);
+
+/// Fewest simulated reads per chunk.
+const MIN_CHUNK_READS: u64 = 256;
+
+/// The next chunk after one of `chunk` reads that held the planner lock for `took`:
+/// halved past [`PLACEMENT_CHUNK_TIME`], doubled under a quarter of it, within
+/// [`MIN_CHUNK_READS`] and [`crate::planner::PLACEMENT_CHUNK_READS`].
+fn next_chunk(chunk: u64, took: Duration) -> u64 {
+    if took > PLACEMENT_CHUNK_TIME {
+        (chunk / 2).max(MIN_CHUNK_READS)
+    } else if took < PLACEMENT_CHUNK_TIME / 4 {
+        chunk
+            .saturating_mul(2)
+            .min(crate::planner::PLACEMENT_CHUNK_READS)
+    } else {
+        chunk
+    }
+}
+
 impl Jobs {
     /// Brings every shuffle's cluster placement after its position (reads and position
-    /// reports only move positions: [`crate::planner::Planner::sync_placements`]),
-    /// [`crate::planner::PLACEMENT_CHUNK_READS`] simulated reads per taking of the planner
-    /// lock, for at most [`PLACEMENT_SYNC_BUDGET`]; past it, another round is asked for
-    /// at once.
+    /// reports only move positions: [`crate::planner::Planner::sync_placements`]), in
+    /// chunks of simulated reads, one taking of the planner lock each, for at most
+    /// [`PLACEMENT_SYNC_BUDGET`]; past it, another round is asked for at once. A chunk
+    /// is fitted to hold the lock about [`PLACEMENT_CHUNK_TIME`] ([`next_chunk`]).
     pub(super) fn sync_placements(&self) {
         let start = Instant::now();
-        while !self
-            .plans
-            .planner()
-            .sync_placements(crate::planner::PLACEMENT_CHUNK_READS)
-        {
+        loop {
+            let chunk = self.placement_chunk.load(Ordering::Relaxed);
+            let done = {
+                let mut p = self.plans.planner();
+                let t = Instant::now();
+                let done = p.sync_placements(chunk);
+                let took = t.elapsed();
+                drop(p);
+                self.placement_chunk
+                    .store(next_chunk(chunk, took), Ordering::Relaxed);
+                done
+            };
+            if done {
+                return;
+            }
             if start.elapsed() >= PLACEMENT_SYNC_BUDGET {
                 self.wake.notify();
                 return;
@@ -110,5 +146,40 @@ impl Jobs {
                 self.plans.planner().install_placement(&job, p);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The chunk halves while a taking holds the planner lock too long, down to its
+    /// floor, and grows back, up to its ceiling, while takings are short.
+    #[test]
+    fn the_placement_chunk_follows_how_long_it_held_the_lock() {
+        let max = crate::planner::PLACEMENT_CHUNK_READS;
+        let slow = PLACEMENT_CHUNK_TIME * 40;
+        let mut c = max;
+        let mut halvings = 0;
+        while c > MIN_CHUNK_READS {
+            c = next_chunk(c, slow);
+            halvings += 1;
+            assert!(halvings <= 64);
+        }
+        assert_eq!(c, MIN_CHUNK_READS);
+        assert_eq!(
+            next_chunk(c, slow),
+            MIN_CHUNK_READS,
+            "never below the floor"
+        );
+        assert_eq!(
+            next_chunk(c, PLACEMENT_CHUNK_TIME / 2),
+            c,
+            "kept when about right"
+        );
+        while c < max {
+            c = next_chunk(c, Duration::ZERO);
+        }
+        assert_eq!(next_chunk(c, Duration::ZERO), max, "never past the ceiling");
     }
 }

@@ -179,6 +179,9 @@ pub struct Jobs {
     read: Mutex<Vec<FileRef>>,
     /// False once the prefetch thread has ended (for the liveness probe).
     prefetcher_alive: Arc<AtomicBool>,
+    /// Simulated reads of the cluster placement per taking of the planner lock, fitted
+    /// to [`layouts::PLACEMENT_CHUNK_TIME`] (see [`Jobs::sync_placements`]).
+    placement_chunk: AtomicU64,
     /// The tag of the job an open of each planned file is reported under (the first
     /// registered job that plans it): answered without the planner lock.
     tags: RwLock<HashMap<FileRef, u64>>,
@@ -223,6 +226,7 @@ impl Jobs {
             read: Mutex::new(Vec::new()),
             instruments,
             prefetcher_alive: Arc::new(AtomicBool::new(false)),
+            placement_chunk: AtomicU64::new(crate::planner::PLACEMENT_CHUNK_READS),
             tags: RwLock::new(HashMap::default()),
             clock: Arc::new(SystemClock),
             procs: Arc::new(ProcFs),

@@ -200,9 +200,12 @@ pub const MAX_READ_AHEAD: usize = 8192;
 /// and pass it.
 pub const READ_WINDOW: u64 = 2 * MAX_READ_AHEAD as u64;
 
-/// Simulated reads of the cluster placement per taking of the planner lock
+/// Most simulated reads of the cluster placement per taking of the planner lock
 /// ([`Planner::sync_placements`]): about 10–50 ms of the simulation at 1.28 M files
-/// (`shardcache-bench placement-scale`), every round of a small cluster's epoch.
+/// (`shardcache-bench placement-scale`), every round of a small cluster's epoch. The
+/// daemon's prefetcher fits its chunks below it to hold the lock about 5 ms each
+/// (`jobs::layouts::PLACEMENT_CHUNK_TIME`): with 4 nodes a chunk of this many held it
+/// for seconds.
 pub const PLACEMENT_CHUNK_READS: u64 = 1 << 16;
 
 /// Rounds the cluster placement runs ahead of the job's position, at most: the moves it

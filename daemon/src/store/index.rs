@@ -105,7 +105,7 @@ impl Index {
 }
 
 /// What the eviction policy must hear of the index, logged under the index lock and
-/// applied under the policy's own lock (`super::Store::policy`): no index lock holder
+/// applied under the policy's own lock (`super::Store::with_policy`): no index lock holder
 /// waits for the policy, whose choices may take the planner's lock.
 #[derive(Debug)]
 pub(super) enum PolicyEvent {

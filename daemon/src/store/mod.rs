@@ -222,7 +222,7 @@ pub struct Store {
     io: Arc<dyn BlockIo>,
     index: Mutex<Index>,
     /// The eviction policy, behind a lock of its own, taken before the index lock and
-    /// never under it (see [`Store::policy`]).
+    /// never under it (see [`Store::with_policy`]).
     policy: Mutex<Box<dyn EvictionPolicy>>,
     journal: Journal,
     space: Space,
