@@ -462,6 +462,27 @@ impl Daemon {
     }
 }
 
+/// A TCP port on 127.0.0.1 free now, for a daemon to listen on (a peer port). Taken
+/// below the kernel's ephemeral range (32768 and up here), each call of a process a
+/// different one: a port from binding port 0 comes from that range, where any test's
+/// outgoing connection, or another test's next port-0 bind, may take it again before
+/// the daemon binds it (seen: a node restarted on its port found it in use).
+pub fn free_port() -> u16 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    const BASE: u32 = 20_000;
+    const SPAN: u32 = 12_000;
+    let start = std::process::id().wrapping_mul(7919);
+    for _ in 0..SPAN {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = (BASE + start.wrapping_add(n) % SPAN) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in {BASE}..{}", BASE + SPAN);
+}
+
 impl Drop for Daemon {
     fn drop(&mut self) {
         if let Some(mut c) = self.child.take() {

@@ -151,10 +151,6 @@ impl Drop for Testbed {
     }
 }
 
-fn free_port() -> anyhow::Result<u16> {
-    Ok(TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
-}
-
 /// Starts `m` daemons sharing `backing`, each with `capacity` bytes of cache; with
 /// `tls`, mutual TLS on the peer port (certificates from one test CA). On loopback, or
 /// (`link`: a `(namespace, address)` per node) each in its namespace of the testbed.
@@ -179,7 +175,7 @@ fn cluster(
         .map(|i| match link {
             // Fresh namespaces: nothing else listens there.
             Some(l) => Ok(format!("{}:7411", l[i].1)),
-            None => free_port().map(|p| format!("127.0.0.1:{p}")),
+            None => Ok(format!("127.0.0.1:{}", crate::free_port())),
         })
         .collect::<anyhow::Result<_>>()?;
     let mut nodes = Vec::new();

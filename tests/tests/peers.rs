@@ -2,19 +2,11 @@
 //! shared file system), as the nodes of a cluster.
 #![allow(clippy::unwrap_used)]
 
-use shardcache_tests::{Bed, Daemon, content, read_all, write_file};
+use shardcache_tests::{Bed, Daemon, content, free_port, read_all, write_file};
 
 const BLOCK: u64 = 64 << 10;
 
 /// A free TCP port on 127.0.0.1 (bound and released: the daemon binds it next).
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 /// Starts `n` nodes that list each other; `secrets[i]` is node i's secret.
 fn cluster(bed: &Bed, secrets: &[&str]) -> (Vec<Daemon>, Vec<String>) {
     cluster_with(bed, secrets, &[])

@@ -15,18 +15,11 @@ use std::time::{Duration, Instant};
 
 use shardcache_daemon::peer::{proto, wire};
 use shardcache_tests::certs::Ca;
-use shardcache_tests::{Bed, Daemon, content, read_all, write_file};
+use shardcache_tests::{Bed, Daemon, content, free_port, read_all, write_file};
 
 const BLOCK: u64 = 64 << 10;
 
 /// A free TCP port on 127.0.0.1 (bound and released: the daemon binds it next).
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
-}
-
 /// What the proxy does to what the peer answers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Attack {
