@@ -260,6 +260,9 @@ fn target(root: usize, rel: String, stat: Arc<Stat>, view: &View) -> Arc<Target>
     })
 }
 
+/// A path a client may read: its root, the path under it, its stat.
+type Authorized = (usize, String, Arc<Stat>);
+
 impl ReadPath {
     /// A read path over these parts.
     pub fn new(
@@ -326,7 +329,63 @@ impl ReadPath {
     }
 
     /// Resolves, stats and access-checks `path` for `creds`.
-    fn authorize(&self, creds: &Creds, path: &str) -> Result<(usize, String, Arc<Stat>), Refusal> {
+    fn authorize(&self, creds: &Creds, path: &str) -> Result<Authorized, Refusal> {
+        let (root, rel) = self.resolve(path)?;
+        let stat = self
+            .meta
+            .stat_for(root, rel, creds.uid)
+            .map_err(|e| self.refuse_resolve(e.into()))?;
+        self.check(creds, path, root, rel, stat)
+    }
+
+    /// [`ReadPath::authorize`] of each of `paths`, in order, with the stats of each
+    /// root's paths asked in one batch ([`Meta::stat_many_for`]).
+    fn authorize_many<P: AsRef<str>>(
+        &self,
+        creds: &Creds,
+        paths: &[P],
+    ) -> Vec<Result<Authorized, Refusal>> {
+        let resolved: Vec<Result<(usize, &str), Refusal>> =
+            paths.iter().map(|p| self.resolve(p.as_ref())).collect();
+        let mut stats: Vec<Option<Result<Arc<Stat>, BackingError>>> =
+            paths.iter().map(|_| None).collect();
+        let mut roots: Vec<usize> = resolved
+            .iter()
+            .filter_map(|r| r.as_ref().ok().map(|(root, _)| *root))
+            .collect();
+        roots.sort_unstable();
+        roots.dedup();
+        for root in roots {
+            let at: Vec<usize> = (0..paths.len())
+                .filter(|&i| matches!(resolved[i], Ok((r, _)) if r == root))
+                .collect();
+            let rels: Vec<&str> = at
+                .iter()
+                .filter_map(|&i| resolved[i].as_ref().ok().map(|(_, rel)| *rel))
+                .collect();
+            for (i, r) in at
+                .into_iter()
+                .zip(self.meta.stat_many_for(root, &rels, creds.uid))
+            {
+                stats[i] = Some(r);
+            }
+        }
+        paths
+            .iter()
+            .zip(resolved)
+            .zip(stats)
+            .map(|((path, resolved), stat)| {
+                let (root, rel) = resolved?;
+                let stat = stat
+                    .expect("every resolved path was stat'ed")
+                    .map_err(|e| self.refuse_resolve(e.into()))?;
+                self.check(creds, path.as_ref(), root, rel, stat)
+            })
+            .collect()
+    }
+
+    /// The root and the path under it of `path`, or why not.
+    fn resolve<'p>(&self, path: &'p str) -> Result<(usize, &'p str), Refusal> {
         if path.len() > MAX_PATH {
             inc(&self.stats.refused_path);
             return Err(Refusal::new(
@@ -334,15 +393,21 @@ impl ReadPath {
                 format!("path longer than {MAX_PATH} bytes"),
             ));
         }
-        let (root, rel) = self
-            .meta
+        self.meta
             .roots()
             .resolve(path)
-            .map_err(|e| self.refuse_resolve(e))?;
-        let stat = self
-            .meta
-            .stat_for(root, rel, creds.uid)
-            .map_err(|e| self.refuse_resolve(e.into()))?;
+            .map_err(|e| self.refuse_resolve(e))
+    }
+
+    /// Whether `creds` may read `path` (`rel` under `root`) as `stat` describes it.
+    fn check(
+        &self,
+        creds: &Creds,
+        path: &str,
+        root: usize,
+        rel: &str,
+        stat: Arc<Stat>,
+    ) -> Result<Authorized, Refusal> {
         match access::check(&stat, creds) {
             Decision::Allow => Ok((root, rel.to_owned(), stat)),
             Decision::Deny => {
@@ -408,9 +473,14 @@ impl ReadPath {
         paths: &[P],
         deadline: Instant,
     ) -> Vec<Result<Opened, Refusal>> {
-        let mut begun: Vec<_> = paths
-            .iter()
-            .map(|p| self.open_begin(creds, p.as_ref()))
+        // Every path's stat asked at once (one batch per root, not a hop per path).
+        let mut begun: Vec<_> = self
+            .authorize_many(creds, paths)
+            .into_iter()
+            .map(|authorized| {
+                inc(&self.stats.opens);
+                self.open_authorized(authorized?)
+            })
             .collect();
         let asks: Vec<(usize, Ask)> = begun
             .iter_mut()
@@ -443,11 +513,13 @@ impl ReadPath {
             .collect()
     }
 
-    /// The first half of an open: everything but asking for a cold small file's fill
-    /// (the [`Ask`] returned) and waiting for its bytes.
-    fn open_begin(&self, creds: &Creds, path: &str) -> Result<(Begun, Option<Ask>), Refusal> {
-        inc(&self.stats.opens);
-        let (root, rel, stat) = self.authorize(creds, path)?;
+    /// The first half of an open of a path authorized as `(root, rel, stat)`:
+    /// everything but asking for a cold small file's fill (the [`Ask`] returned) and
+    /// waiting for its bytes.
+    fn open_authorized(
+        &self,
+        (root, rel, stat): Authorized,
+    ) -> Result<(Begun, Option<Ask>), Refusal> {
         tracing::trace!(path = %rel, "open");
         let root_name = &self.meta.roots().get(root).name;
         let view = self.store.view(root_name, &stat);

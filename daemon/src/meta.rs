@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use crate::backing::watch::{Watch, WatchThreads, WatchedBacking};
 use crate::backing::{Backing, BackingError, Stat};
-use crate::stats::{Stats, inc};
+use crate::stats::{Stats, add, inc};
 
 /// One configured backing root.
 #[derive(Debug)]
@@ -403,6 +403,56 @@ impl Meta {
     }
 
     fn lookup(&self, root: usize, rel: &str, uid: Option<u32>) -> Result<Arc<Stat>, BackingError> {
+        match self.known(root, rel, uid) {
+            Ok(stat) => Ok(stat),
+            Err(held) => {
+                let at = Instant::now();
+                inc(&self.stats.backing_stats);
+                let stat = self.roots.get(root).backing.stat(rel)?;
+                Ok(self.remember(root, rel, held, stat, at))
+            }
+        }
+    }
+
+    /// [`Meta::stat_for`] of each of `rels` under root `root`, in order: what is not
+    /// held or fresh in the cache is asked of the backing store in one batch
+    /// ([`crate::backing::Backing::stat_many`]: a loader's batch of opens costs the
+    /// root's stat pool a few hops, not one per file).
+    pub fn stat_many_for(
+        &self,
+        root: usize,
+        rels: &[&str],
+        uid: u32,
+    ) -> Vec<Result<Arc<Stat>, BackingError>> {
+        let mut out: Vec<Option<Result<Arc<Stat>, BackingError>>> = Vec::new();
+        let mut missed = Vec::new();
+        for (i, rel) in rels.iter().enumerate() {
+            match self.known(root, rel, Some(uid)) {
+                Ok(stat) => out.push(Some(Ok(stat))),
+                Err(held) => {
+                    out.push(None);
+                    missed.push((i, held));
+                }
+            }
+        }
+        if !missed.is_empty() {
+            let at = Instant::now();
+            add(&self.stats.backing_stats, missed.len() as u64);
+            let paths: Vec<&str> = missed.iter().map(|&(i, _)| rels[i]).collect();
+            let got = self.roots.get(root).backing.stat_many(&paths);
+            for ((i, held), r) in missed.into_iter().zip(got) {
+                out[i] = Some(r.map(|stat| self.remember(root, rels[i], held, stat, at)));
+            }
+        }
+        out.into_iter()
+            .map(|r| r.expect("every path answered"))
+            .collect()
+    }
+
+    /// The stat of `rel` without asking the backing store: a held file's trusted stat,
+    /// or one fresh within the TTL; else what the hold says of it, for
+    /// [`Meta::remember`].
+    fn known(&self, root: usize, rel: &str, uid: Option<u32>) -> Result<Arc<Stat>, HeldView> {
         let key = cache_key(root, rel);
         let held = self.held_view(key, rel, uid);
         if let HeldView::Trusted(stat) = held {
@@ -415,9 +465,21 @@ impl Meta {
         {
             return Ok(c.stat.clone());
         }
-        let at = Instant::now();
-        inc(&self.stats.backing_stats);
-        let stat = Arc::new(self.roots.get(root).backing.stat(rel)?);
+        Err(held)
+    }
+
+    /// Keeps `stat` of `rel`, asked of the backing store at `at`: in its hold (when it
+    /// has none yet) and in the cache.
+    fn remember(
+        &self,
+        root: usize,
+        rel: &str,
+        held: HeldView,
+        stat: Stat,
+        at: Instant,
+    ) -> Arc<Stat> {
+        let key = cache_key(root, rel);
+        let stat = Arc::new(stat);
         if matches!(held, HeldView::Unknown) {
             let mut all = self.held.write();
             if let Some(h) = all.get_mut(&key)
@@ -436,7 +498,7 @@ impl Meta {
             };
             self.cache.insert(key, Arc::new(cached));
         }
-        Ok(stat)
+        stat
     }
 
     /// Forgets `rel` (after the backing store reported it changed).

@@ -31,6 +31,33 @@ pub fn run_all<F: Fixture>(new: &dyn Fn() -> F) {
     directories_above_the_root_come_first(&new());
     a_file_followed_by_anything_is_not_found(&new());
     dot_dot_needs_search_on_the_directory_it_leaves(&new());
+    stat_many_answers_each_path_as_stat_does(&new());
+}
+
+/// A batch of stats answers each path, in order, as [`Backing::stat`] does, errors
+/// included.
+fn stat_many_answers_each_path_as_stat_does(fx: &dyn Fixture) {
+    let names: Vec<String> = (0..40).map(|i| format!("d{}/f{i}.bin", i % 3)).collect();
+    for (i, n) in names.iter().enumerate() {
+        fx.put(n, &vec![7u8; i], 0o644);
+    }
+    let mut paths: Vec<&str> = names.iter().map(String::as_str).collect();
+    paths.insert(5, "d0/missing.bin");
+    paths.insert(20, "d1");
+    let got = fx.backing().stat_many(&paths);
+    assert_eq!(got.len(), paths.len());
+    for (p, g) in paths.iter().zip(&got) {
+        match (fx.backing().stat(p), g) {
+            (Ok(want), Ok(g)) => assert_eq!(g, &want, "{p}"),
+            (Err(want), Err(g)) => assert_eq!(
+                std::mem::discriminant(g),
+                std::mem::discriminant(&want),
+                "{p}: {g} against {want}"
+            ),
+            (want, g) => panic!("{p}: {g:?} against {want:?}"),
+        }
+    }
+    assert!(fx.backing().stat_many(&[]).is_empty());
 }
 
 fn stat_reports_canonical_path_version_and_owners(fx: &dyn Fixture) {

@@ -154,6 +154,14 @@ pub trait Backing: Send + Sync + fmt::Debug {
     /// the directory it leaves.
     fn stat(&self, path: &str) -> Result<Stat, BackingError>;
 
+    /// [`Backing::stat`] of each of `paths`, in order (what a loader's batch of opens
+    /// asks). The default stats them one after another; a backing store that runs its
+    /// calls on threads of its own ([`watch::WatchedBacking`]) hands them over together,
+    /// a few per hop, not one hop per path.
+    fn stat_many(&self, paths: &[&str]) -> Vec<Result<Stat, BackingError>> {
+        paths.iter().map(|p| self.stat(p)).collect()
+    }
+
     /// Opens the file described by `stat` for reading. Fails with
     /// [`BackingError::Changed`] when the file is no longer that version (or no longer a
     /// regular file): what it returns reads the very object `stat` described.

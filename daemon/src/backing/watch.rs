@@ -370,6 +370,7 @@ struct PoolState {
 }
 
 /// Why the pool did not take a job.
+#[derive(Debug, Clone, Copy)]
 enum PoolFull {
     /// Every thread is busy and the queue is full.
     Busy,
@@ -382,6 +383,9 @@ enum PoolFull {
 struct StatPool {
     state: Mutex<PoolState>,
     cv: Condvar,
+    /// Jobs taken (a test's only).
+    #[cfg(test)]
+    taken: AtomicU64,
 }
 
 impl StatPool {
@@ -399,8 +403,12 @@ impl StatPool {
             }
             s.jobs.push_back(job);
             self.cv.notify_one();
+            #[cfg(test)]
+            self.taken.fetch_add(1, Ordering::Relaxed);
             return Ok(());
         }
+        #[cfg(test)]
+        self.taken.fetch_add(1, Ordering::Relaxed);
         s.threads += 1;
         s.jobs.push_back(job);
         drop(s);
@@ -683,7 +691,105 @@ impl WatchedBacking {
     }
 }
 
+/// Most hops to the stat pool one [`WatchedBacking::stat_many`] makes (its paths split
+/// among them, run side by side): a batch costs a few hops, not one per path, and
+/// leaves room in the pool's queue for other callers' batches.
+const STAT_BATCH_HOPS: usize = 4;
+
+/// Fewest paths per hop of a batch.
+const STAT_BATCH_MIN: usize = 8;
+
+impl WatchedBacking {
+    /// The refusal of a call the stat pool did not take.
+    fn pool_refusal(&self, why: PoolFull) -> BackingError {
+        self.watch.refuse(match why {
+            PoolFull::Busy => format!(
+                "{} metadata calls on the backing root {} are in flight or waiting",
+                STAT_THREADS + STAT_QUEUE,
+                self.watch.root
+            ),
+            PoolFull::Closed => format!(
+                "the backing root {} is closed (shutting down)",
+                self.watch.root
+            ),
+        })
+    }
+}
+
 impl Backing for WatchedBacking {
+    /// On the pool, as [`Backing::stat`], the paths split among at most
+    /// [`STAT_BATCH_HOPS`] jobs of at least [`STAT_BATCH_MIN`] paths; the caller waits
+    /// at most [`STAT_DEADLINE`] for the whole batch (a path whose job did not answer by
+    /// then is refused). Each path is a call of its own to the watch (refused at once
+    /// while its file or the root is stuck). Before, each path of a loader's batch of 64
+    /// opens was a hop of its own, and under docs/PYTHON.md's example on the 2-core
+    /// testbed the connection threads queued on the pool's lock.
+    fn stat_many(&self, paths: &[&str]) -> Vec<Result<Stat, BackingError>> {
+        if paths.len() < 2 {
+            return paths.iter().map(|p| self.stat(p)).collect();
+        }
+        let per = paths.len().div_ceil(STAT_BATCH_HOPS).max(STAT_BATCH_MIN);
+        let mut out: Vec<Option<Result<Stat, BackingError>>> = paths.iter().map(|_| None).collect();
+        let mut waiting = Vec::new();
+        for (c, chunk) in paths.chunks(per).enumerate() {
+            let mut calls = Vec::with_capacity(chunk.len());
+            for (j, p) in chunk.iter().enumerate() {
+                match self.watch.enter(file_id(p)) {
+                    Ok(call) => calls.push((c * per + j, (*p).to_owned(), call)),
+                    Err(e) => out[c * per + j] = Some(Err(e)),
+                }
+            }
+            if calls.is_empty() {
+                continue;
+            }
+            let at: Vec<usize> = calls.iter().map(|(i, _, _)| *i).collect();
+            let slot = Arc::new(Slot::new());
+            let (inner, answer) = (self.inner.clone(), slot.clone());
+            let job: Job = Box::new(move || {
+                let got: Vec<_> = calls
+                    .into_iter()
+                    .map(|(_, p, call)| {
+                        let r = inner.stat(&p);
+                        drop(call);
+                        r
+                    })
+                    .collect();
+                answer.put(got);
+            });
+            match self.stats.submit(job) {
+                Ok(()) => waiting.push((at, slot)),
+                Err(why) => {
+                    for i in at {
+                        out[i] = Some(Err(self.pool_refusal(why)));
+                    }
+                }
+            }
+        }
+        let deadline = Instant::now() + STAT_DEADLINE;
+        for (at, slot) in waiting {
+            match slot.take_by(deadline) {
+                Some(got) => {
+                    for (i, r) in at.into_iter().zip(got) {
+                        out[i] = Some(r);
+                    }
+                }
+                None => {
+                    for i in at {
+                        out[i] = Some(Err(self.watch.refuse(format!(
+                            "{}: the backing root {} did not answer a stat within {:.1} s",
+                            paths[i],
+                            self.watch.root,
+                            STAT_DEADLINE.as_secs_f64()
+                        ))));
+                    }
+                }
+            }
+        }
+        out.into_iter()
+            .map(|r| r.expect("every path answered or refused"))
+            .collect()
+    }
+
     fn stat(&self, path: &str) -> Result<Stat, BackingError> {
         let call = self.watch.enter(file_id(path))?;
         let slot = Arc::new(Slot::new());
@@ -693,21 +799,8 @@ impl Backing for WatchedBacking {
             drop(call);
             answer.put(r);
         });
-        match self.stats.submit(job) {
-            Ok(()) => {}
-            Err(PoolFull::Busy) => {
-                return Err(self.watch.refuse(format!(
-                    "{} metadata calls on the backing root {} are in flight or waiting",
-                    STAT_THREADS + STAT_QUEUE,
-                    self.watch.root
-                )));
-            }
-            Err(PoolFull::Closed) => {
-                return Err(self.watch.refuse(format!(
-                    "the backing root {} is closed (shutting down)",
-                    self.watch.root
-                )));
-            }
+        if let Err(why) = self.stats.submit(job) {
+            return Err(self.pool_refusal(why));
         }
         slot.take_by(Instant::now() + STAT_DEADLINE)
             .unwrap_or_else(|| {
@@ -885,6 +978,49 @@ mod tests {
         assert!(matches!(w.stat("x"), Err(BackingError::Stalled(_))));
         drop(stuck);
         assert!(watch.health().refused >= 2);
+    }
+
+    /// A batch of stats (a loader's batch of opens) goes to the pool in a few jobs, not
+    /// one per path, and answers each path as `stat` does: a hung file is refused at
+    /// once, the rest answered.
+    #[test]
+    fn a_batch_of_stats_takes_a_few_hops_and_refuses_a_hung_file() {
+        let (mem, w) = fixture();
+        let names: Vec<String> = (0..64).map(|i| format!("f{i}")).collect();
+        for n in &names {
+            mem.put(
+                n,
+                vec![1; 10],
+                Owner {
+                    mode: 0o644,
+                    ..Owner::default()
+                },
+            );
+        }
+        let paths: Vec<&str> = names.iter().map(String::as_str).collect();
+        let before = w.stats.taken.load(Ordering::Relaxed);
+        let got = w.stat_many(&paths);
+        assert!(got.iter().all(Result::is_ok));
+        assert_eq!(
+            w.stats.taken.load(Ordering::Relaxed) - before,
+            STAT_BATCH_HOPS as u64,
+            "64 paths in {STAT_BATCH_HOPS} hops"
+        );
+        // A hung file: refused at once, the others answered.
+        let watch = w.watch().clone();
+        let _stuck = watch.enter(file_id("f3")).unwrap();
+        std::thread::sleep(STALL + Duration::from_millis(50));
+        let _ = w.stat("a").unwrap(); // a completion: not stalled
+        let t = Instant::now();
+        let got = w.stat_many(&paths);
+        assert!(t.elapsed() < STALL, "answered at once");
+        for (p, g) in paths.iter().zip(&got) {
+            assert_eq!(
+                matches!(g, Err(BackingError::Stalled(_))),
+                *p == "f3",
+                "{p}: {g:?}"
+            );
+        }
     }
 
     #[test]
