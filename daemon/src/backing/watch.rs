@@ -31,6 +31,8 @@
 //!   shutdown, within a bound: one stuck in the store is left behind. The hop
 //!   to the root's thread costs a `stat` that misses the metadata cache some tens of
 //!   microseconds on the development VM (`stat_cost`, run by hand); a hit costs nothing.
+//!   A batch of stats (`Backing::stat_many`: a loader's batch of opens) takes a few hops
+//!   for all its paths ([`STAT_BATCH_HOPS`]), each path still a call of its own.
 //!
 //! What happens to fills and waiting clients when a root stalls is the fill engine's
 //! business ([`crate::fill`]); this module only knows calls and times.
@@ -694,10 +696,10 @@ impl WatchedBacking {
 /// Most hops to the stat pool one [`WatchedBacking::stat_many`] makes (its paths split
 /// among them, run side by side): a batch costs a few hops, not one per path, and
 /// leaves room in the pool's queue for other callers' batches.
-const STAT_BATCH_HOPS: usize = 4;
+pub const STAT_BATCH_HOPS: usize = 4;
 
 /// Fewest paths per hop of a batch.
-const STAT_BATCH_MIN: usize = 8;
+pub const STAT_BATCH_MIN: usize = 8;
 
 impl WatchedBacking {
     /// The refusal of a call the stat pool did not take.
