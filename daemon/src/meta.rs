@@ -424,10 +424,26 @@ impl Meta {
         rels: &[&str],
         uid: u32,
     ) -> Vec<Result<Arc<Stat>, BackingError>> {
+        self.lookup_many(root, rels, Some(uid))
+    }
+
+    /// [`Meta::stat`] of each of `rels` under root `root`, in order, in one batch (see
+    /// [`Meta::stat_many_for`]): for the daemon's own use (the status's window, the
+    /// prefetcher's sizes).
+    pub fn stat_many(&self, root: usize, rels: &[&str]) -> Vec<Result<Arc<Stat>, BackingError>> {
+        self.lookup_many(root, rels, None)
+    }
+
+    fn lookup_many(
+        &self,
+        root: usize,
+        rels: &[&str],
+        uid: Option<u32>,
+    ) -> Vec<Result<Arc<Stat>, BackingError>> {
         let mut out: Vec<Option<Result<Arc<Stat>, BackingError>>> = Vec::new();
         let mut missed = Vec::new();
         for (i, rel) in rels.iter().enumerate() {
-            match self.known(root, rel, Some(uid)) {
+            match self.known(root, rel, uid) {
                 Ok(stat) => out.push(Some(Ok(stat))),
                 Err(held) => {
                     out.push(None);

@@ -57,6 +57,9 @@ const LOOKAHEAD: usize = 1024;
 const MAX_WALK: usize = 1 << 17;
 /// Most files in a job's readiness window (status, `shardcache prefetch --wait`).
 const STATUS_WINDOW: usize = 4096;
+/// Files of the readiness window whose sizes the status asks at once ([`Jobs::sizes_of`]):
+/// the window ends where the cache is full, often well before [`STATUS_WINDOW`].
+const STATUS_SIZES: usize = 256;
 /// Most read files noted for the prefetcher between two of its rounds (past it, the
 /// notes are dropped: the files then count as ahead until the watermark passes them).
 const MAX_READ_NOTES: usize = 1 << 16;
@@ -282,6 +285,42 @@ impl Jobs {
     fn any(&self) -> bool {
         !self.info.lock().is_empty()
     }
+    /// [`Jobs::size_of`] of each of `files`, in order: those not known yet stat'ed in
+    /// one batch per root ([`Meta::stat_many`]), not one after another (the status's
+    /// window of up to 4 096 files, the prefetcher's look ahead).
+    pub fn sizes_of(&self, files: &[FileRef]) -> Vec<Option<u64>> {
+        let mut out: Vec<Option<u64>> = {
+            let sizes = self.sizes.lock();
+            files.iter().map(|f| sizes.get(f).copied()).collect()
+        };
+        let mut roots: Vec<usize> = files
+            .iter()
+            .zip(&out)
+            .filter(|(_, s)| s.is_none())
+            .map(|(f, _)| f.root)
+            .collect();
+        roots.sort_unstable();
+        roots.dedup();
+        for root in roots {
+            let at: Vec<usize> = (0..files.len())
+                .filter(|&i| out[i].is_none() && files[i].root == root)
+                .collect();
+            let rels: Vec<&str> = at.iter().map(|&i| files[i].path.as_str()).collect();
+            let got = self.meta.stat_many(root, &rels);
+            let mut sizes = self.sizes.lock();
+            if sizes.len() > 1 << 20 {
+                sizes.clear();
+            }
+            for (i, r) in at.into_iter().zip(got) {
+                if let Ok(st) = r {
+                    sizes.insert(files[i].clone(), st.version.size);
+                    out[i] = Some(st.version.size);
+                }
+            }
+        }
+        out
+    }
+
     /// The size of planned file `f`: known, or stat'ed now (not under the planner lock)
     /// and remembered.
     pub fn size_of(&self, f: &FileRef) -> Option<u64> {
@@ -329,6 +368,45 @@ mod tests {
             metrics.prefetch(),
             Arc::new(Wake::default()),
         ))
+    }
+
+    /// The sizes of many files, asked in one batch, are what each file's own lookup
+    /// gives (a file that cannot be stat'ed has none), and are remembered.
+    #[test]
+    fn sizes_of_many_files_are_each_files_size() {
+        let mem = Arc::new(MemBacking::new());
+        for i in 0..20 {
+            mem.put(
+                &format!("f{i}"),
+                vec![0; 100 + i],
+                crate::backing::Owner {
+                    mode: 0o644,
+                    ..Default::default()
+                },
+            );
+        }
+        let (meta, _) = one_root(mem.clone());
+        let plans = Arc::new(Plans::new(meta.roots().clone(), false));
+        let metrics = crate::metrics::Metrics::new();
+        let jobs = Jobs::new(
+            meta,
+            plans,
+            None,
+            metrics.prefetch(),
+            Arc::new(Wake::default()),
+        );
+        let f = |p: &str| FileRef {
+            root: 0,
+            path: p.into(),
+        };
+        let mut files: Vec<FileRef> = (0..20).map(|i| f(&format!("f{i}"))).collect();
+        files.insert(3, f("missing"));
+        let want: Vec<Option<u64>> = files.iter().map(|x| jobs.size_of(x)).collect();
+        assert_eq!(want[4], Some(103));
+        assert_eq!(want[3], None);
+        jobs.sizes.lock().clear();
+        assert_eq!(jobs.sizes_of(&files), want);
+        assert_eq!(jobs.sizes.lock().len(), 20, "remembered");
     }
 
     /// A job measured fast over hits and then slow while it waits on the backing store

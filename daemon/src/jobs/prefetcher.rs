@@ -190,9 +190,11 @@ impl Jobs {
             Some((at, mean)) if (at..at + SIZES_EVERY).contains(&reads_now) => mean,
             _ => {
                 let upcoming = self.plans.planner().upcoming(LOOKAHEAD);
-                let total: u64 = upcoming
-                    .iter()
-                    .map(|(f, _)| self.size_of(f).unwrap_or(u64::from(store.block_size())))
+                let files: Vec<FileRef> = upcoming.iter().map(|(f, _)| f.clone()).collect();
+                let total: u64 = self
+                    .sizes_of(&files)
+                    .into_iter()
+                    .map(|s| s.unwrap_or(u64::from(store.block_size())))
                     .sum();
                 let mean = (!upcoming.is_empty()).then(|| total as f64 / upcoming.len() as f64);
                 r.sized = Some((reads_now, mean));

@@ -222,16 +222,19 @@ impl Jobs {
                 )
             };
             let (mut window, mut window_bytes, mut resident, mut resident_bytes) = (0, 0, 0, 0);
-            for f in &upcoming {
-                let size = self.size_of(f).unwrap_or(0);
-                if window > 0 && window_bytes + size > capacity {
-                    break;
-                }
-                window += 1;
-                window_bytes += size;
-                if cached(f.root, &f.path) {
-                    resident += 1;
-                    resident_bytes += size;
+            // Sizes a batch at a time (one batch of stats each), until the window is full.
+            'window: for chunk in upcoming.chunks(STATUS_SIZES) {
+                for (f, size) in chunk.iter().zip(self.sizes_of(chunk)) {
+                    let size = size.unwrap_or(0);
+                    if window > 0 && window_bytes + size > capacity {
+                        break 'window;
+                    }
+                    window += 1;
+                    window_bytes += size;
+                    if cached(f.root, &f.path) {
+                        resident += 1;
+                        resident_bytes += size;
+                    }
                 }
             }
             // Bytes per slot: 1 when the placement counts bytes.
