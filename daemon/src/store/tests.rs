@@ -1210,14 +1210,37 @@ impl EvictionPolicy for CountedLooks {
     }
 }
 
+/// A store of `blocks` blocks of capacity ordering evictions by `policy`, and `total`
+/// one-block files `f0`, `f1`, … of which the first `filled` are filled.
+fn store_of_files(
+    policy: CountedLooks,
+    blocks: u64,
+    total: usize,
+    filled: usize,
+) -> (tempfile::TempDir, Arc<Stats>, Store, Vec<Stat>) {
+    let dir = tempfile::tempdir().unwrap();
+    let stats = Arc::new(Stats::default());
+    let s = Store::open_with_policy(
+        &cfg(dir.path(), blocks * BS as u64),
+        stats.clone(),
+        Box::new(policy),
+    )
+    .unwrap();
+    let files: Vec<Stat> = (0..total)
+        .map(|i| stat(&format!("f{i}"), BS as u64, 1))
+        .collect();
+    for f in &files[..filled] {
+        fill(&s, f, 0).unwrap();
+    }
+    (dir, stats, s, files)
+}
+
 /// A full cache asks its policy for victims once per several fills: a fill that has to
 /// evict frees the room of a few more files (1/256 of the capacity) from the victims of
 /// the same look, in the policy's order, never going over the capacity. Under a cluster
 /// placement each look scanned thousands of files under the index lock, once per fill.
 #[test]
 fn a_full_cache_evicts_ahead_from_one_look_at_its_policy() {
-    let dir = tempfile::tempdir().unwrap();
-    let stats = Arc::new(Stats::default());
     let looks = Arc::new(AtomicUsize::new(0));
     let policy = CountedLooks {
         looks: looks.clone(),
@@ -1225,14 +1248,7 @@ fn a_full_cache_evicts_ahead_from_one_look_at_its_policy() {
     };
     // 1 024 blocks: 4 blocks of room ahead.
     let capacity = 1024 * BS as u64;
-    let s = Store::open_with_policy(&cfg(dir.path(), capacity), stats.clone(), Box::new(policy))
-        .unwrap();
-    let files: Vec<Stat> = (0..1024 + 400)
-        .map(|i| stat(&format!("f{i}"), BS as u64, 1))
-        .collect();
-    for f in &files[..1024] {
-        fill(&s, f, 0).unwrap();
-    }
+    let (_dir, stats, s, files) = store_of_files(policy, 1024, 1024 + 400, 1024);
     assert_eq!(s.status().used, capacity);
     assert_eq!(looks.load(Ordering::Relaxed), 0);
     for f in &files[1024..] {
@@ -1257,22 +1273,9 @@ fn a_full_cache_evicts_ahead_from_one_look_at_its_policy() {
 /// in journal appends, one per eviction, while the fill they made room for waited).
 #[test]
 fn the_files_one_fill_evicts_are_journalled_in_one_append() {
-    let dir = tempfile::tempdir().unwrap();
-    let stats = Arc::new(Stats::default());
     // 1 024 blocks: a fill into the full store evicts one file and 4 more ahead.
     let capacity = 1024 * BS as u64;
-    let s = Store::open_with_policy(
-        &cfg(dir.path(), capacity),
-        stats.clone(),
-        Box::new(CountedLooks::default()),
-    )
-    .unwrap();
-    let files: Vec<Stat> = (0..1026)
-        .map(|i| stat(&format!("f{i}"), BS as u64, 1))
-        .collect();
-    for f in &files[..1023] {
-        fill(&s, f, 0).unwrap();
-    }
+    let (dir, stats, s, files) = store_of_files(CountedLooks::default(), 1024, 1026, 1023);
     // What a fill that evicts nothing appends.
     let before = s.journal.appends();
     fill(&s, &files[1023], 0).unwrap();
@@ -1313,8 +1316,6 @@ fn the_files_one_fill_evicts_are_journalled_in_one_append() {
 /// and read the shared file system themselves.
 #[test]
 fn an_open_does_not_wait_for_a_fill_choosing_victims() {
-    let dir = tempfile::tempdir().unwrap();
-    let stats = Arc::new(Stats::default());
     let (looking, looks_started) = std::sync::mpsc::channel();
     let gate = Arc::new(Mutex::new(()));
     let policy = CountedLooks {
@@ -1322,15 +1323,7 @@ fn an_open_does_not_wait_for_a_fill_choosing_victims() {
         gate: gate.clone(),
         ..CountedLooks::default()
     };
-    let capacity = 64 * BS as u64;
-    let s = Store::open_with_policy(&cfg(dir.path(), capacity), stats.clone(), Box::new(policy))
-        .unwrap();
-    let files: Vec<Stat> = (0..65)
-        .map(|i| stat(&format!("f{i}"), BS as u64, 1))
-        .collect();
-    for f in &files[..64] {
-        fill(&s, f, 0).unwrap();
-    }
+    let (_dir, _stats, s, files) = store_of_files(policy, 64, 65, 64);
     let held = gate.lock();
     let (answered, answers) = std::sync::mpsc::channel();
     let (filled, opened) = std::thread::scope(|sc| {
@@ -1369,7 +1362,6 @@ fn an_open_does_not_wait_for_a_fill_choosing_victims() {
 /// before it lets go: nothing is left in the log once the policy is free.
 #[test]
 fn the_policy_hears_everything_once_it_is_free() {
-    let dir = tempfile::tempdir().unwrap();
     let (looking, looks_started) = std::sync::mpsc::channel();
     let gate = Arc::new(Mutex::new(()));
     let policy = CountedLooks {
@@ -1377,15 +1369,7 @@ fn the_policy_hears_everything_once_it_is_free() {
         gate: gate.clone(),
         ..CountedLooks::default()
     };
-    let s = Store::open_with_policy(
-        &cfg(dir.path(), 4 * BS as u64),
-        Arc::new(Stats::default()),
-        Box::new(policy),
-    )
-    .unwrap();
-    let files: Vec<Stat> = (0..6)
-        .map(|i| stat(&format!("f{i}"), BS as u64, 1))
-        .collect();
+    let (_dir, _stats, s, files) = store_of_files(policy, 4, 6, 0);
     for f in &files[..4] {
         fill(&s, f, 0).unwrap();
         assert!(s.index.lock().policy_log.is_empty());
