@@ -330,12 +330,9 @@ impl ReadPath {
 
     /// Resolves, stats and access-checks `path` for `creds`.
     fn authorize(&self, creds: &Creds, path: &str) -> Result<Authorized, Refusal> {
-        let (root, rel) = self.resolve(path)?;
-        let stat = self
-            .meta
-            .stat_for(root, rel, creds.uid)
-            .map_err(|e| self.refuse_resolve(e.into()))?;
-        self.check(creds, path, root, rel, stat)
+        self.authorize_many(creds, &[path])
+            .pop()
+            .expect("one path, one answer")
     }
 
     /// [`ReadPath::authorize`] of each of `paths`, in order, with the stats of each

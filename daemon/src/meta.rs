@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use crate::backing::watch::{Watch, WatchThreads, WatchedBacking};
 use crate::backing::{Backing, BackingError, Stat};
-use crate::stats::{Stats, add, inc};
+use crate::stats::{Stats, add};
 
 /// One configured backing root.
 #[derive(Debug)]
@@ -403,15 +403,9 @@ impl Meta {
     }
 
     fn lookup(&self, root: usize, rel: &str, uid: Option<u32>) -> Result<Arc<Stat>, BackingError> {
-        match self.known(root, rel, uid) {
-            Ok(stat) => Ok(stat),
-            Err(held) => {
-                let at = Instant::now();
-                inc(&self.stats.backing_stats);
-                let stat = self.roots.get(root).backing.stat(rel)?;
-                Ok(self.remember(root, rel, held, stat, at))
-            }
-        }
+        self.lookup_many(root, &[rel], uid)
+            .pop()
+            .expect("one path, one answer")
     }
 
     /// [`Meta::stat_for`] of each of `rels` under root `root`, in order: what is not

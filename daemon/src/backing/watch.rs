@@ -719,7 +719,7 @@ impl WatchedBacking {
 }
 
 impl Backing for WatchedBacking {
-    /// On the pool, as [`Backing::stat`], the paths split among at most
+    /// The stats run on the pool, the paths split among at most
     /// [`STAT_BATCH_HOPS`] jobs of at least [`STAT_BATCH_MIN`] paths; the caller waits
     /// at most [`STAT_DEADLINE`] for the whole batch (a path whose job did not answer by
     /// then is refused). Each path is a call of its own to the watch (refused at once
@@ -727,9 +727,6 @@ impl Backing for WatchedBacking {
     /// opens was a hop of its own, and under docs/PYTHON.md's example on the 2-core
     /// testbed the connection threads queued on the pool's lock.
     fn stat_many(&self, paths: &[&str]) -> Vec<Result<Stat, BackingError>> {
-        if paths.len() < 2 {
-            return paths.iter().map(|p| self.stat(p)).collect();
-        }
         let per = paths.len().div_ceil(STAT_BATCH_HOPS).max(STAT_BATCH_MIN);
         let mut out: Vec<Option<Result<Stat, BackingError>>> = paths.iter().map(|_| None).collect();
         let mut waiting = Vec::new();
@@ -792,26 +789,9 @@ impl Backing for WatchedBacking {
             .collect()
     }
 
+    /// On the pool: a batch of one ([`WatchedBacking::stat_many`]).
     fn stat(&self, path: &str) -> Result<Stat, BackingError> {
-        let call = self.watch.enter(file_id(path))?;
-        let slot = Arc::new(Slot::new());
-        let (inner, owned, answer) = (self.inner.clone(), path.to_owned(), slot.clone());
-        let job: Job = Box::new(move || {
-            let r = inner.stat(&owned);
-            drop(call);
-            answer.put(r);
-        });
-        if let Err(why) = self.stats.submit(job) {
-            return Err(self.pool_refusal(why));
-        }
-        slot.take_by(Instant::now() + STAT_DEADLINE)
-            .unwrap_or_else(|| {
-                Err(self.watch.refuse(format!(
-                    "{path}: the backing root {} did not answer a stat within {:.1} s",
-                    self.watch.root,
-                    STAT_DEADLINE.as_secs_f64()
-                )))
-            })
+        self.stat_many(&[path]).pop().expect("one path, one answer")
     }
 
     fn open(&self, stat: &Stat) -> Result<Box<dyn BackingFile>, BackingError> {

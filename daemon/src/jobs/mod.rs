@@ -285,9 +285,10 @@ impl Jobs {
     fn any(&self) -> bool {
         !self.info.lock().is_empty()
     }
-    /// [`Jobs::size_of`] of each of `files`, in order: those not known yet stat'ed in
-    /// one batch per root ([`Meta::stat_many`]), not one after another (the status's
-    /// window of up to 4 096 files, the prefetcher's look ahead).
+    /// The sizes of planned `files`, in order: known, or stat'ed now (not under the
+    /// planner lock) and remembered; those not known are stat'ed in one batch per root
+    /// ([`Meta::stat_many`]), not one after another (the status's window of up to 4 096
+    /// files, the prefetcher's look ahead). `None` for a file that cannot be stat'ed.
     pub fn sizes_of(&self, files: &[FileRef]) -> Vec<Option<u64>> {
         let mut out: Vec<Option<u64>> = {
             let sizes = self.sizes.lock();
@@ -321,19 +322,9 @@ impl Jobs {
         out
     }
 
-    /// The size of planned file `f`: known, or stat'ed now (not under the planner lock)
-    /// and remembered.
+    /// The size of planned file `f` ([`Jobs::sizes_of`] of one file).
     pub fn size_of(&self, f: &FileRef) -> Option<u64> {
-        if let Some(&s) = self.sizes.lock().get(f) {
-            return Some(s);
-        }
-        let size = self.meta.stat(f.root, &f.path).ok()?.version.size;
-        let mut sizes = self.sizes.lock();
-        if sizes.len() > 1 << 20 {
-            sizes.clear();
-        }
-        sizes.insert(f.clone(), size);
-        Some(size)
+        self.sizes_of(std::slice::from_ref(f)).pop().flatten()
     }
 }
 
