@@ -51,7 +51,8 @@ fn four_shuffled_epochs(extra: &[&str]) {
     assert_eq!(
         (job.window, job.window_bytes),
         (n / 2, n / 2 * FILE),
-        "{job:?}"
+        "{job:?}\ndaemon log:\n{}",
+        d.log_text()
     );
 
     for epoch in 0..4u64 {

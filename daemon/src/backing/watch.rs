@@ -32,7 +32,8 @@
 //!   to the root's thread costs a `stat` that misses the metadata cache some tens of
 //!   microseconds on the development VM (`stat_cost`, run by hand); a hit costs nothing.
 //!   A batch of stats (`Backing::stat_many`: a loader's batch of opens) takes a few hops
-//!   for all its paths ([`STAT_BATCH_HOPS`]), each path still a call of its own.
+//!   for all its paths ([`STAT_BATCH_HOPS`]), each path still a call of its own from
+//!   when its stat runs (not while it waits its turn in the queue).
 //!
 //! What happens to fills and waiting clients when a root stalls is the fill engine's
 //! business ([`crate::fill`]); this module only knows calls and times.
@@ -288,15 +289,37 @@ impl Watch {
                     id,
                 })
             }
-            Err(why) => {
-                if !s.logged && self.stalled_in(&s, now) {
-                    s.logged = true;
-                    tracing::warn!(root = %self.root, "{why}; refusing its calls (clients read it directly) until one completes");
-                }
-                drop(s);
-                Err(self.refuse(why))
-            }
+            Err(why) => Err(self.refused_now(s, now, why)),
         }
+    }
+
+    /// Whether a call on `file` would go through now (a probe included), refusing it
+    /// as [`Watch::enter`] does when not; registers nothing. A batch asks this of each
+    /// path before it queues them, and each path enters when its stat runs: a path
+    /// waiting in the pool's queue is not a call in flight (it neither counts towards
+    /// [`MAX_CALLS`] nor ages towards the stall bound).
+    pub fn admits(&self, file: u64) -> Result<(), BackingError> {
+        let now = Instant::now();
+        let s = self.state.lock();
+        match self.verdict(&s, file, now) {
+            Ok(_) => Ok(()),
+            Err(why) => Err(self.refused_now(s, now, why)),
+        }
+    }
+
+    /// Refuses a call for `why` (logging the first refusal of a stall).
+    fn refused_now(
+        &self,
+        mut s: parking_lot::MutexGuard<'_, State>,
+        now: Instant,
+        why: String,
+    ) -> BackingError {
+        if !s.logged && self.stalled_in(&s, now) {
+            s.logged = true;
+            tracing::warn!(root = %self.root, "{why}; refusing its calls (clients read it directly) until one completes");
+        }
+        drop(s);
+        self.refuse(why)
     }
 
     /// Registers a call that must happen whatever the root's state (closing a file).
@@ -722,35 +745,56 @@ impl Backing for WatchedBacking {
     /// The stats run on the pool, the paths split among at most
     /// [`STAT_BATCH_HOPS`] jobs of at least [`STAT_BATCH_MIN`] paths; the caller waits
     /// at most [`STAT_DEADLINE`] for the whole batch (a path whose job did not answer by
-    /// then is refused). Each path is a call of its own to the watch (refused at once
-    /// while its file or the root is stuck). Before, each path of a loader's batch of 64
+    /// then is refused, and not asked of the store once its turn comes). Each path is
+    /// refused at once while its file or the root is stuck ([`Watch::admits`]), and is a
+    /// call of its own from when its stat runs, not from when it was queued: a batch of
+    /// hundreds of paths (the status's window) is not hundreds of calls in flight against
+    /// [`MAX_CALLS`], nor do its last paths age towards the stall bound while they wait
+    /// their turn. Before, each path of a loader's batch of 64
     /// opens was a hop of its own, and under docs/PYTHON.md's example on the 2-core
     /// testbed the connection threads queued on the pool's lock.
     fn stat_many(&self, paths: &[&str]) -> Vec<Result<Stat, BackingError>> {
         let per = paths.len().div_ceil(STAT_BATCH_HOPS).max(STAT_BATCH_MIN);
+        let deadline = Instant::now() + STAT_DEADLINE;
+        let late = |path: &str| {
+            self.watch.refuse(format!(
+                "{path}: the backing root {} did not answer a stat within {:.1} s",
+                self.watch.root,
+                STAT_DEADLINE.as_secs_f64()
+            ))
+        };
         let mut out: Vec<Option<Result<Stat, BackingError>>> = paths.iter().map(|_| None).collect();
         let mut waiting = Vec::new();
         for (c, chunk) in paths.chunks(per).enumerate() {
-            let mut calls = Vec::with_capacity(chunk.len());
+            let mut queued = Vec::with_capacity(chunk.len());
             for (j, p) in chunk.iter().enumerate() {
-                match self.watch.enter(file_id(p)) {
-                    Ok(call) => calls.push((c * per + j, (*p).to_owned(), call)),
+                match self.watch.admits(file_id(p)) {
+                    Ok(()) => queued.push((c * per + j, (*p).to_owned())),
                     Err(e) => out[c * per + j] = Some(Err(e)),
                 }
             }
-            if calls.is_empty() {
+            if queued.is_empty() {
                 continue;
             }
-            let at: Vec<usize> = calls.iter().map(|(i, _, _)| *i).collect();
+            let at: Vec<usize> = queued.iter().map(|(i, _)| *i).collect();
             let slot = Arc::new(Slot::new());
-            let (inner, answer) = (self.inner.clone(), slot.clone());
+            let (inner, watch, answer) = (self.inner.clone(), self.watch.clone(), slot.clone());
             let job: Job = Box::new(move || {
-                let got: Vec<_> = calls
+                let got: Vec<_> = queued
                     .into_iter()
-                    .map(|(_, p, call)| {
+                    .map(|(_, p)| {
+                        // Its caller has stopped waiting: not asked of the store.
+                        if Instant::now() >= deadline {
+                            return None;
+                        }
+                        // A call from when it runs, not from when it was queued.
+                        let call = match watch.enter(file_id(&p)) {
+                            Ok(call) => call,
+                            Err(e) => return Some(Err(e)),
+                        };
                         let r = inner.stat(&p);
                         drop(call);
-                        r
+                        Some(r)
                     })
                     .collect();
                 answer.put(got);
@@ -764,24 +808,11 @@ impl Backing for WatchedBacking {
                 }
             }
         }
-        let deadline = Instant::now() + STAT_DEADLINE;
         for (at, slot) in waiting {
-            match slot.take_by(deadline) {
-                Some(got) => {
-                    for (i, r) in at.into_iter().zip(got) {
-                        out[i] = Some(r);
-                    }
-                }
-                None => {
-                    for i in at {
-                        out[i] = Some(Err(self.watch.refuse(format!(
-                            "{}: the backing root {} did not answer a stat within {:.1} s",
-                            paths[i],
-                            self.watch.root,
-                            STAT_DEADLINE.as_secs_f64()
-                        ))));
-                    }
-                }
+            let got = slot.take_by(deadline).unwrap_or_default();
+            let mut got = got.into_iter();
+            for i in at {
+                out[i] = Some(got.next().flatten().unwrap_or_else(|| Err(late(paths[i]))));
             }
         }
         out.into_iter()
@@ -873,7 +904,7 @@ impl Drop for WatchedFile {
 mod tests {
     use super::*;
     use crate::backing::mem::MemBacking;
-    use crate::backing::{Owner, conformance};
+    use crate::backing::{Owner, conformance, fault};
 
     const STALL: Duration = Duration::from_millis(200);
 
@@ -1003,6 +1034,104 @@ mod tests {
                 "{p}: {g:?}"
             );
         }
+    }
+
+    /// A batch of more paths than calls may be in flight on a root (the status's
+    /// readiness window asks up to 256 sizes at once, the prefetcher more beside it) is
+    /// answered whole: a path waiting its turn in the pool is not a call in flight.
+    /// Before, every path of a batch entered the watch when queued, and the planner
+    /// test's status found a quarter of its window's sizes refused ("256 calls on the
+    /// backing root are in flight") and counted its window as 200 files, not 100.
+    #[test]
+    fn a_batch_of_more_paths_than_calls_in_flight_is_answered_whole() {
+        let (w, faults, names) = hung_fixture(MAX_CALLS + 44);
+        let batch = stat_all_on_a_thread(&w, names);
+        wait_for_hung_hops(&faults);
+        // Every path was let through, the hops still hung with one call each.
+        let refused = w.watch().health().refused;
+        faults.release();
+        let got = batch.join().unwrap();
+        assert_eq!(refused, 0, "paths refused while queued");
+        let refused: Vec<_> = got.iter().filter(|g| g.is_err()).collect();
+        assert!(
+            refused.is_empty(),
+            "{} refused: {:?}",
+            refused.len(),
+            refused.first()
+        );
+    }
+
+    /// A watched store over a hung one (see [`fault::Faults::hang`]) holding `n` files.
+    fn hung_fixture(n: usize) -> (Arc<WatchedBacking>, Arc<fault::Faults>, Vec<String>) {
+        let mem = Arc::new(MemBacking::new());
+        let names: Vec<String> = (0..n).map(|i| format!("f{i}")).collect();
+        for n in &names {
+            mem.put(n, vec![1; 10], Owner::default());
+        }
+        let (faulty, faults) = fault::FaultyBacking::new(mem);
+        let w = Arc::new(WatchedBacking::new(Arc::new(faulty), "/r", STALL));
+        faults.hang();
+        (w, faults, names)
+    }
+
+    fn stat_all_on_a_thread(
+        w: &Arc<WatchedBacking>,
+        names: Vec<String>,
+    ) -> std::thread::JoinHandle<Vec<Result<Stat, BackingError>>> {
+        let w = w.clone();
+        std::thread::spawn(move || {
+            let paths: Vec<&str> = names.iter().map(String::as_str).collect();
+            w.stat_many(&paths)
+        })
+    }
+
+    /// Waits until each hop of a batch is in the hung store.
+    fn wait_for_hung_hops(faults: &fault::Faults) {
+        let t = Instant::now();
+        while faults.hung.load(Ordering::Relaxed) < STAT_BATCH_HOPS as u64 {
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "the hops did not start"
+            );
+            std::thread::yield_now();
+        }
+    }
+
+    /// While a batch's stats run, only the running ones are calls in flight (one per
+    /// hop), not every path queued behind them.
+    #[test]
+    fn only_the_running_stats_of_a_batch_are_calls_in_flight() {
+        let (w, faults, names) = hung_fixture(64);
+        let batch = stat_all_on_a_thread(&w, names);
+        wait_for_hung_hops(&faults);
+        let in_flight = w.watch().health().in_flight;
+        // The caller gives up at its deadline, the hops still hung.
+        let got = batch.join().unwrap();
+        faults.release();
+        assert_eq!(
+            in_flight, STAT_BATCH_HOPS as u64,
+            "one call per running hop"
+        );
+        assert!(got.iter().all(Result::is_err), "nothing answered in time");
+        // The paths whose turn came after the deadline are not asked of the store.
+        let t = Instant::now();
+        loop {
+            let s = w.stats.state.lock();
+            if s.jobs.is_empty() && s.idle == s.threads {
+                break;
+            }
+            drop(s);
+            assert!(
+                t.elapsed() < Duration::from_secs(10),
+                "the hops did not end"
+            );
+            std::thread::yield_now();
+        }
+        assert_eq!(
+            faults.stats.load(Ordering::Relaxed),
+            STAT_BATCH_HOPS as u64,
+            "only the hung stats reached the store"
+        );
     }
 
     #[test]

@@ -313,9 +313,12 @@ impl Jobs {
                 sizes.clear();
             }
             for (i, r) in at.into_iter().zip(got) {
-                if let Ok(st) = r {
-                    sizes.insert(files[i].clone(), st.version.size);
-                    out[i] = Some(st.version.size);
+                match r {
+                    Ok(st) => {
+                        sizes.insert(files[i].clone(), st.version.size);
+                        out[i] = Some(st.version.size);
+                    }
+                    Err(e) => tracing::debug!(path = %files[i].path, "size unknown: {e}"),
                 }
             }
         }
