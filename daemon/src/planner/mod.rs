@@ -809,12 +809,12 @@ impl Planner {
                         let job = &mut self.jobs[j];
                         job.rank(i);
                         // A copy arriving here that the placement gives this node is
-                        // the cluster's; any other is a local one.
-                        if let Some(p) = &mut job.placement
-                            && !p.is_mine(i)
-                        {
-                            p.discharge(i);
-                        }
+                        // the cluster's; so is one the placement moved on from this
+                        // node before it landed (the simulation runs ahead of the
+                        // fetches): the new holder takes it from here, and it is kept
+                        // for it (see `Placement::is_owed`). Any other is a local one,
+                        // owing nothing (a move from here is discharged when the copy
+                        // goes: the next one is fetched anew).
                     }
                 }
                 None => {

@@ -608,6 +608,57 @@ fn a_cluster_placement_protects_what_it_puts_here_and_says_where_the_rest_is() {
     assert_eq!(p.protects(&fs[first]), None);
 }
 
+/// A copy that lands after the simulation moved its file on from this node (the
+/// simulation runs ahead of the fetches: under load this node's fetch of a file placed
+/// here may land after the placement already gave the file to the node reading it next)
+/// is the copy the new holder will take: it is kept for it, not made a local copy that
+/// the store may drop before the new holder asked. Before, its arrival discharged the
+/// debt: `peers::spread_sizes_given_in_the_manifest_are_placed_in_bytes_at_the_floor`
+/// under load saw a node evict such a copy 1 ms before the new holder's fetch, which
+/// then read the backing store (0.014 of the dataset in an epoch after the first).
+#[test]
+fn a_copy_landing_after_the_placement_moved_its_file_on_is_kept_for_the_new_holder() {
+    let (n, world) = (40usize, 2u64);
+    let fs = files(n);
+    let layout = placement::Layout {
+        nodes: vec!["a".into(), "b".into()],
+        node_of_rank: vec![Some(0), Some(1)],
+        slots: vec![20, 20],
+        bytes: false,
+    };
+    let mut p = Planner::new();
+    p.register("j", fs.clone(), shuffle_of(world, vec![0], 3))
+        .unwrap();
+    p.set_layout("j", Some(layout), "a");
+    // The readers go through an epoch and a half; none of this node's copies has landed.
+    let order: Vec<usize> = (0..2)
+        .flat_map(|e| shuffle::rank_order(n as u64, 7, e, world, 0, false))
+        .map(|f| f as usize)
+        .take(n / 2 + n / 4)
+        .collect();
+    for &f in &order {
+        p.on_access(&fs[f], 1);
+        assert!(p.sync_placements(u64::MAX));
+    }
+    let owed: Vec<usize> = (0..n)
+        .filter(|&f| !p.is_mine(&fs[f]) && p.protects(&fs[f]) == Some(true))
+        .collect();
+    assert!(!owed.is_empty(), "some files were moved on from this node");
+    for &f in &owed {
+        p.set_resident(&fs[f], true);
+        assert_eq!(
+            p.protects(&fs[f]),
+            Some(true),
+            "file {f}: kept for its new holder"
+        );
+    }
+    // Taken by the new holder: a local copy from then on.
+    for &f in &owed {
+        p.set_handed(&fs[f]);
+        assert_eq!(p.protects(&fs[f]), Some(false), "file {f} taken");
+    }
+}
+
 /// An open never runs the simulation of the cluster's reads (M simulated reads per
 /// round of this node's ranks: 11.7 ms per open at 1 024 nodes and 1.28 M files,
 /// `shardcache-bench placement-scale`): a read moves the job's position only, and
