@@ -136,9 +136,8 @@ pub struct SimStats {
     pub moves: u64,
 }
 
-/// Lookaheads a node keeps a copy the placement moved away from it, at least, when the
-/// new holder neither took it nor said it has one; an epoch's rounds when that is longer
-/// ([`Placement::owed_rounds`]).
+/// Lookaheads a node keeps a copy the placement moved away from it, at most, when the
+/// new holder neither took it nor said it has one.
 const OWED_LOOKAHEADS: u64 = 4;
 
 /// Key of a file not read again within the current and next epoch.
@@ -315,9 +314,9 @@ impl Placement {
             0
         } else if Some(from) == self.me {
             // The new holder fetches it (or says it has it) when its readers are where
-            // this node's are; the copy is kept until then, at most an epoch (see
-            // `owed_rounds`).
-            let until = self.at + self.owed_rounds();
+            // this node's are, within a round or two; the copy is kept four lookaheads
+            // at most.
+            let until = self.at + OWED_LOOKAHEADS * self.lookahead.max(1);
             self.departures.push_back((until, f));
             while self.departures.front().is_some_and(|&(u, _)| u <= self.at) {
                 self.departures.pop_front();
@@ -329,20 +328,6 @@ impl Placement {
         let p = &mut self.prev[f as usize];
         *p = [from, p[0], p[1]];
         self.holder[f as usize] = to;
-    }
-
-    /// Rounds a node keeps a copy the placement moved away from it, unless its new
-    /// holder takes it first: an epoch of rounds, at least four lookaheads. The new
-    /// holder takes it when its own readers get there, which is only as soon as this
-    /// node's readers when the ranks move in lockstep: ranks out of lockstep (each at its
-    /// own pace through an epoch, `shardcache-bench placement --drift 0.3`: the fastest
-    /// through while the slowest is halfway) are up to an epoch apart, and a copy dropped
-    /// after four lookaheads (64 rounds) was gone when the slower new holder came for it
-    /// (0.10 of the dataset per epoch read again from the backing store at a = 1,
-    /// against 0.007 kept for an epoch). A new holder that has gone costs its copies'
-    /// room for an epoch at most.
-    fn owed_rounds(&self) -> u64 {
-        (OWED_LOOKAHEADS * self.lookahead.max(1)).max(self.walk.rounds())
     }
 
     /// True when `f` may leave its node in round `round`: not read within the
@@ -531,8 +516,7 @@ impl Placement {
 
     /// True when the placement moved `f` from this node to another that has not taken
     /// it yet ([`Placement::discharge`]): this node keeps its copy (the cluster's only
-    /// one, perhaps) until then, or until the readers are an epoch (at least four
-    /// lookaheads) past the move
+    /// one, perhaps) until then, or until the readers are four lookaheads past the move
     /// (a new holder that had gone, say).
     pub fn is_owed(&self, f: u32) -> bool {
         self.owed.get(f as usize).is_some_and(|&u| u > self.next)
@@ -755,7 +739,7 @@ mod tests {
     }
 
     #[test]
-    fn a_copy_moved_away_is_kept_until_taken_or_an_epoch_later() {
+    fn a_copy_moved_away_is_kept_until_taken_or_four_lookaheads_later() {
         let walk = Walk {
             files: 40,
             seed: 5,
@@ -767,7 +751,6 @@ mod tests {
         let l = 2;
         let mut a = Placement::new(walk, layout(2, 20), "n0", l);
         let mut checked = 0;
-        let mut last_moves = (0, Vec::new());
         for round in 1..70 {
             let before: Vec<Option<String>> =
                 (0..40).map(|f| a.holder(f).map(str::to_owned)).collect();
@@ -779,10 +762,6 @@ mod tests {
                     assert!(a.is_owed(f), "file {f} moved away in round {round}");
                     assert!(a.departing().any(|x| x == f));
                     checked += 1;
-                    if last_moves.0 != round {
-                        last_moves = (round, Vec::new());
-                    }
-                    last_moves.1.push(f);
                 }
                 if a.is_owed(f) {
                     assert!(!a.is_mine(f), "a file held here is not owed");
@@ -790,17 +769,9 @@ mod tests {
             }
         }
         assert!(checked > 10, "only {checked} moves away seen");
-        // Not taken four lookaheads later: still kept (the new holder's readers may be up
-        // to an epoch behind this node's; an epoch is 20 rounds here, four lookaheads 8).
+        // Copies moved away long ago are not kept any more.
         let owed_now: Vec<u32> = (0..40).filter(|&f| a.is_owed(f)).collect();
-        let (round, moved) = last_moves;
-        a.advance(round + OWED_LOOKAHEADS * l + 1);
-        for &f in &moved {
-            assert!(a.is_owed(f), "file {f} moved away in round {round}: kept");
-            assert!(a.departing().any(|x| x == f));
-        }
-        // Copies moved away long ago (an epoch) are not kept any more.
-        a.advance(70 + (OWED_LOOKAHEADS * l).max(walk.rounds()));
+        a.advance(70 + OWED_LOOKAHEADS * l);
         for f in owed_now {
             assert!(
                 !a.is_owed(f) || a.departing().any(|x| x == f),
