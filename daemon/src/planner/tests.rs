@@ -550,19 +550,26 @@ fn plan_owners_are_balanced_and_shared_by_every_node() {
     assert_eq!(p.plan_owner(&fs[0], &members, &id), None, "not a shuffle");
 }
 
-#[test]
-fn a_cluster_placement_protects_what_it_puts_here_and_says_where_the_rest_is() {
-    let (n, world) = (40usize, 2u64);
+/// `n` files, a planner registered for rank 0 of a 2-rank shuffle of 3 epochs (seed 7),
+/// and the layout of two nodes ("a" runs rank 0, "b" rank 1) of `n / 2` files each.
+fn rank_0_of_two_nodes(n: usize) -> (Vec<FileRef>, Planner, placement::Layout) {
     let fs = files(n);
     let layout = placement::Layout {
         nodes: vec!["a".into(), "b".into()],
         node_of_rank: vec![Some(0), Some(1)],
-        slots: vec![20, 20],
+        slots: vec![n as u64 / 2; 2],
         bytes: false,
     };
     let mut p = Planner::new();
-    p.register("j", fs.clone(), shuffle_of(world, vec![0], 3))
+    p.register("j", fs.clone(), shuffle_of(2, vec![0], 3))
         .unwrap();
+    (fs, p, layout)
+}
+
+#[test]
+fn a_cluster_placement_protects_what_it_puts_here_and_says_where_the_rest_is() {
+    let (n, world) = (40usize, 2u64);
+    let (fs, mut p, layout) = rank_0_of_two_nodes(n);
     assert_eq!(p.protects(&fs[0]), None, "no placement yet");
     assert_eq!(p.sources(&fs[0]), None);
     p.set_layout("j", Some(layout.clone()), "a");
@@ -619,16 +626,7 @@ fn a_cluster_placement_protects_what_it_puts_here_and_says_where_the_rest_is() {
 #[test]
 fn a_copy_landing_after_the_placement_moved_its_file_on_is_kept_for_the_new_holder() {
     let (n, world) = (40usize, 2u64);
-    let fs = files(n);
-    let layout = placement::Layout {
-        nodes: vec!["a".into(), "b".into()],
-        node_of_rank: vec![Some(0), Some(1)],
-        slots: vec![20, 20],
-        bytes: false,
-    };
-    let mut p = Planner::new();
-    p.register("j", fs.clone(), shuffle_of(world, vec![0], 3))
-        .unwrap();
+    let (fs, mut p, layout) = rank_0_of_two_nodes(n);
     p.set_layout("j", Some(layout), "a");
     // The readers go through an epoch and a half; none of this node's copies has landed.
     let order: Vec<usize> = (0..2)
