@@ -325,16 +325,7 @@ impl Store {
                 // that are never filled costs no memory.
                 drop(idx);
                 self.finish_evictions(evicted);
-                let n = nblocks(stat.version.size, self.block_size);
-                return Ok(View {
-                    key,
-                    block_size: self.block_size,
-                    present: vec![0; n.div_ceil(8)],
-                    nblocks: n,
-                    npresent: 0,
-                    data: None,
-                    data_gen: 0,
-                });
+                return Ok(self.uncached_view(key, stat));
             }
             idx.policy_log.push(PolicyEvent::Touch(key));
             let e = &idx.files[&key];
@@ -363,9 +354,11 @@ impl Store {
         // Open the data file before reading the bitmap: blocks are only ever added to a
         // data file, so everything the bitmap says is present is in this descriptor.
         for _ in 0..3 {
+            // An entry evicted since the first look (for room, or by an operator, while
+            // its blocks were checked) is simply not cached any more.
             let (generation, durable) = match self.lock().files.get(&key) {
                 Some(e) => (e.generation, e.durable),
-                None => return Err(StoreError::Gone),
+                None => return Ok(self.uncached_view(key, stat)),
             };
             let data = if durable {
                 match self.open_data(&key, generation) {
@@ -378,7 +371,8 @@ impl Store {
             };
             let idx = self.lock();
             let Some(e) = idx.files.get(&key) else {
-                return Err(StoreError::Gone);
+                drop(idx);
+                return Ok(self.uncached_view(key, stat));
             };
             // A file that turned durable since the first look (its landing finished in
             // between) may now have blocks present that the descriptor-less view above
@@ -403,6 +397,20 @@ impl Store {
             });
         }
         Err(StoreError::Gone)
+    }
+
+    /// The view of a file version with nothing cached.
+    fn uncached_view(&self, key: Key, stat: &Stat) -> View {
+        let n = nblocks(stat.version.size, self.block_size);
+        View {
+            key,
+            block_size: self.block_size,
+            present: vec![0; n.div_ceil(8)],
+            nblocks: n,
+            npresent: 0,
+            data: None,
+            data_gen: 0,
+        }
     }
 
     /// Files cached whole (every block present), least recently used first, as

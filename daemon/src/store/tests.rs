@@ -1396,3 +1396,57 @@ fn the_policy_hears_everything_once_it_is_free() {
     let kept: Vec<usize> = (0..6).filter(|&i| check(&s, &files[i]) == 1).collect();
     assert_eq!(kept, vec![1, 3, 4, 5]);
 }
+
+/// An open that finds a file cached and checks its blocks, while the file is evicted
+/// (for room, or by an operator) before the open looks again, is answered "nothing
+/// cached" (the client then reads through a fill, or the backing store), not a store
+/// error. Before, it was refused "cache entry is gone" (seen in the policy harness
+/// under load).
+#[test]
+fn a_file_evicted_while_its_open_checks_its_blocks_opens_as_uncached() {
+    use crate::store::io::failing::{FailingIo, IoFaults};
+    let dir = tempfile::tempdir().unwrap();
+    let c = cfg(dir.path(), 64 * BS as u64);
+    let faults = Arc::new(IoFaults::default());
+    let engine = {
+        let faults = faults.clone();
+        move |d: &Path| -> std::io::Result<Arc<dyn io::BlockIo>> {
+            Ok(Arc::new(FailingIo::with(
+                io::open(IoEngine::Auto, d)?,
+                faults.clone(),
+            )))
+        }
+    };
+    let open = || Store::open_with(&c, Arc::default(), Box::new(Lru::default()), &engine).unwrap();
+    let st = stat("a", 2 * BS as u64, 1);
+    {
+        let s = open();
+        fill(&s, &st, 0).unwrap();
+        fill(&s, &st, 1).unwrap();
+    } // crash: the blocks are checked again at the next open of the file
+    let s = Arc::new(open());
+    assert_eq!(s.status().unverified, 2);
+    faults.hold_reads();
+    let opener = {
+        let s = s.clone();
+        let st = st.clone();
+        std::thread::spawn(move || s.view("/r", &st))
+    };
+    assert!(
+        faults.wait_for_held_reads(1, Duration::from_secs(10)),
+        "the open checks the blocks"
+    );
+    let out = s.evict_matching(&|_, p| p == "a");
+    assert_eq!(out.files, 1);
+    faults.release();
+    let v = opener
+        .join()
+        .unwrap()
+        .expect("an evicted file opens as uncached");
+    assert_eq!((v.npresent, v.nblocks), (0, 2));
+    assert!(v.data.is_none());
+    // And the file fills again from there.
+    fill(&s, &st, 0).unwrap();
+    fill(&s, &st, 1).unwrap();
+    assert_eq!(check(&s, &st), 2);
+}

@@ -52,7 +52,15 @@ pub struct IoFaults {
     /// While true, every `write_durable` waits (before writing) until
     /// [`IoFaults::release`]: a cache disk slow to land blocks.
     hold: Mutex<bool>,
+    /// `read_many` calls waiting in [`IoFaults::hold_reads`] now.
+    pub held_reads: AtomicU64,
+    /// While true, every `read_many` waits (before reading) until
+    /// [`IoFaults::release`]: a check of cached blocks caught mid-way.
+    hold_reads: Mutex<bool>,
     cv: parking_lot::Condvar,
+    /// Told each time a read starts to wait ([`IoFaults::wait_for_held_reads`]) and
+    /// when reads are released (with `hold_reads`).
+    reads_cv: parking_lot::Condvar,
 }
 
 impl IoFaults {
@@ -66,10 +74,41 @@ impl IoFaults {
         *self.hold.lock() = true;
     }
 
-    /// Lets held writes and later ones go on.
+    /// From now on every `read_many` waits until [`IoFaults::release`].
+    pub fn hold_reads(&self) {
+        *self.hold_reads.lock() = true;
+    }
+
+    /// Lets held writes and reads, and later ones, go on.
     pub fn release(&self) {
         *self.hold.lock() = false;
         self.cv.notify_all();
+        *self.hold_reads.lock() = false;
+        self.reads_cv.notify_all();
+    }
+
+    /// Waits until `n` reads are held, or `limit` has passed; true when they are.
+    pub fn wait_for_held_reads(&self, n: u64, limit: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + limit;
+        let mut g = self.hold_reads.lock();
+        while self.held_reads.load(Ordering::Relaxed) < n {
+            if self.reads_cv.wait_until(&mut g, deadline).timed_out() {
+                return self.held_reads.load(Ordering::Relaxed) >= n;
+            }
+        }
+        true
+    }
+
+    fn wait_while_reads_held(&self) {
+        let mut g = self.hold_reads.lock();
+        if *g {
+            self.held_reads.fetch_add(1, Ordering::Relaxed);
+            self.reads_cv.notify_all();
+            while *g {
+                self.reads_cv.wait(&mut g);
+            }
+            self.held_reads.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 
     fn wait_while_held(&self) {
@@ -180,6 +219,7 @@ impl BlockIo for FailingIo {
     }
 
     fn read_many(&self, name: &str, reads: &mut [Read<'_>]) -> Vec<io::Result<()>> {
+        self.faults.wait_while_reads_held();
         let mut out = self.inner.read_many(name, reads);
         for (r, (off, _)) in out.iter_mut().zip(reads.iter()) {
             if self.faults.take(&[Fault::ReadEio]).is_some() {
