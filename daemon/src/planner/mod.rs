@@ -879,13 +879,17 @@ impl Planner {
     }
 
     /// Records that another node fetched resident file `f` to keep: this node's copy is
-    /// now needed only for this node's own reads.
+    /// now needed only for this node's own reads, and a cluster placement that moved it
+    /// away from here owes its new holder nothing more (see `Placement::taken`).
     pub fn set_handed(&mut self, f: &FileRef) {
         if !self.resident.contains_key(f) {
             return;
         }
         for (j, i) in self.files.get(f).cloned().unwrap_or_default() {
             let job = &mut self.jobs[j];
+            if let Some(p) = &mut job.placement {
+                p.taken(i);
+            }
             if job.handed.insert(i) && job.rank_of.contains_key(&i) {
                 job.rank(i);
             }

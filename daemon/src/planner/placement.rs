@@ -99,9 +99,17 @@ pub struct Placement {
     owed: Vec<u64>,
     /// The round being placed.
     at: u64,
-    /// The rounds of the latest moves away from this node (those of the last two
-    /// lookaheads: the copies it may still keep for their new holders).
-    departures: VecDeque<(u64, u32)>,
+    /// The moves away from this node per new holder, as (the round its copy is kept
+    /// until, file), in the order they were made: the copies it may still keep for
+    /// their new holders (an entry is live while `owed` of its file is its round; at
+    /// most twice as many entries as live ones, plus a few, are kept).
+    departures: Vec<VecDeque<(u64, u32)>>,
+    /// Per node, the latest round of a move away from this node whose copy that node
+    /// took ([`Placement::taken`]): how far its readers have come, as this node sees it.
+    progress: Vec<u64>,
+    /// The slots of the live entries of `departures`, and their number.
+    departing: u64,
+    live_departures: usize,
     /// Each held file's key: the absolute world position of its next read.
     key: Vec<u64>,
     /// The round after each file's last read (0: not read yet).
@@ -136,9 +144,14 @@ pub struct SimStats {
     pub moves: u64,
 }
 
-/// Lookaheads a node keeps a copy the placement moved away from it, at most, when the
-/// new holder neither took it nor said it has one.
+/// Lookaheads a node keeps a copy the placement moved away from it, at least, when the
+/// new holder neither took it nor said it has one (longer within [`DEPARTING_SHARE`]:
+/// see [`Placement::owed_rounds`]).
 const OWED_LOOKAHEADS: u64 = 4;
+
+/// The copies a node keeps for their new holders past [`OWED_LOOKAHEADS`] take at most
+/// this share of its slots (1/4): past it, the oldest of them go first.
+const DEPARTING_SHARE: u64 = 4;
 
 /// Key of a file not read again within the current and next epoch.
 const NEVER: u64 = u64::MAX;
@@ -176,7 +189,10 @@ impl Placement {
             prev: vec![[NONE; 3]; n],
             owed: vec![0; n],
             at: 0,
-            departures: VecDeque::new(),
+            departures: vec![VecDeque::new(); nodes],
+            progress: vec![0; nodes],
+            departing: 0,
+            live_departures: 0,
             key: vec![NEVER; n],
             read_at: vec![0; n],
             held: vec![BTreeSet::new(); nodes],
@@ -309,25 +325,106 @@ impl Placement {
         if from != NONE && to != NONE {
             self.stats.moves += 1;
         }
-        self.owed[f as usize] = if to == NONE || Some(to) == self.me {
+        if to == NONE || Some(to) == self.me {
             // Dropped (nobody will take a copy), or this node's own.
-            0
+            self.set_owed(f, 0);
         } else if Some(from) == self.me {
             // The new holder fetches it (or says it has it) when its readers are where
-            // this node's are, within a round or two; the copy is kept four lookaheads
-            // at most.
-            let until = self.at + OWED_LOOKAHEADS * self.lookahead.max(1);
-            self.departures.push_back((until, f));
-            while self.departures.front().is_some_and(|&(u, _)| u <= self.at) {
-                self.departures.pop_front();
-            }
-            until
-        } else {
-            self.owed[f as usize]
-        };
+            // this node's are (see `owed_rounds`).
+            let until = self.at + self.owed_rounds();
+            self.set_owed(f, until);
+            self.departures[to as usize].push_back((until, f));
+            self.departing += size;
+        }
         let p = &mut self.prev[f as usize];
         *p = [from, p[0], p[1]];
         self.holder[f as usize] = to;
+    }
+
+    /// Sets the round until which this node keeps its copy of `f` for its new holder (0:
+    /// not kept), keeping `departing` the slots of the live departures.
+    fn set_owed(&mut self, f: u32, until: u64) {
+        let o = &mut self.owed[f as usize];
+        if *o != 0 {
+            self.departing -= self.sizes.as_ref().map_or(1, |s| s[f as usize]);
+            self.live_departures -= 1;
+        }
+        if until != 0 {
+            self.live_departures += 1;
+        }
+        *o = until;
+    }
+
+    /// Rounds a node keeps a copy the placement moved away from it, at most, unless its
+    /// new holder takes it first: an epoch of rounds, at least four lookaheads. The new
+    /// holder takes it when its own readers get there, which is as soon as this node's
+    /// readers only when the ranks move in lockstep: ranks out of lockstep (each at its
+    /// own pace through an epoch, `shardcache-bench placement --drift 0.3`) are up to an
+    /// epoch apart, and a copy dropped after four lookaheads was gone when the slower
+    /// new holder came for it (0.10 of the dataset per epoch read again from the backing
+    /// store at a = 1). Past four lookaheads a copy goes sooner (`expire_departures`):
+    /// once its new holder took a copy moved after it (it fetches them in the order its
+    /// readers come to them: its readers went past this one, which it read some other
+    /// way, or will not), and the oldest first
+    /// while the copies kept that long take more than [`DEPARTING_SHARE`] of the node's
+    /// slots.
+    fn owed_rounds(&self) -> u64 {
+        (OWED_LOOKAHEADS * self.lookahead.max(1)).max(self.walk.rounds())
+    }
+
+    /// Four lookaheads: how long a copy is kept for its new holder at least.
+    fn owed_base(&self) -> u64 {
+        OWED_LOOKAHEADS * self.lookahead.max(1)
+    }
+
+    /// Drops the departures whose time ran out (see [`Placement::owed_rounds`]), and
+    /// forgets dead entries when they are more than the live ones.
+    fn expire_departures(&mut self) {
+        let share = self
+            .me
+            .map_or(0, |m| self.layout.slots[m as usize] / DEPARTING_SHARE);
+        let (base, rounds) = (self.owed_base(), self.owed_rounds());
+        let at = self.at;
+        // The round a departure was made, and whether it has been kept past the base.
+        let made = |u: u64| u - rounds;
+        for n in 0..self.departures.len() {
+            while let Some(&(u, f)) = self.departures[n].front() {
+                let live = self.owed[f as usize] == u;
+                let passed = made(u) + base <= at && self.progress[n] > made(u);
+                if live && u > at && !passed {
+                    break;
+                }
+                self.departures[n].pop_front();
+                if live {
+                    self.set_owed(f, 0);
+                }
+            }
+        }
+        // Over the share: the oldest of those kept past the base go first.
+        while self.departing > share {
+            let mut oldest: Option<(u64, usize)> = None;
+            for (n, q) in self.departures.iter_mut().enumerate() {
+                while q.front().is_some_and(|&(u, f)| self.owed[f as usize] != u) {
+                    q.pop_front();
+                }
+                if let Some(&(u, _)) = q.front()
+                    && made(u) + base <= at
+                    && oldest.is_none_or(|(o, _)| u < o)
+                {
+                    oldest = Some((u, n));
+                }
+            }
+            let Some((_, n)) = oldest else { break };
+            let (_, f) = self.departures[n].pop_front().expect("a front");
+            self.set_owed(f, 0);
+        }
+        let len: usize = self.departures.iter().map(VecDeque::len).sum();
+        if len > 2 * self.live_departures + 64 {
+            let owed = &self.owed;
+            for q in &mut self.departures {
+                q.retain(|&(u, f)| owed[f as usize] == u);
+            }
+        }
     }
 
     /// True when `f` may leave its node in round `round`: not read within the
@@ -469,6 +566,7 @@ impl Placement {
                     }
                 }
             }
+            self.expire_departures();
             self.next += 1;
         }
     }
@@ -516,8 +614,9 @@ impl Placement {
 
     /// True when the placement moved `f` from this node to another that has not taken
     /// it yet ([`Placement::discharge`]): this node keeps its copy (the cluster's only
-    /// one, perhaps) until then, or until the readers are four lookaheads past the move
-    /// (a new holder that had gone, say).
+    /// one, perhaps) until then, or until the readers are an epoch past the move (a new
+    /// holder that had gone, say); or four lookaheads past it when the copies kept longer
+    /// pass their share of its slots ([`Placement::owed_rounds`]).
     pub fn is_owed(&self, f: u32) -> bool {
         self.owed.get(f as usize).is_some_and(|&u| u > self.next)
     }
@@ -527,15 +626,34 @@ impl Placement {
     pub fn departing(&self) -> impl Iterator<Item = u32> + '_ {
         self.departures
             .iter()
+            .flatten()
             .filter(|&&(u, f)| u > self.next && self.owed[f as usize] == u)
             .map(|&(_, f)| f)
     }
 
-    /// Another node took this node's copy of `f` to keep, or the copy is gone.
+    /// This node's copy of `f` is gone: it owes no other node a copy.
     pub fn discharge(&mut self, f: u32) {
-        if let Some(o) = self.owed.get_mut(f as usize) {
-            *o = 0;
+        if (f as usize) < self.owed.len() {
+            self.set_owed(f, 0);
         }
+    }
+
+    /// Another node took this node's copy of `f` to keep (or said it has one): owed no
+    /// more, and its holder's readers have come as far as the move (see
+    /// [`Placement::owed_rounds`]).
+    pub fn taken(&mut self, f: u32) {
+        let Some(&u) = self.owed.get(f as usize) else {
+            return;
+        };
+        if u != 0 {
+            let h = self.holder[f as usize];
+            if h != NONE {
+                let made = u - self.owed_rounds();
+                let p = &mut self.progress[h as usize];
+                *p = (*p).max(made);
+            }
+        }
+        self.set_owed(f, 0);
     }
 
     /// True when the simulation places `f` (some node holds, or held, its copy).
@@ -769,9 +887,9 @@ mod tests {
             }
         }
         assert!(checked > 10, "only {checked} moves away seen");
-        // Copies moved away long ago are not kept any more.
+        // Copies moved away an epoch ago are not kept any more.
         let owed_now: Vec<u32> = (0..40).filter(|&f| a.is_owed(f)).collect();
-        a.advance(70 + OWED_LOOKAHEADS * l);
+        a.advance(70 + a.owed_rounds());
         for f in owed_now {
             assert!(
                 !a.is_owed(f) || a.departing().any(|x| x == f),
@@ -783,6 +901,143 @@ mod tests {
             a.discharge(f);
             assert!(!a.is_owed(f));
         }
+        assert_eq!((a.departing, a.live_departures), (0, 0));
+    }
+
+    /// Ranks out of lockstep are up to an epoch apart: a copy moved away from a node is
+    /// kept longer than four lookaheads for its slower new holder, an epoch at most, as
+    /// long as the copies kept that long take at most a quarter of the node's slots (the
+    /// oldest go first past it); in bytes as in files.
+    #[test]
+    fn a_copy_moved_away_is_kept_an_epoch_within_its_share_of_the_slots() {
+        for bytes in [false, true] {
+            let files = 400u64;
+            let walk = Walk {
+                files,
+                seed: 9,
+                first: 0,
+                epochs: 6,
+                world: 4,
+                drop_last: false,
+            };
+            let sizes: Arc<[u64]> = (0..files).map(|f| 1000 + (f * 7919) % 3000).collect();
+            let total: u64 = sizes.iter().sum();
+            let mut lay = layout(2, if bytes { total / 2 } else { files / 2 });
+            lay.bytes = bytes;
+            let l = 4;
+            let mut a = Placement::with_sizes(walk, lay, "n0", l, bytes.then(|| sizes.clone()));
+            let share = a.layout.slots[0] / DEPARTING_SHARE;
+            let base = OWED_LOOKAHEADS * l;
+            assert!(
+                a.owed_rounds() > base,
+                "an epoch is longer than four lookaheads"
+            );
+            // The round of each file's last move away from n0.
+            let mut moved_at: Vec<Option<u64>> = vec![None; files as usize];
+            let (mut longest, mut moves, mut peak) = (0, 0, 0);
+            for round in 1..walk.rounds() * walk.epochs {
+                let before: Vec<bool> = (0..files as u32).map(|f| a.is_mine(f)).collect();
+                a.advance(round);
+                let at = round - 1;
+                let mut old = 0;
+                for f in 0..files as u32 {
+                    let i = f as usize;
+                    if before[i] && !a.is_mine(f) && a.holder(f).is_some() {
+                        moved_at[i] = Some(at);
+                        moves += 1;
+                    }
+                    if a.is_mine(f) {
+                        moved_at[i] = None;
+                    }
+                    let Some(m) = moved_at[i] else {
+                        assert!(!a.is_owed(f), "file {f} is owed, never moved away");
+                        continue;
+                    };
+                    let age = at - m;
+                    if age < base {
+                        assert!(a.is_owed(f), "file {f} moved away {age} rounds ago: kept");
+                    }
+                    if a.is_owed(f) {
+                        assert!(age < a.owed_rounds(), "file {f} kept {age} rounds");
+                        if age >= base {
+                            old += a.slots_of(f);
+                            longest = longest.max(age);
+                        }
+                    }
+                }
+                assert!(
+                    old <= share,
+                    "bytes {bytes}, round {round}: {old} slots kept past four lookaheads, share {share}"
+                );
+                peak = peak.max(old);
+            }
+            assert!(
+                peak > share / 2,
+                "bytes {bytes}: the share ({share}) never came near ({peak}): not tested"
+            );
+            assert!(moves > 50, "only {moves} moves away");
+            assert!(
+                longest > 2 * base,
+                "bytes {bytes}: copies kept {longest} rounds at most, four lookaheads are {base}"
+            );
+        }
+    }
+
+    /// A new holder that takes its copies as its readers come to them (in lockstep) and
+    /// passes some by (read some other way): those are kept four lookaheads after their
+    /// move, a lookahead more at most, not an epoch (the room they would hold is room
+    /// this node's own files need).
+    #[test]
+    fn a_copy_its_new_holder_went_past_is_kept_four_lookaheads() {
+        let files = 400u64;
+        let walk = Walk {
+            files,
+            seed: 9,
+            first: 0,
+            epochs: 6,
+            world: 4,
+            drop_last: false,
+        };
+        let l = 4;
+        let mut a = Placement::new(walk, layout(2, files / 2), "n0", l);
+        let base = OWED_LOOKAHEADS * l;
+        assert!(
+            a.owed_rounds() > 2 * base,
+            "an epoch is much longer than the base"
+        );
+        let mut moved_at: Vec<Option<u64>> = vec![None; files as usize];
+        let (mut skipped, mut oldest) = (0, 0);
+        for round in 1..walk.rounds() * walk.epochs {
+            let before: Vec<bool> = (0..files as u32).map(|f| a.is_mine(f)).collect();
+            a.advance(round);
+            let at = round - 1;
+            for f in 0..files as u32 {
+                let i = f as usize;
+                if before[i] && !a.is_mine(f) && a.holder(f).is_some() {
+                    if f % 5 == 0 {
+                        // Passed by.
+                        moved_at[i] = Some(at);
+                        skipped += 1;
+                    } else {
+                        a.taken(f);
+                        assert!(!a.is_owed(f));
+                    }
+                }
+                if a.is_mine(f) {
+                    moved_at[i] = None;
+                }
+                if let Some(m) = moved_at[i]
+                    && a.is_owed(f)
+                {
+                    oldest = oldest.max(at - m);
+                }
+            }
+        }
+        assert!(skipped > 20, "only {skipped} copies passed by");
+        assert!(
+            (base - 1..=base + l).contains(&oldest),
+            "copies passed by kept {oldest} rounds; four lookaheads are {base}"
+        );
     }
 
     #[test]

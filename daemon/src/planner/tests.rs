@@ -655,6 +655,17 @@ fn a_copy_landing_after_the_placement_moved_its_file_on_is_kept_for_the_new_hold
         p.set_handed(&fs[f]);
         assert_eq!(p.protects(&fs[f]), Some(false), "file {f} taken");
     }
+    assert!(
+        p.departing().iter().all(|(_, n)| *n == 0),
+        "nothing kept for others"
+    );
+    // And the placement owes the new holder nothing more: the copies it keeps for new
+    // holders count against their share of the node's slots (`Placement::owed_rounds`)
+    // only until taken.
+    let pl = p.jobs[0].placement.as_ref().unwrap();
+    for &f in &owed {
+        assert!(!pl.is_owed(f as u32), "file {f}: taken, owed nothing");
+    }
 }
 
 /// An open never runs the simulation of the cluster's reads (M simulated reads per
