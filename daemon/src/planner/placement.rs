@@ -615,8 +615,9 @@ impl Placement {
     /// True when the placement moved `f` from this node to another that has not taken
     /// it yet ([`Placement::discharge`]): this node keeps its copy (the cluster's only
     /// one, perhaps) until then, or until the readers are an epoch past the move (a new
-    /// holder that had gone, say); or four lookaheads past it when the copies kept longer
-    /// pass their share of its slots ([`Placement::owed_rounds`]).
+    /// holder that had gone, say); sooner, four lookaheads past it at least, when the new
+    /// holder's readers went past it or the copies kept that long pass their share of the
+    /// node's slots (see `Placement::owed_rounds`).
     pub fn is_owed(&self, f: u32) -> bool {
         self.owed.get(f as usize).is_some_and(|&u| u > self.next)
     }
@@ -640,7 +641,7 @@ impl Placement {
 
     /// Another node took this node's copy of `f` to keep (or said it has one): owed no
     /// more, and its holder's readers have come as far as the move (see
-    /// [`Placement::owed_rounds`]).
+    /// `Placement::owed_rounds`).
     pub fn taken(&mut self, f: u32) {
         let Some(&u) = self.owed.get(f as usize) else {
             return;
