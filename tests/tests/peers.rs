@@ -39,6 +39,42 @@ fn cluster_with(bed: &Bed, secrets: &[&str], extra: &[&str]) -> (Vec<Daemon>, Ve
     (nodes, addrs)
 }
 
+/// What the daemons' debug logs say of the files a placed job read from the backing
+/// store since each log was `since` bytes long: each "placed: no source had it", and
+/// every line of the whole logs naming one of those files (its fetches, fills and
+/// evictions on every node), at most 100 lines a node.
+fn why_backing(nodes: &[Daemon], since: &[usize]) -> String {
+    let logs: Vec<String> = nodes.iter().map(Daemon::log_text).collect();
+    let mut paths = std::collections::BTreeSet::new();
+    for (t, &from) in logs.iter().zip(since) {
+        for l in t.get(from..).unwrap_or("").lines() {
+            if l.contains("no source had it")
+                && let Some((_, rest)) = l.split_once("path=")
+            {
+                paths.insert(rest.split_whitespace().next().unwrap_or("").to_owned());
+            }
+        }
+    }
+    let names = |l: &str| {
+        paths.iter().any(|p| {
+            l.match_indices(&format!("path={p}")).any(|(i, m)| {
+                l[i + m.len()..]
+                    .chars()
+                    .next()
+                    .is_none_or(char::is_whitespace)
+            })
+        })
+    };
+    let mut out = format!("files read from the backing store when placed: {paths:?}\n");
+    for (k, t) in logs.iter().enumerate() {
+        let lines: Vec<&str> = t.lines().filter(|l| names(l)).collect();
+        for l in &lines[lines.len().saturating_sub(100)..] {
+            out += &format!("node {k}: {l}\n");
+        }
+    }
+    out
+}
+
 fn total(nodes: &[Daemon], f: impl Fn(&shardcache_client::Counters) -> u64) -> u64 {
     nodes.iter().map(|d| f(&d.counters())).sum()
 }
@@ -368,6 +404,7 @@ fn distributed_shuffle(epochs: u64, restart: Option<u64>) {
     for epoch in 0..epochs {
         let before = total(&nodes, |c| c.backing_bytes + c.fallback_bytes);
         let local_before = total(&nodes, |c| c.opens_full);
+        let log_at: Vec<usize> = nodes.iter().map(|d| d.log_text().len()).collect();
         // The ranks read in lockstep, as the ranks of one training job do (their
         // collective operations keep them together).
         let clients: Vec<_> = (0..3).map(|r| bed.node_client(r)).collect();
@@ -402,11 +439,12 @@ fn distributed_shuffle(epochs: u64, restart: Option<u64>) {
         if epoch > 0 {
             assert!(
                 share <= bound,
-                "epoch {epoch}: the backing store read {share:.3} of the dataset; peers seen down: {:?}",
+                "epoch {epoch}: the backing store read {share:.3} of the dataset; peers seen down: {:?}\n{}",
                 nodes
                     .iter()
                     .map(|d| d.log_text().matches("peer down").count())
-                    .collect::<Vec<_>>()
+                    .collect::<Vec<_>>(),
+                why_backing(&nodes, &log_at)
             );
         }
         if restart == Some(epoch) {
@@ -477,6 +515,7 @@ fn spread_sizes_given_in_the_manifest_are_placed_in_bytes_at_the_floor() {
     let mut peak = 0f64;
     for epoch in 0..epochs {
         let before = total(&nodes, |c| c.backing_bytes + c.fallback_bytes);
+        let log_at: Vec<usize> = nodes.iter().map(|d| d.log_text().len()).collect();
         for c in &clients {
             assert!(c.progress("spread", epoch, 0).unwrap(), "the job is known");
         }
@@ -503,7 +542,8 @@ fn spread_sizes_given_in_the_manifest_are_placed_in_bytes_at_the_floor() {
         if epoch > 0 {
             assert!(
                 share <= 0.01,
-                "epoch {epoch}: backing {share:.3} of the dataset"
+                "epoch {epoch}: backing {share:.3} of the dataset\n{}",
+                why_backing(&nodes, &log_at)
             );
         }
     }
