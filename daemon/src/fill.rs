@@ -2051,7 +2051,7 @@ mod tests {
         assert_eq!(&b[..], &want[..]);
         // Handed over, not landed: no one else sees the block yet.
         until(Duration::from_secs(10), "the landing under way", || {
-            r.io.held.load(Ordering::Relaxed) == 1
+            r.io.writes.held.load(Ordering::Relaxed) == 1
         });
         assert!(!r.store.is_present(&t.key, 0));
         assert_eq!(f.outcome(), None);
@@ -2095,7 +2095,7 @@ mod tests {
         // Two landings by their workers and the lander's batch, all held in the store's
         // writes; none dropped, no flight ended.
         until(Duration::from_secs(10), "three landings under way", || {
-            r.io.held.load(Ordering::Relaxed) == 3
+            r.io.writes.held.load(Ordering::Relaxed) == 3
         });
         assert_eq!(r.stats.backlog_full.load(Ordering::Relaxed), 0);
         assert!(flights.iter().all(|f| f.outcome().is_none()));
@@ -2144,7 +2144,7 @@ mod tests {
             Duration::from_secs(10),
             "three landings under way, one past the bound",
             || {
-                r.io.held.load(Ordering::Relaxed) == 3
+                r.io.writes.held.load(Ordering::Relaxed) == 3
                     && r.stats.backlog_full.load(Ordering::Relaxed) == 1
             },
         );

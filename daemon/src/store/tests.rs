@@ -14,6 +14,19 @@ fn cfg(dir: &Path, capacity: u64) -> StoreConfig {
     test_config(dir, capacity, BS)
 }
 
+/// Opens the store of `c` (LRU) with its I/O through a [`io::failing::FailingIo`]
+/// steered by `faults`: the same faults for every start of the store.
+fn open_failing(c: &StoreConfig, faults: &Arc<io::failing::IoFaults>) -> Store {
+    let faults = faults.clone();
+    let engine = move |d: &Path| -> std::io::Result<Arc<dyn io::BlockIo>> {
+        Ok(Arc::new(io::failing::FailingIo::with(
+            io::open(IoEngine::Auto, d)?,
+            faults.clone(),
+        )))
+    };
+    Store::open_with(c, Arc::default(), Box::new(Lru::default()), &engine).unwrap()
+}
+
 fn stat(path: &str, size: u64, mtime: i64) -> Stat {
     Stat {
         path: path.into(),
@@ -258,7 +271,7 @@ mod model {
     //! expose bytes that differ from the version it was asked for, and a fault comes
     //! back as `StoreError::Io` from the fill it hit.
     use super::*;
-    use crate::store::io::failing::{FailingIo, Fault, IoFaults};
+    use crate::store::io::failing::{Fault, IoFaults};
     use proptest::prelude::*;
     use std::sync::atomic::Ordering;
 
@@ -322,13 +335,7 @@ mod model {
             let dir = tempfile::tempdir().unwrap();
             let c = cfg(dir.path(), cap_blocks * BS as u64);
             let faults = Arc::new(IoFaults::default());
-            let engine = {
-                let faults = faults.clone();
-                move |d: &Path| -> std::io::Result<Arc<dyn io::BlockIo>> {
-                    Ok(Arc::new(FailingIo::with(io::open(IoEngine::Auto, d)?, faults.clone())))
-                }
-            };
-            let open = || Store::open_with(&c, Arc::default(), Box::new(Lru::default()), &engine).unwrap();
+            let open = || open_failing(&c, &faults);
             let mut store = Some(open());
             let mut versions = [1i64, 1, 1];
             let sizes = [BS as u64 * 3 + 17, BS as u64, BS as u64 * 2];
@@ -581,20 +588,11 @@ mod faults {
 /// by one, and everything survives a restart.
 #[test]
 fn small_files_committed_together_land_each_and_survive_a_restart() {
-    use crate::store::io::failing::{FailingIo, Fault, IoFaults};
+    use crate::store::io::failing::{Fault, IoFaults};
     let dir = tempfile::tempdir().unwrap();
     let c = cfg(dir.path(), 64 * BS as u64);
     let faults = Arc::new(IoFaults::default());
-    let engine = {
-        let faults = faults.clone();
-        move |d: &Path| -> std::io::Result<Arc<dyn io::BlockIo>> {
-            Ok(Arc::new(FailingIo::with(
-                io::open(IoEngine::Auto, d)?,
-                faults.clone(),
-            )))
-        }
-    };
-    let open = || Store::open_with(&c, Arc::default(), Box::new(Lru::default()), &engine).unwrap();
+    let open = || open_failing(&c, &faults);
     let s = open();
     let small: Vec<Stat> = (0..6)
         .map(|i| stat(&format!("s{i}"), 100 + i as u64, 1))
@@ -641,20 +639,11 @@ fn small_files_committed_together_land_each_and_survive_a_restart() {
 
 #[test]
 fn blocks_committed_as_a_batch_land_together_or_not_at_all() {
-    use crate::store::io::failing::{FailingIo, Fault, IoFaults};
+    use crate::store::io::failing::{Fault, IoFaults};
     let dir = tempfile::tempdir().unwrap();
     let c = cfg(dir.path(), 64 * BS as u64);
     let faults = Arc::new(IoFaults::default());
-    let engine = {
-        let faults = faults.clone();
-        move |d: &Path| -> std::io::Result<Arc<dyn io::BlockIo>> {
-            Ok(Arc::new(FailingIo::with(
-                io::open(IoEngine::Auto, d)?,
-                faults.clone(),
-            )))
-        }
-    };
-    let open = || Store::open_with(&c, Arc::default(), Box::new(Lru::default()), &engine).unwrap();
+    let open = || open_failing(&c, &faults);
     let s = open();
     let a = stat("a", 5 * BS as u64 + 9, 1);
     let b = stat("b", BS as u64, 1);
@@ -1404,20 +1393,11 @@ fn the_policy_hears_everything_once_it_is_free() {
 /// under load).
 #[test]
 fn a_file_evicted_while_its_open_checks_its_blocks_opens_as_uncached() {
-    use crate::store::io::failing::{FailingIo, IoFaults};
+    use crate::store::io::failing::IoFaults;
     let dir = tempfile::tempdir().unwrap();
     let c = cfg(dir.path(), 64 * BS as u64);
     let faults = Arc::new(IoFaults::default());
-    let engine = {
-        let faults = faults.clone();
-        move |d: &Path| -> std::io::Result<Arc<dyn io::BlockIo>> {
-            Ok(Arc::new(FailingIo::with(
-                io::open(IoEngine::Auto, d)?,
-                faults.clone(),
-            )))
-        }
-    };
-    let open = || Store::open_with(&c, Arc::default(), Box::new(Lru::default()), &engine).unwrap();
+    let open = || open_failing(&c, &faults);
     let st = stat("a", 2 * BS as u64, 1);
     {
         let s = open();
@@ -1433,7 +1413,7 @@ fn a_file_evicted_while_its_open_checks_its_blocks_opens_as_uncached() {
         std::thread::spawn(move || s.view("/r", &st))
     };
     assert!(
-        faults.wait_for_held_reads(1, Duration::from_secs(10)),
+        faults.reads.wait_for_held(1, Duration::from_secs(10)),
         "the open checks the blocks"
     );
     let out = s.evict_matching(&|_, p| p == "a");

@@ -47,20 +47,62 @@ pub struct IoFaults {
     pub durable_writes: AtomicU64,
     /// `(name, offset)` of every read failed by [`Fault::ReadEio`].
     pub failed_reads: Mutex<Vec<(String, u64)>>,
-    /// `write_durable` calls waiting in [`IoFaults::hold`] now.
+    /// Where every `write_durable` waits while [`IoFaults::hold`] holds it (before
+    /// writing): a cache disk slow to land blocks.
+    pub writes: Gate,
+    /// Where every `read_many` waits while [`IoFaults::hold_reads`] holds it (before
+    /// reading): a check of cached blocks caught mid-way.
+    pub reads: Gate,
+}
+
+/// Calls of one kind waiting while the gate is closed, until it opens.
+#[derive(Debug, Default)]
+pub struct Gate {
+    /// Calls waiting at the gate now.
     pub held: AtomicU64,
-    /// While true, every `write_durable` waits (before writing) until
-    /// [`IoFaults::release`]: a cache disk slow to land blocks.
-    hold: Mutex<bool>,
-    /// `read_many` calls waiting in [`IoFaults::hold_reads`] now.
-    pub held_reads: AtomicU64,
-    /// While true, every `read_many` waits (before reading) until
-    /// [`IoFaults::release`]: a check of cached blocks caught mid-way.
-    hold_reads: Mutex<bool>,
+    closed: Mutex<bool>,
+    /// Told when a call starts to wait and when the gate opens.
     cv: parking_lot::Condvar,
-    /// Told each time a read starts to wait ([`IoFaults::wait_for_held_reads`]) and
-    /// when reads are released (with `hold_reads`).
-    reads_cv: parking_lot::Condvar,
+}
+
+impl Gate {
+    fn close(&self) {
+        *self.closed.lock() = true;
+    }
+
+    fn open(&self) {
+        *self.closed.lock() = false;
+        self.cv.notify_all();
+    }
+
+    fn is_closed(&self) -> bool {
+        *self.closed.lock()
+    }
+
+    /// Waits while the gate is closed.
+    fn pass(&self) {
+        let mut g = self.closed.lock();
+        if *g {
+            self.held.fetch_add(1, Ordering::Relaxed);
+            self.cv.notify_all();
+            while *g {
+                self.cv.wait(&mut g);
+            }
+            self.held.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Waits until `n` calls wait at the gate, or `limit` has passed; true when they do.
+    pub fn wait_for_held(&self, n: u64, limit: std::time::Duration) -> bool {
+        let deadline = std::time::Instant::now() + limit;
+        let mut g = self.closed.lock();
+        while self.held.load(Ordering::Relaxed) < n {
+            if self.cv.wait_until(&mut g, deadline).timed_out() {
+                return self.held.load(Ordering::Relaxed) >= n;
+            }
+        }
+        true
+    }
 }
 
 impl IoFaults {
@@ -71,55 +113,18 @@ impl IoFaults {
 
     /// From now on every `write_durable` waits until [`IoFaults::release`].
     pub fn hold(&self) {
-        *self.hold.lock() = true;
+        self.writes.close();
     }
 
     /// From now on every `read_many` waits until [`IoFaults::release`].
     pub fn hold_reads(&self) {
-        *self.hold_reads.lock() = true;
+        self.reads.close();
     }
 
     /// Lets held writes and reads, and later ones, go on.
     pub fn release(&self) {
-        *self.hold.lock() = false;
-        self.cv.notify_all();
-        *self.hold_reads.lock() = false;
-        self.reads_cv.notify_all();
-    }
-
-    /// Waits until `n` reads are held, or `limit` has passed; true when they are.
-    pub fn wait_for_held_reads(&self, n: u64, limit: std::time::Duration) -> bool {
-        let deadline = std::time::Instant::now() + limit;
-        let mut g = self.hold_reads.lock();
-        while self.held_reads.load(Ordering::Relaxed) < n {
-            if self.reads_cv.wait_until(&mut g, deadline).timed_out() {
-                return self.held_reads.load(Ordering::Relaxed) >= n;
-            }
-        }
-        true
-    }
-
-    fn wait_while_reads_held(&self) {
-        let mut g = self.hold_reads.lock();
-        if *g {
-            self.held_reads.fetch_add(1, Ordering::Relaxed);
-            self.reads_cv.notify_all();
-            while *g {
-                self.reads_cv.wait(&mut g);
-            }
-            self.held_reads.fetch_sub(1, Ordering::Relaxed);
-        }
-    }
-
-    fn wait_while_held(&self) {
-        let mut g = self.hold.lock();
-        if *g {
-            self.held.fetch_add(1, Ordering::Relaxed);
-            while *g {
-                self.cv.wait(&mut g);
-            }
-            self.held.fetch_sub(1, Ordering::Relaxed);
-        }
+        self.writes.open();
+        self.reads.open();
     }
 
     /// Disarms every fault not yet injected.
@@ -180,7 +185,7 @@ impl BlockIo for FailingIo {
     fn create_written(&self, files: &[NewFile<'_>]) -> Vec<io::Result<()>> {
         // With a fault armed or writes held, file by file: each create and write may
         // take its fault, or wait.
-        if !self.faults.lock().is_empty() || *self.faults.hold.lock() {
+        if !self.faults.lock().is_empty() || self.faults.writes.is_closed() {
             return files
                 .iter()
                 .map(|f| {
@@ -195,7 +200,7 @@ impl BlockIo for FailingIo {
 
     fn write_durable(&self, name: &str, writes: &[Write<'_>]) -> io::Result<()> {
         self.faults.durable_writes.fetch_add(1, Ordering::Relaxed);
-        self.faults.wait_while_held();
+        self.faults.writes.pass();
         match self
             .faults
             .take(&[Fault::SyncEio, Fault::Enospc, Fault::ShortWrite])
@@ -219,7 +224,7 @@ impl BlockIo for FailingIo {
     }
 
     fn read_many(&self, name: &str, reads: &mut [Read<'_>]) -> Vec<io::Result<()>> {
-        self.faults.wait_while_reads_held();
+        self.faults.reads.pass();
         let mut out = self.inner.read_many(name, reads);
         for (r, (off, _)) in out.iter_mut().zip(reads.iter()) {
             if self.faults.take(&[Fault::ReadEio]).is_some() {
