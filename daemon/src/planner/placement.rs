@@ -334,7 +334,6 @@ impl Placement {
             let until = self.at + self.owed_rounds();
             self.set_owed(f, until);
             self.departures[to as usize].push_back((until, f));
-            self.departing += size;
         }
         let p = &mut self.prev[f as usize];
         *p = [from, p[0], p[1]];
@@ -344,12 +343,14 @@ impl Placement {
     /// Sets the round until which this node keeps its copy of `f` for its new holder (0:
     /// not kept), keeping `departing` the slots of the live departures.
     fn set_owed(&mut self, f: u32, until: u64) {
+        let size = self.size(f);
         let o = &mut self.owed[f as usize];
         if *o != 0 {
-            self.departing -= self.sizes.as_ref().map_or(1, |s| s[f as usize]);
+            self.departing -= size;
             self.live_departures -= 1;
         }
         if until != 0 {
+            self.departing += size;
             self.live_departures += 1;
         }
         *o = until;
@@ -905,6 +906,19 @@ mod tests {
         assert_eq!((a.departing, a.live_departures), (0, 0));
     }
 
+    /// The shuffle of the tests of copies kept for their new holders: 4 ranks, 6 epochs
+    /// (an epoch is `files / 4` rounds, much longer than four lookaheads).
+    fn four_ranks_six_epochs(files: u64) -> Walk {
+        Walk {
+            files,
+            seed: 9,
+            first: 0,
+            epochs: 6,
+            world: 4,
+            drop_last: false,
+        }
+    }
+
     /// Ranks out of lockstep are up to an epoch apart: a copy moved away from a node is
     /// kept longer than four lookaheads for its slower new holder, an epoch at most, as
     /// long as the copies kept that long take at most a quarter of the node's slots (the
@@ -913,14 +927,7 @@ mod tests {
     fn a_copy_moved_away_is_kept_an_epoch_within_its_share_of_the_slots() {
         for bytes in [false, true] {
             let files = 400u64;
-            let walk = Walk {
-                files,
-                seed: 9,
-                first: 0,
-                epochs: 6,
-                world: 4,
-                drop_last: false,
-            };
+            let walk = four_ranks_six_epochs(files);
             let sizes: Arc<[u64]> = (0..files).map(|f| 1000 + (f * 7919) % 3000).collect();
             let total: u64 = sizes.iter().sum();
             let mut lay = layout(2, if bytes { total / 2 } else { files / 2 });
@@ -991,14 +998,7 @@ mod tests {
     #[test]
     fn a_copy_its_new_holder_went_past_is_kept_four_lookaheads() {
         let files = 400u64;
-        let walk = Walk {
-            files,
-            seed: 9,
-            first: 0,
-            epochs: 6,
-            world: 4,
-            drop_last: false,
-        };
+        let walk = four_ranks_six_epochs(files);
         let l = 4;
         let mut a = Placement::new(walk, layout(2, files / 2), "n0", l);
         let base = OWED_LOOKAHEADS * l;
