@@ -174,6 +174,9 @@ struct Job {
     /// Resident files some other node has fetched a copy of to keep: their reads by
     /// other ranks no longer depend on this node's copy.
     handed: HashSet<u32>,
+    /// While the cluster placement replays the plan from its start: the round the
+    /// replay began for (see [`Job::discharge_replayed`]).
+    replaying: Option<u64>,
     /// A shuffle's whole-world order of a few epochs (position `k · world + rank` is
     /// rank `rank`'s `k`-th read), indexed by file.
     world_epochs: Vec<(u64, Arc<EpochIndex>)>,
@@ -359,11 +362,29 @@ impl Job {
         let target = round + p.lookahead();
         if target < p.placed() {
             *p = p.restarted();
+            self.replaying = Some(target);
         }
         let before = p.placed();
         p.advance(target.min(before.saturating_add(max.max(1))));
         let after = p.placed();
+        self.discharge_replayed();
         after >= target || after == before
+    }
+
+    /// A placement started over replays the plan and moves away from this node again
+    /// copies other nodes took already ([`Planner::set_handed`]): they will not take
+    /// them again, so the replayed placement owes them nothing (see `Placement::taken`),
+    /// up to the round the replay began for.
+    fn discharge_replayed(&mut self) {
+        let (Some(until), Some(p)) = (self.replaying, &mut self.placement) else {
+            return;
+        };
+        for &i in &self.handed {
+            p.discharge(i);
+        }
+        if p.placed() >= until {
+            self.replaying = None;
+        }
     }
 
     /// (world, this node's ranks) of a shuffle.
@@ -753,6 +774,7 @@ impl Planner {
             rank_of: HashMap::default(),
             cluster: self.cluster,
             handed: HashSet::default(),
+            replaying: None,
             world_epochs: Vec::new(),
             owners: parking_lot::Mutex::new(None),
             placement: None,
@@ -998,6 +1020,7 @@ impl Planner {
             return; // registered again meanwhile, with another plan
         }
         tracing::debug!(job = %id, layout = ?p.layout(), "cluster placement layout");
+        job.replaying = Some(job.round() + p.lookahead());
         job.placement = Some(p);
         job.sync_placement();
     }
@@ -1176,6 +1199,13 @@ impl Planner {
                 &mut here,
             ) {
                 out.push(files[i as usize].clone());
+            }
+            // This node's copy is the cluster's again: a node that took it before took
+            // it for an earlier move, not for the next one away from here.
+            for &i in &here {
+                if job.handed.remove(&i) && job.rank_of.contains_key(&i) {
+                    job.rank(i);
+                }
             }
             claimed.extend(here.into_iter().map(|i| files[i as usize].clone()));
         }

@@ -668,6 +668,111 @@ fn a_copy_landing_after_the_placement_moved_its_file_on_is_kept_for_the_new_hold
     }
 }
 
+/// A node whose copies all stay resident reads through `epochs` epochs of
+/// [`rank_0_of_two_nodes`]'s shuffle, the two nodes with `slots` each; after each read,
+/// the other node takes every copy the placement owes it (`set_handed`). `check` sees
+/// the planner before each taking.
+fn read_and_hand_over(
+    n: usize,
+    slots: [u64; 2],
+    epochs: u64,
+    mut check: impl FnMut(&Planner, &[FileRef], u64),
+) -> (Vec<FileRef>, Planner, placement::Layout) {
+    let (fs, mut p, layout) = rank_0_of_two_nodes(n);
+    let layout = placement::Layout {
+        slots: slots.to_vec(),
+        ..layout
+    };
+    p.set_layout("j", Some(layout.clone()), "a");
+    for f in &fs {
+        p.set_resident(f, true);
+    }
+    let order: Vec<usize> = (0..epochs)
+        .flat_map(|e| shuffle::rank_order(n as u64, 7, e, 2, 0, false))
+        .map(|f| f as usize)
+        .collect();
+    for (k, &f) in order.iter().enumerate() {
+        p.on_access(&fs[f], 1);
+        assert!(p.sync_placements(u64::MAX));
+        // The prefetcher's look: copies moved here that are here already are claimed.
+        let _ = p.incoming(usize::MAX);
+        check(&p, &fs, k as u64);
+        let owed: Vec<usize> = {
+            let pl = p.jobs[0].placement.as_ref().unwrap();
+            (0..n).filter(|&i| pl.is_owed(i as u32)).collect()
+        };
+        for i in owed {
+            p.set_handed(&fs[i]);
+        }
+    }
+    (fs, p, layout)
+}
+
+/// A copy the other node took, then moved back here (claimed: this node's copy is the
+/// cluster's again), then moved away again is owed to its new holder like any other:
+/// the earlier taking says nothing of the new debt. Before, the handoff stayed recorded
+/// while the copy was resident, and the copy was left unprotected (its new holder could
+/// find it evicted and read the backing store). The other node has a quarter of the
+/// room: copies it has no room for are parked here, without a read here (which would
+/// have cleared the record).
+#[test]
+fn a_copy_taken_moved_back_and_moved_away_again_is_kept_for_its_new_holder() {
+    let mut debts = 0;
+    read_and_hand_over(40, [30, 10], 5, |p, fs, k| {
+        let pl = p.jobs[0].placement.as_ref().unwrap();
+        for (i, f) in fs.iter().enumerate() {
+            if pl.is_owed(i as u32) {
+                debts += 1;
+                assert_eq!(
+                    p.protects(f),
+                    Some(true),
+                    "read {k}: file {i} is owed to its new holder but not kept"
+                );
+            }
+        }
+    });
+    assert!(debts > 0, "the placement moved copies away");
+}
+
+/// A placement started over (a new layout, or the job's position moved back) replays
+/// the plan, and the replay moves away from this node again the copies other nodes
+/// have taken already: it owes them nothing (they will not take them again) and they
+/// do not count against the share of its slots kept for new holders.
+#[test]
+fn a_placement_started_over_owes_nothing_for_copies_already_taken() {
+    let n = 40;
+    let (_, mut p, layout) = read_and_hand_over(n, [20, 20], 3, |_, _, _| {});
+    assert!(!p.jobs[0].handed.is_empty(), "the other node took copies");
+    let wider = placement::Layout {
+        slots: vec![n as u64 / 2 + 1; 2],
+        ..layout
+    };
+    p.set_layout("j", Some(wider), "a");
+    let job = &p.jobs[0];
+    let pl = job.placement.as_ref().unwrap();
+    assert!(
+        pl.placed() > 0,
+        "the new placement was brought to the position"
+    );
+    for &i in &job.handed {
+        assert!(
+            !pl.is_owed(i),
+            "file {i}: taken before the replay, owed again"
+        );
+    }
+    // The job's position moving back starts the placement over too.
+    p.set_position("j", 0, 0).unwrap();
+    assert!(p.sync_placements(u64::MAX));
+    let job = &p.jobs[0];
+    let pl = job.placement.as_ref().unwrap();
+    for &i in &job.handed {
+        assert!(
+            !pl.is_owed(i),
+            "file {i}: taken before the restart, owed again"
+        );
+    }
+}
+
 /// An open never runs the simulation of the cluster's reads (M simulated reads per
 /// round of this node's ranks: 11.7 ms per open at 1 024 nodes and 1.28 M files,
 /// `shardcache-bench placement-scale`): a read moves the job's position only, and
