@@ -88,9 +88,9 @@ impl Service {
     }
 
     /// A peer that holds the whole file keeps it as the cluster's copy: this node's copy
-    /// is handed over (see [`Plans::handed`]).
+    /// is handed over (see [`Plans::released`]).
     pub(super) fn released(&self, r: &FetchRequest) {
-        self.plans.handed(&r.root, &r.path);
+        self.plans.released(&r.root, &r.path);
     }
 
     /// Counts a block served to a peer that keeps it; when it has had every block of

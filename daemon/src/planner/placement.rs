@@ -658,6 +658,15 @@ impl Placement {
         self.set_owed(f, 0);
     }
 
+    /// Another node says it has its own copy of `f` (a release: the placement moved the
+    /// file onto it and it found a copy there): owed no more. Unlike
+    /// [`Placement::taken`], it says nothing of how far that node's readers came: a node
+    /// claims every copy it finds at once, ahead of its reads, and a copy moved there
+    /// earlier that it has still to fetch must stay.
+    pub fn released(&mut self, f: u32) {
+        self.discharge(f);
+    }
+
     /// True when the simulation places `f` (some node holds, or held, its copy).
     pub fn places(&self, f: u32) -> bool {
         self.holder.get(f as usize).is_some_and(|&h| h != NONE)
@@ -1038,6 +1047,59 @@ mod tests {
         assert!(
             (base - 1..=base + l).contains(&oldest),
             "copies passed by kept {oldest} rounds; four lookaheads are {base}"
+        );
+    }
+
+    /// A new holder that says it has copies (releases) as the placement moves them to
+    /// it, ahead of its readers, tells nothing of how far its readers came: a copy moved
+    /// there earlier and not taken is kept past four lookaheads (within the share of
+    /// the slots), where copies taken by fetches (in reading order) let it go at four.
+    #[test]
+    fn a_release_does_not_say_the_new_holders_readers_went_past_a_copy() {
+        let files = 400u64;
+        let walk = four_ranks_six_epochs(files);
+        let l = 4;
+        let base = OWED_LOOKAHEADS * l;
+        // Each copy moved away is taken (fetched), released (claimed there), or passed
+        // by (every fifth); the longest a passed-by copy was kept, in rounds.
+        let longest_passed_by = |release: bool| {
+            let mut a = Placement::new(walk, layout(2, files / 2), "n0", l);
+            let mut moved_at: Vec<Option<u64>> = vec![None; files as usize];
+            let mut oldest = 0;
+            for round in 1..walk.rounds() * walk.epochs {
+                let before: Vec<bool> = (0..files as u32).map(|f| a.is_mine(f)).collect();
+                a.advance(round);
+                let at = round - 1;
+                for f in 0..files as u32 {
+                    let i = f as usize;
+                    if before[i] && !a.is_mine(f) && a.holder(f).is_some() {
+                        if f % 5 == 0 {
+                            moved_at[i] = Some(at);
+                        } else if release {
+                            a.released(f);
+                        } else {
+                            a.taken(f);
+                        }
+                        assert!(f % 5 == 0 || !a.is_owed(f));
+                    }
+                    if a.is_mine(f) {
+                        moved_at[i] = None;
+                    }
+                    if let Some(m) = moved_at[i]
+                        && a.is_owed(f)
+                    {
+                        oldest = oldest.max(at - m);
+                    }
+                }
+            }
+            oldest
+        };
+        let fetched = longest_passed_by(false);
+        assert!(fetched <= base + l, "taken: kept {fetched} rounds");
+        let released = longest_passed_by(true);
+        assert!(
+            released > 2 * base,
+            "released: kept {released} rounds at most, four lookaheads are {base}"
         );
     }
 

@@ -99,4 +99,11 @@ impl Plans {
             self.planner().set_handed(&f);
         }
     }
+
+    /// Another node has its own copy of the file and keeps it (a release).
+    pub fn released(&self, root: &str, path: &str) {
+        if let Some(f) = self.file_ref(root, path) {
+            self.planner().set_released(&f);
+        }
+    }
 }
