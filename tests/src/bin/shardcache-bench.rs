@@ -534,7 +534,8 @@ fn cold_small_rows(
     readers: &[usize],
     rounds: usize,
     batch: usize,
-) -> Vec<ColdRow> {
+) -> ColdRows {
+    let before = create_cost(bed);
     let mut out = Vec::new();
     for &threads in readers {
         let mut row = ColdRow {
@@ -585,7 +586,37 @@ fn cold_small_rows(
         }
         out.push(row);
     }
-    out
+    ColdRows {
+        rows: out,
+        create_us: [before, create_cost(bed)],
+    }
+}
+
+/// The cold small-file rows, and what creating a file cost in the cache's directory
+/// before and after them.
+struct ColdRows {
+    rows: Vec<ColdRow>,
+    create_us: [f64; 2],
+}
+
+/// Microseconds to create an empty file in the bed's directory (the cache's file
+/// system), the mean of 256 (left there: they go with the bed). The cache creates a
+/// data file for every small file it keeps, and on ext4 without a journal (this
+/// project's VMs) a create skips every inode freed in the last minute or more (up to
+/// six while their inode table block is unwritten), one inode-table lookup each: within
+/// minutes of other work deleting many files (this benchmark's own passes remove the
+/// cache before the next) a create cost 0.3–1.3 ms of CPU here, against 17–31 µs after
+/// six quiet minutes (README.md, "Benchmark").
+fn create_cost(bed: &Bed) -> f64 {
+    static PROBES: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let n = PROBES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let dir = bed.tmp.path().join(format!("create-probe-{n}"));
+    std::fs::create_dir_all(&dir).expect("mkdir");
+    let t = Instant::now();
+    for i in 0..256 {
+        File::create(dir.join(format!("{i}"))).expect("create");
+    }
+    t.elapsed().as_secs_f64() * 1e6 / 256.0
 }
 
 /// One row of cold small-file reads: per round (plain, cache) files per second, and the
@@ -616,7 +647,8 @@ fn catch_up(c: &Client, files: u64) -> (u64, f64) {
 }
 
 /// Prints the rows of [`cold_small_rows`].
-fn cold_small_table(rows: &[ColdRow], files: usize) {
+fn cold_small_table(cold: &ColdRows, files: usize) {
+    let rows = &cold.rows;
     for r in rows {
         row(
             &format!("small files cold, {} readers (÷ plain)", r.threads),
@@ -635,6 +667,10 @@ fn cold_small_table(rows: &[ColdRow], files: usize) {
             median(&after)
         );
     }
+    let [before, after] = cold.create_us;
+    println!(
+        "  creating an empty file in the cache's file system: {before:.0} µs before the rows, {after:.0} µs after (hundreds: a file system that skips recently freed inodes, after other work deleted many files; the cache creates one per small file)"
+    );
 }
 
 /// The `small` subcommand: only the cold small-file rows.
