@@ -904,7 +904,7 @@ impl Planner {
     /// now needed only for this node's own reads, and a cluster placement that moved it
     /// away from here owes its new holder nothing more (see `Placement::taken`).
     pub fn set_handed(&mut self, f: &FileRef) {
-        self.hand_over(f, true);
+        self.hand_over(f, placement::Placement::taken);
     }
 
     /// Records that another node said it has its own copy of resident file `f` (a
@@ -912,22 +912,19 @@ impl Planner {
     /// [`Planner::set_handed`] does, but without taking it for a sign of how far that
     /// node's readers came (see `Placement::released`).
     pub fn set_released(&mut self, f: &FileRef) {
-        self.hand_over(f, false);
+        self.hand_over(f, placement::Placement::released);
     }
 
-    /// [`Planner::set_handed`] (`fetched`) or [`Planner::set_released`].
-    fn hand_over(&mut self, f: &FileRef, fetched: bool) {
+    /// [`Planner::set_handed`] or [`Planner::set_released`]: `discharge` tells the
+    /// placement.
+    fn hand_over(&mut self, f: &FileRef, discharge: fn(&mut placement::Placement, u32)) {
         if !self.resident.contains_key(f) {
             return;
         }
         for (j, i) in self.files.get(f).cloned().unwrap_or_default() {
             let job = &mut self.jobs[j];
             if let Some(p) = &mut job.placement {
-                if fetched {
-                    p.taken(i);
-                } else {
-                    p.released(i);
-                }
+                discharge(p, i);
             }
             if job.handed.insert(i) && job.rank_of.contains_key(&i) {
                 job.rank(i);

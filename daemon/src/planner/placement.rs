@@ -1000,21 +1000,13 @@ mod tests {
         }
     }
 
-    /// A new holder that takes its copies as its readers come to them (in lockstep) and
-    /// passes some by (read some other way): those are kept four lookaheads after their
-    /// move, a lookahead more at most, not an epoch (the room they would hold is room
-    /// this node's own files need).
-    #[test]
-    fn a_copy_its_new_holder_went_past_is_kept_four_lookaheads() {
-        let files = 400u64;
-        let walk = four_ranks_six_epochs(files);
-        let l = 4;
+    /// Node n0 of two (half the files each) walks `walk` with lookahead `l`; every copy
+    /// the placement moves away from it is given to `hand` (its new holder takes or
+    /// releases it) but every fifth, which its new holder passes by: (the copies passed
+    /// by, the longest one was kept, in rounds).
+    fn keep_passed_by(walk: Walk, l: u64, hand: fn(&mut Placement, u32)) -> (u32, u64) {
+        let files = walk.files;
         let mut a = Placement::new(walk, layout(2, files / 2), "n0", l);
-        let base = OWED_LOOKAHEADS * l;
-        assert!(
-            a.owed_rounds() > 2 * base,
-            "an epoch is much longer than the base"
-        );
         let mut moved_at: Vec<Option<u64>> = vec![None; files as usize];
         let (mut skipped, mut oldest) = (0, 0);
         for round in 1..walk.rounds() * walk.epochs {
@@ -1029,7 +1021,7 @@ mod tests {
                         moved_at[i] = Some(at);
                         skipped += 1;
                     } else {
-                        a.taken(f);
+                        hand(&mut a, f);
                         assert!(!a.is_owed(f));
                     }
                 }
@@ -1043,6 +1035,23 @@ mod tests {
                 }
             }
         }
+        (skipped, oldest)
+    }
+
+    /// A new holder that takes its copies as its readers come to them (in lockstep) and
+    /// passes some by (read some other way): those are kept four lookaheads after their
+    /// move, a lookahead more at most, not an epoch (the room they would hold is room
+    /// this node's own files need).
+    #[test]
+    fn a_copy_its_new_holder_went_past_is_kept_four_lookaheads() {
+        let walk = four_ranks_six_epochs(400);
+        let l = 4;
+        let base = OWED_LOOKAHEADS * l;
+        assert!(
+            Placement::new(walk, layout(2, 200), "n0", l).owed_rounds() > 2 * base,
+            "an epoch is much longer than the base"
+        );
+        let (skipped, oldest) = keep_passed_by(walk, l, Placement::taken);
         assert!(skipped > 20, "only {skipped} copies passed by");
         assert!(
             (base - 1..=base + l).contains(&oldest),
@@ -1056,47 +1065,12 @@ mod tests {
     /// the slots), where copies taken by fetches (in reading order) let it go at four.
     #[test]
     fn a_release_does_not_say_the_new_holders_readers_went_past_a_copy() {
-        let files = 400u64;
-        let walk = four_ranks_six_epochs(files);
+        let walk = four_ranks_six_epochs(400);
         let l = 4;
         let base = OWED_LOOKAHEADS * l;
-        // Each copy moved away is taken (fetched), released (claimed there), or passed
-        // by (every fifth); the longest a passed-by copy was kept, in rounds.
-        let longest_passed_by = |release: bool| {
-            let mut a = Placement::new(walk, layout(2, files / 2), "n0", l);
-            let mut moved_at: Vec<Option<u64>> = vec![None; files as usize];
-            let mut oldest = 0;
-            for round in 1..walk.rounds() * walk.epochs {
-                let before: Vec<bool> = (0..files as u32).map(|f| a.is_mine(f)).collect();
-                a.advance(round);
-                let at = round - 1;
-                for f in 0..files as u32 {
-                    let i = f as usize;
-                    if before[i] && !a.is_mine(f) && a.holder(f).is_some() {
-                        if f % 5 == 0 {
-                            moved_at[i] = Some(at);
-                        } else if release {
-                            a.released(f);
-                        } else {
-                            a.taken(f);
-                        }
-                        assert!(f % 5 == 0 || !a.is_owed(f));
-                    }
-                    if a.is_mine(f) {
-                        moved_at[i] = None;
-                    }
-                    if let Some(m) = moved_at[i]
-                        && a.is_owed(f)
-                    {
-                        oldest = oldest.max(at - m);
-                    }
-                }
-            }
-            oldest
-        };
-        let fetched = longest_passed_by(false);
+        let (_, fetched) = keep_passed_by(walk, l, Placement::taken);
         assert!(fetched <= base + l, "taken: kept {fetched} rounds");
-        let released = longest_passed_by(true);
+        let (_, released) = keep_passed_by(walk, l, Placement::released);
         assert!(
             released > 2 * base,
             "released: kept {released} rounds at most, four lookaheads are {base}"
