@@ -417,6 +417,10 @@ mirror! {
         /// had no room for: their fill workers landed them (the store's writes set the
         /// pace of the fills).
         backlog_full: u64,
+        /// Syncs of the store's data files, their directories and its file system (each
+        /// a wait for the cache disk): two for a small file landed alone, one for a
+        /// batch of new small files.
+        data_syncs: u64,
     }
 }
 

@@ -826,7 +826,10 @@ impl ReadPath {
             },
             block_size: self.store.block_size(),
             io_engine: self.store.io_engine().to_owned(),
-            counters: self.stats.snapshot(),
+            counters: shardcache_proto::local::v1::Counters {
+                data_syncs: self.store.data_syncs(),
+                ..self.stats.snapshot()
+            },
             fallbacks: self.stats.fallbacks(),
             roots: names
                 .iter()

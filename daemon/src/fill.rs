@@ -5,7 +5,7 @@
 //! read-ahead, then prefetch, then fills behind readers who read the backing store
 //! themselves, each in arrival order), one heap per backing root, each served by the
 //! root's own pool of `fill_workers` threads, which bounds the concurrency toward that
-//! store (fills behind readers: half of it, [`Priority::Behind`]). A block has at most
+//! store (fills behind readers: a quarter of it, [`Priority::Behind`]). A block has at most
 //! one fill in flight ([`Flight`]): every later request for it waits on the same flight
 //! (single-flight). When the queue is full, read-ahead is
 //! dropped and counted, and a waiting client falls back to the backing store itself.
@@ -27,8 +27,8 @@
 //! one `fdatasync` and one journal group ([`Store::commit_fills`]); a block a client
 //! waits on is filled alone, at once. Small files (one block each) queued at one
 //! priority other than demand go along the same way, up to 16 per worker: their data
-//! files are created, written and synced together with one sync of their directory,
-//! and their records go in one journal group ([`Store::commit_new_files`]); a reader
+//! files are created and written, then synced together with one `syncfs` (see
+//! `store::io::psync`), and their records go in one journal group ([`Store::commit_new_files`]); a reader
 //! already waiting on one of them gets its bytes as soon as they are read. A small file
 //! read for a waiting reader while the store lands all it may is landed behind its
 //! readers by the root's lander thread, in batches of the same kind (`Backlog`).
@@ -64,7 +64,7 @@ pub use crate::blocks::Target;
 pub enum Priority {
     /// Behind a reader that reads the block from the backing store itself (a cold small
     /// file on a `cold_reads = direct` root): nobody waits for it, so it yields to every
-    /// other fill, runs on at most half (at least one) of a root's workers at once (the
+    /// other fill, runs on at most a quarter (at least one) of a root's workers at once (the
     /// rest of the machine stays with the readers), and has a queue of its own
     /// (8 times `fill_queue`): a cold pass outrunning its fills leaves
     /// them queued, not dropped, and the cache catches up behind it.
@@ -83,12 +83,18 @@ pub enum Priority {
 /// hundred bytes.
 const BEHIND_QUEUE: usize = 8;
 
-/// Workers of one root that fill behind readers at once: half the pool, at least one.
-/// On the development VM (2 cores, 20 000 × 100 KiB on local disk, 8 readers opening
-/// 64 files per exchange) all four default workers filling behind the readers took a
-/// fifth of the readers' speed; two kept them within a few percent of plain reads.
+/// Workers of one root that fill behind readers at once: a quarter of the pool, at
+/// least one (one of the four by default). On the development VM (2 cores, 20 000 ×
+/// 100 KiB on local disk, 8 readers opening 64 files per exchange) all four default
+/// workers filling behind the readers took a fifth of the readers' speed, and two kept
+/// them within a few percent of plain reads while each small file landed with syncs of
+/// its own. Since a worker's batch of small files is synced once (`syncfs`), one worker
+/// lands them faster than two did: with two, the readers of a cold pass one file per
+/// exchange lost a fifth to a third of their speed to the fills behind them; with one,
+/// they read as fast as before and the cache held every file 1.4–2.4 s after a pass of
+/// 4 000 instead of 3.9–4.3 s (README.md, "Benchmark").
 fn behind_workers(workers: usize) -> usize {
-    (workers / 2).max(1)
+    (workers / 4).max(1)
 }
 
 /// How a block fill ended.
@@ -1899,11 +1905,11 @@ mod tests {
         assert!(r.filler.settle(deadline));
     }
 
-    /// Fills behind readers (who read the backing store themselves) run on half the
-    /// workers at most, and a reader's fill still finds a worker at once.
+    /// Fills behind readers (who read the backing store themselves) run on a quarter
+    /// of the workers at most, and a reader's fill still finds a worker at once.
     #[test]
-    fn fills_behind_readers_take_half_the_workers_and_yield_to_a_reader() {
-        let r = rig_full(None, 4);
+    fn fills_behind_readers_take_a_quarter_of_the_workers_and_yield_to_a_reader() {
+        let r = rig_full(None, 8);
         let behind: Vec<String> = (0..6).map(|i| format!("b{i}")).collect();
         for p in &behind {
             r.put(p, 100);
@@ -1935,7 +1941,7 @@ mod tests {
         assert_eq!(
             r.faults.hung.load(Ordering::Relaxed),
             3,
-            "two behind, one for the reader: the other two workers idle"
+            "two behind, one for the reader: the other five workers idle"
         );
         {
             // (The other four are queued, or some were taken along by a worker that

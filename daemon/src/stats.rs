@@ -32,7 +32,11 @@ macro_rules! counters {
         impl Stats {
             /// A consistent-enough copy for reporting (each counter read once).
             pub fn snapshot(&self) -> pb::Counters {
-                pb::Counters { $($name: self.$name.load(Ordering::Relaxed),)* }
+                pb::Counters {
+                    $($name: self.$name.load(Ordering::Relaxed),)*
+                    // The store's engine counts its own (`Store::data_syncs`).
+                    ..Default::default()
+                }
             }
         }
     };

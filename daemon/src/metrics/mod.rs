@@ -126,6 +126,8 @@ defs! {
         "Fill requests (read-ahead, prefetch) dropped because the fill queue was full.";
     HANDOFFS: Counter "shardcache_handoffs_total" COUNT, [],
         "Opens of a cold small file and waits answered with blocks read for the reader before they landed (the reader did not wait for the store's durable write).";
+    STORE_DATA_SYNCS: Counter "shardcache_store_data_syncs_total" COUNT, [],
+        "Syncs of the store's data files, their directories and its file system (fsync, fdatasync, syncfs; not the index journal's): each a wait for the cache disk. Two for a small file landed alone, one for a batch of new small files (Linux 5.8 and later), one for a block written to a file already on disk.";
     FILL_BACKLOG_FULL: Counter "shardcache_fill_backlog_full_total" COUNT, [],
         "Small files handed to their readers while the store landed as many blocks as it may and the backlog landed behind the readers was full: their fill workers landed them (the store's writes set the pace of the fills).";
     BACKING_STALLED: Gauge "shardcache_backing_stalled" NONE, ["root"],
@@ -424,6 +426,7 @@ impl Metrics {
             (&FILL_QUEUE_SHED, c.queue_shed),
             (&HANDOFFS, c.handoffs),
             (&FILL_BACKLOG_FULL, c.backlog_full),
+            (&STORE_DATA_SYNCS, c.data_syncs),
             (&PEER_ERRORS, c.peer_errors),
             (&PEER_REFUSED, c.peer_refused),
             (&PEER_FORGED, c.peer_forged),

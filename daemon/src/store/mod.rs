@@ -275,6 +275,12 @@ impl Store {
         self.io.engine()
     }
 
+    /// Syncs the store's engine made of data files, their directories and the file
+    /// system ([`io::BlockIo::syncs`]; the journal's are its own).
+    pub fn data_syncs(&self) -> u64 {
+        self.io.syncs()
+    }
+
     fn lock(&self) -> IndexGuard<'_> {
         IndexGuard {
             guard: Some(self.index.lock()),
@@ -669,8 +675,9 @@ impl Store {
 
     /// Writes `blocks` of one file version (offset, bytes, checksum, index, length) to
     /// its data file durably, then records them in one journal group: the file itself
-    /// too, when this is its first landing (the data file is created first; landings of
-    /// the same file wait for it, others run side by side). Returns the blocks' records.
+    /// too, when this is its first landing (the data file is created, written and synced
+    /// with them; landings of the same file wait for it, others run side by side).
+    /// Returns the blocks' records.
     fn land(
         &self,
         key: &Key,
@@ -692,12 +699,22 @@ impl Store {
             drop(first);
         }
         let name = data_name(key, generation);
-        if !durable {
-            self.io.create(&name, size)?;
-        }
         let writes: Vec<io::Write<'_>> = blocks.iter().map(|(p, d, _)| (p.offset, *d)).collect();
-        // The bytes and an fdatasync, in one submission where the engine can.
-        if let Err(e) = self.io.write_durable(&name, &writes) {
+        let written = if durable {
+            // The bytes and an fdatasync, in one submission where the engine can.
+            self.io.write_durable(&name, &writes)
+        } else {
+            // Created and written, then synced once with its directory (not a sync
+            // of the empty file, one of the directory and one of the bytes).
+            let new = io::NewFile {
+                name: &name,
+                size,
+                writes: &writes,
+            };
+            let mut r = self.io.create_written(std::slice::from_ref(&new));
+            r.pop().expect("one result per file")
+        };
+        if let Err(e) = written {
             if !durable {
                 // Created by this landing and recorded nowhere: not left behind.
                 let _ = self.io.remove(&name);

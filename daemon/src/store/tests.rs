@@ -637,6 +637,52 @@ fn small_files_committed_together_land_each_and_survive_a_restart() {
     assert_eq!(check(&s, &big), 2);
 }
 
+/// What landing costs in syncs of the cache disk (`data_syncs`), each a flush of its
+/// cache on a file system without a journal: a small file landed alone two (its bytes
+/// and inode, its directory entry: it was three, the empty file synced before its
+/// bytes), a batch of new small files one in all where `syncfs` reports errors (it was
+/// one per file and one per directory), a block of a file already on disk one.
+#[test]
+fn a_landed_small_file_costs_two_syncs_and_a_batch_of_them_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = cfg(dir.path(), 256 * BS as u64);
+    let s = open_failing(&c, &Arc::new(io::failing::IoFaults::default()));
+    let syncs = |s: &Store| s.data_syncs();
+    let before = syncs(&s);
+    fill(&s, &stat("alone", 100, 1), 0).unwrap();
+    assert_eq!(syncs(&s) - before, 2, "a small file landed alone");
+    let big = stat("big", 2 * BS as u64, 1);
+    fill(&s, &big, 0).unwrap();
+    let before = syncs(&s);
+    fill(&s, &big, 1).unwrap();
+    assert_eq!(syncs(&s) - before, 1, "a block of a file on disk");
+    let small: Vec<Stat> = (0..16)
+        .map(|i| stat(&format!("batch/s{i}"), 100 + i as u64, 1))
+        .collect();
+    let data: Vec<Vec<u8>> = small.iter().map(content).collect();
+    let batch: Vec<(Permit, &[u8])> = small
+        .iter()
+        .zip(&data)
+        .map(|(st, d)| (s.begin_fill("/r", st, 0, false).unwrap().unwrap(), &d[..]))
+        .collect();
+    let before = syncs(&s);
+    let r = s.commit_new_files(batch);
+    assert!(r.iter().all(Result::is_ok), "{r:?}");
+    let n = syncs(&s) - before;
+    if io::psync::group_sync_here() {
+        assert_eq!(n, 1, "a batch of 16 new small files");
+    } else {
+        // Each file, and each of their directories.
+        assert!(n > 16, "a batch of 16 new small files without syncfs: {n}");
+    }
+    drop(s);
+    let s = open_failing(&c, &Arc::new(io::failing::IoFaults::default()));
+    assert!(
+        small.iter().all(|f| check(&s, f) == 1),
+        "durable: all back after a restart"
+    );
+}
+
 #[test]
 fn blocks_committed_as_a_batch_land_together_or_not_at_all() {
     use crate::store::io::failing::{Fault, IoFaults};

@@ -751,8 +751,8 @@ fn small(a: &SmallArgs) {
     );
     cold_small_table(&rows, small.len());
     println!(
-        "last daemon: {} waits, {} handed over before landing, {} blocks filled, {} landed by their workers (backlog full)",
-        c.waits, c.handoffs, c.blocks_filled, c.backlog_full
+        "last daemon: {} waits, {} handed over before landing, {} blocks filled ({} syncs of the cache disk), {} landed by their workers (backlog full)",
+        c.waits, c.handoffs, c.blocks_filled, c.data_syncs, c.backlog_full
     );
 }
 

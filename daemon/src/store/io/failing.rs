@@ -223,6 +223,10 @@ impl BlockIo for FailingIo {
         }
     }
 
+    fn syncs(&self) -> u64 {
+        self.inner.syncs()
+    }
+
     fn read_many(&self, name: &str, reads: &mut [Read<'_>]) -> Vec<io::Result<()>> {
         self.faults.reads.pass();
         let mut out = self.inner.read_many(name, reads);

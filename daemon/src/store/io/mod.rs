@@ -65,10 +65,11 @@ pub trait BlockIo: Send + Sync + fmt::Debug {
     /// Creates each of `files` and writes it, as [`BlockIo::create`] and then
     /// [`BlockIo::write_durable`] would, one result per file with what those two promise
     /// together. An engine may share the syncs among the files: every file created and
-    /// written first, then each synced and each directory once — on a journalling file
-    /// system the first sync commits the others' metadata along, so a batch of small
-    /// files costs about one commit instead of three per file. On an error a file may be
-    /// left created, in part or whole, for the caller to remove.
+    /// written first, then the whole batch made durable at once (`psync`: one `syncfs`
+    /// of the file system, or each file and each directory once where `syncfs` does not
+    /// report errors), so a batch of small files costs one sync instead of three per
+    /// file. On an error a file may be left created, in part or whole, for the caller to
+    /// remove.
     fn create_written(&self, files: &[NewFile<'_>]) -> Vec<io::Result<()>> {
         files
             .iter()
@@ -90,6 +91,15 @@ pub trait BlockIo: Send + Sync + fmt::Debug {
 
     /// True when data file `name` exists.
     fn exists(&self, name: &str) -> bool;
+
+    /// Syncs made so far (`fsync`, `fdatasync`, `syncfs`) of data files, their
+    /// directories and the file system: each one a wait for the disk, and on a file
+    /// system without a journal a flush of its cache. What a landed file costs in them
+    /// is what the store's durability costs (`data_syncs` in the status). An engine
+    /// without a disk counts none.
+    fn syncs(&self) -> u64 {
+        0
+    }
 }
 
 pub use crate::config::IoEngine;

@@ -303,8 +303,9 @@ fn status_text(s: &Status) -> String {
         (
             "fills",
             format!(
-                "{} blocks, {} errors, {} no space, {} shed, {} backlog full; {} waits ({} timed out, {} handed over)",
+                "{} blocks ({} syncs), {} errors, {} no space, {} shed, {} backlog full; {} waits ({} timed out, {} handed over)",
                 c.blocks_filled,
+                c.data_syncs,
                 c.fill_errors,
                 c.fills_no_space,
                 c.queue_shed,
