@@ -414,8 +414,8 @@ mirror! {
         /// Waits answered with blocks read for the waiting reader and not yet landed.
         handoffs: u64,
         /// Small files handed to their readers that the backlog landed behind readers
-        /// had no room for: their fill workers landed them (the store's writes set the
-        /// pace of the fills).
+        /// had no room for: their fill workers landed them, each with up to 31 waiting
+        /// in the backlog (the store's writes set the pace of the fills).
         backlog_full: u64,
         /// Syncs of the store's data files, their directories and its file system (each
         /// a wait for the cache disk): two for a small file landed alone, one for a

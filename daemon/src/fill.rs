@@ -485,8 +485,10 @@ const LANDER_BATCH: usize = 32;
 /// batches, one [`Store::commit_new_files`] each (durable before visible, as any fill).
 /// Their flights stay registered until they land: a reader who opens such a file
 /// meanwhile takes the bytes from the flight. Bounded in bytes: past the bound the
-/// fill's worker lands the file itself (`backlog_full`), and the store's writes set the
-/// pace of the fills. It used to drop it instead: under docs/PYTHON.md's example each
+/// fill's worker lands the file itself (`backlog_full`), together with up to 31
+/// (`LANDER_BATCH - 1`) of the files waiting there as one batch (one sync for all: one
+/// lander does not keep up with many workers), and the store's writes set the pace of
+/// the fills. It used to drop it instead: under docs/PYTHON.md's example each
 /// node dropped 8 000–10 000 cold files, and later epochs read them from the backing
 /// store again (2.3–2.6 × the dataset over 4 epochs; 1.8–1.9 with every file kept).
 #[derive(Default)]
@@ -527,6 +529,17 @@ impl Inner {
         b.cv.notify_one();
         Ok(())
     }
+
+    /// Takes up to `n` files waiting in root `root`'s backlog (the oldest first), for a
+    /// worker to land along with its own when the backlog is full: with their bytes,
+    /// which stay counted in the backlog until they have landed ([`land_deferred`]).
+    fn take_backlog(&self, root: usize, n: usize) -> (Vec<Deferred>, u64) {
+        let mut q = self.backlogs[root].q.lock();
+        let n = n.min(q.files.len());
+        let taken: Vec<Deferred> = q.files.drain(..n).collect();
+        let bytes = taken.iter().map(|d| d.buf.len() as u64).sum();
+        (taken, bytes)
+    }
 }
 
 /// Lands root `root`'s backlog in batches until the engine closes and the backlog is
@@ -545,24 +558,32 @@ fn lander(inner: &Inner, root: usize) {
             let n = q.files.len().min(LANDER_BATCH);
             q.files.drain(..n).collect()
         };
-        let (mut permits, mut rest) = (Vec::new(), Vec::new());
-        for d in batch {
-            permits.push(d.permit);
-            rest.push((d.target, d.buf, d.flight));
-        }
-        let blocks = permits
-            .into_iter()
-            .zip(rest.iter().map(|(_, buf, _)| buf.as_slice()))
-            .collect();
-        let targets: Vec<&Target> = rest.iter().map(|(t, _, _)| &**t).collect();
-        let outcomes = land_new_files(inner, root, blocks, &targets);
-        let bytes: u64 = rest.iter().map(|(_, buf, _)| buf.len() as u64).sum();
-        // Its room in the backlog first: what waits for the flights to end (`settle`)
-        // finds the backlog as the landing left it.
-        b.q.lock().bytes -= bytes;
-        for ((t, _, flight), outcome) in rest.into_iter().zip(outcomes) {
-            end_flight(inner, (t.key, 0), &flight, outcome);
-        }
+        let bytes = batch.iter().map(|d| d.buf.len() as u64).sum();
+        land_deferred(inner, root, batch, bytes);
+    }
+}
+
+/// Lands `batch`, small files of root `root` read and handed to their readers, as one
+/// [`Store::commit_new_files`] (one sync for all), gives back the `bytes` of them the
+/// backlog counted, and ends their flights.
+fn land_deferred(inner: &Inner, root: usize, batch: Vec<Deferred>, bytes: u64) {
+    let b = &inner.backlogs[root];
+    let (mut permits, mut rest) = (Vec::new(), Vec::new());
+    for d in batch {
+        permits.push(d.permit);
+        rest.push((d.target, d.buf, d.flight));
+    }
+    let blocks = permits
+        .into_iter()
+        .zip(rest.iter().map(|(_, buf, _)| buf.as_slice()))
+        .collect();
+    let targets: Vec<&Target> = rest.iter().map(|(t, _, _)| &**t).collect();
+    let outcomes = land_new_files(inner, root, blocks, &targets);
+    // Its room in the backlog first: what waits for the flights to end (`settle`) finds
+    // the backlog as the landing left it.
+    b.q.lock().bytes -= bytes;
+    for ((t, _, flight), outcome) in rest.into_iter().zip(outcomes) {
+        end_flight(inner, (t.key, 0), &flight, outcome);
     }
 }
 
@@ -1605,8 +1626,18 @@ fn fill(
                     match inner.defer(d) {
                         Ok(()) => break 'land Ok(Filled::Deferred),
                         Err(d) => {
-                            buf = d.buf;
                             inc(&inner.stats.backlog_full);
+                            // The lander does not keep up: this worker lands its file
+                            // with the oldest waiting there, as one batch (one sync for
+                            // all, not two for its file alone).
+                            let (waiting, bytes) = inner.take_backlog(t.root, LANDER_BATCH - 1);
+                            if !waiting.is_empty() {
+                                let mut batch = vec![d];
+                                batch.extend(waiting);
+                                land_deferred(inner, t.root, batch, bytes);
+                                break 'land Ok(Filled::Deferred);
+                            }
+                            buf = d.buf;
                             let landing = Landing::enter(inner, t.root, false);
                             (landing.expect("entered when not handed"), d.permit)
                         }
@@ -2130,6 +2161,62 @@ mod tests {
                 .all(|p| r.store.is_present(&r.target(p).key, 0))
         );
         assert_eq!(r.stats.blocks_filled.load(Ordering::Relaxed), 3);
+        assert_eq!(r.filler.inner.backlogs[0].q.lock().bytes, 0);
+    }
+
+    /// A worker that finds the backlog full lands its file with the files waiting
+    /// there, as one batch (one sync for all, where alone its file cost two and the
+    /// waiting ones were left to a lander that did not keep up): they are read for
+    /// their readers one after another, two landed by their workers and one by the
+    /// lander, all held in the store's writes; the fourth waits in the backlog, which
+    /// has room for two; the fifth finds it full.
+    #[test]
+    fn a_worker_past_a_full_backlog_lands_its_file_with_those_waiting_there() {
+        let r = rig_full(None, 1);
+        r.filler.set_backlog_bytes(2000);
+        let paths = ["a", "b", "c", "d", "e"];
+        for p in paths {
+            r.put(p, 1000);
+        }
+        r.io.hold();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let waiting = || r.filler.inner.backlogs[0].q.lock().files.len();
+        let held = || r.io.writes.held.load(Ordering::Relaxed);
+        let targets: Vec<_> = paths.iter().map(|p| r.target(p)).collect();
+        let mut flights = Vec::new();
+        for (n, (p, t)) in paths.iter().zip(&targets).enumerate() {
+            // Its reader waits before the read ends: the bytes are handed over.
+            r.faults.hang();
+            let before = r.faults.hung.load(Ordering::Relaxed);
+            let Scheduled::InFlight(f) = r.filler.request(t, 0, Priority::Demand) else {
+                panic!("{p} not in flight");
+            };
+            f.want();
+            until(Duration::from_secs(10), "the read under way", || {
+                r.faults.hung.load(Ordering::Relaxed) > before
+            });
+            r.faults.release();
+            assert!(matches!(
+                f.wait_ready_until(deadline),
+                Some(Ready::Bytes(_))
+            ));
+            let (landing, in_backlog) = [(1, 0), (2, 0), (3, 0), (3, 1), (4, 0)][n];
+            until(Duration::from_secs(10), "landing or waiting", || {
+                held() == landing && waiting() == in_backlog
+            });
+            flights.push(f);
+        }
+        assert_eq!(r.stats.backlog_full.load(Ordering::Relaxed), 1);
+        // "d" left the backlog with "e"'s worker; its room is given back once it lands.
+        assert_eq!(r.filler.inner.backlogs[0].q.lock().bytes, 2000);
+        assert!(flights.iter().all(|f| f.outcome().is_none()));
+        r.io.release();
+        for f in &flights {
+            assert_eq!(f.wait_until(deadline), Some(FillOutcome::Landed));
+        }
+        assert!(r.filler.settle(deadline));
+        assert!(targets.iter().all(|t| r.store.is_present(&t.key, 0)));
+        assert_eq!(r.stats.blocks_filled.load(Ordering::Relaxed), 5);
         assert_eq!(r.filler.inner.backlogs[0].q.lock().bytes, 0);
     }
 

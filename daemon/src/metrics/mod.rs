@@ -129,7 +129,7 @@ defs! {
     STORE_DATA_SYNCS: Counter "shardcache_store_data_syncs_total" COUNT, [],
         "Syncs of the store's data files, their directories and its file system (fsync, fdatasync, syncfs; not the index journal's): each a wait for the cache disk. Two for a small file landed alone, one for a batch of new small files (Linux 5.8 and later), one for a block written to a file already on disk.";
     FILL_BACKLOG_FULL: Counter "shardcache_fill_backlog_full_total" COUNT, [],
-        "Small files handed to their readers while the store landed as many blocks as it may and the backlog landed behind the readers was full: their fill workers landed them (the store's writes set the pace of the fills).";
+        "Small files handed to their readers while the store landed as many blocks as it may and the backlog landed behind the readers was full: their fill workers landed them, each with up to 31 files waiting in the backlog as one batch (the store's writes set the pace of the fills).";
     BACKING_STALLED: Gauge "shardcache_backing_stalled" NONE, ["root"],
         "1 while the backing root is stalled (a call stuck and none completed for backing_stall_timeout: its calls are refused, clients read it directly), else 0.";
     BACKING_STUCK_CALLS: Gauge "shardcache_backing_stuck_calls" COUNT, ["root"],
