@@ -51,6 +51,11 @@ pub(super) fn nblocks(size: u64, bs: u32) -> usize {
 }
 
 impl Entry {
+    /// Its present blocks.
+    pub(super) fn present(&self) -> u64 {
+        self.blocks.iter().filter(|b| b.is_some()).count() as u64
+    }
+
     pub(super) fn block_len(&self, i: usize) -> u32 {
         let start = i as u64 * self.block_size as u64;
         (self.version.size - start).min(self.block_size as u64) as u32
@@ -79,6 +84,11 @@ pub(super) struct Index {
     pub(super) reserved: u64,
     /// Present blocks not yet checked since this start.
     pub(super) unverified: u64,
+    /// Present blocks, and entries with at least one: kept as blocks come and go, so
+    /// that a status (a scrape, a client's poll) does not walk every entry under the
+    /// index lock that every open takes.
+    pub(super) blocks: u64,
+    pub(super) files_present: u64,
     /// What the eviction policy has yet to hear, in the order it happened (see
     /// [`PolicyEvent`]).
     pub(super) policy_log: Vec<PolicyEvent>,
@@ -97,6 +107,8 @@ impl Index {
             used: 0,
             reserved: 0,
             unverified: 0,
+            blocks: 0,
+            files_present: 0,
             policy_log: Vec::new(),
             pins: Pins::default(),
             fs: FsSample::default(),
@@ -171,6 +183,9 @@ pub(super) fn evict_locked(idx: &mut Index, key: &Key) -> Option<Evicted> {
         .iter()
         .filter(|b| b.is_some_and(|b| !b.verified))
         .count() as u64;
+    let present = e.present();
+    idx.blocks -= present;
+    idx.files_present -= u64::from(present > 0);
     Some(Evicted {
         key: *key,
         generation: e.generation,

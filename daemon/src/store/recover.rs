@@ -133,6 +133,9 @@ impl Store {
                 index.used += b.len as u64;
                 e.bytes += b.len as u64;
             }
+            let present = e.present();
+            index.blocks += present;
+            index.files_present += u64::from(present > 0);
             policy.insert(key, &e.root, &e.path);
             index.by_path.insert(path_key(&e.root, &e.path), key);
             index.files.insert(key, e);

@@ -392,6 +392,9 @@ mod model {
                     check(s, &st(f, *v));
                 }
                 prop_assert!(s.status().used <= c.capacity.resolve(0).max(cap_blocks * BS as u64));
+                // The running counts a status reports: what walking the index finds.
+                let status = s.status();
+                prop_assert_eq!((status.files, status.blocks), s.recount());
             }
         }
     }
@@ -736,6 +739,61 @@ fn blocks_committed_as_a_batch_land_together_or_not_at_all() {
     fill(&s, &a, 5).unwrap();
     assert_eq!(check(&s, &a), 6);
     assert!(s.is_cached("/r", "a"));
+}
+
+/// A status reports the files and blocks present from counts the index keeps as blocks
+/// land, are dropped as corrupt, and files are evicted or restored at a start — not by
+/// walking every entry under the lock every open takes (a scrape or a client's poll of
+/// a cache of millions of files held it for as long as the walk).
+#[test]
+fn the_status_counts_follow_landings_drops_evictions_and_restarts() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = cfg(dir.path(), 6 * BS as u64);
+    let counts = |s: &Store| {
+        let st = s.status();
+        assert_eq!(
+            (st.files, st.blocks),
+            s.recount(),
+            "running counts = a walk"
+        );
+        (st.files, st.blocks)
+    };
+    let s = Store::open(&c, Arc::default()).unwrap();
+    assert_eq!(counts(&s), (0, 0));
+    let a = stat("a", 3 * BS as u64, 1);
+    fill(&s, &a, 0).unwrap();
+    fill(&s, &a, 2).unwrap();
+    let b = stat("b", 100, 1);
+    fill(&s, &b, 0).unwrap();
+    assert_eq!(counts(&s), (2, 3));
+    fill(&s, &a, 2).unwrap(); // present already: nothing lands
+    assert_eq!(counts(&s), (2, 3));
+    // A corrupt block found by a check is dropped; the file keeps its other block.
+    let ka = Key::of("/r", &a.path, &a.version);
+    corrupt(dir.path(), &ka, b"xx", 0);
+    assert_eq!(s.verify_all().corrupt, 1);
+    assert_eq!(counts(&s), (2, 2));
+    // The last block of a file dropped: the file no longer counts.
+    let kb = Key::of("/r", &b.path, &b.version);
+    corrupt(dir.path(), &kb, b"xx", 0);
+    assert_eq!(s.verify_all().corrupt, 1);
+    assert_eq!(counts(&s), (1, 1));
+    // A new version retires the old one.
+    let a2 = stat("a", BS as u64, 2);
+    fill(&s, &a2, 0).unwrap();
+    assert_eq!(counts(&s), (1, 1));
+    // Eviction: more files than the capacity holds.
+    for i in 0..8 {
+        fill(&s, &stat(&format!("e{i}"), BS as u64, 1), 0).unwrap();
+    }
+    let (files, blocks) = counts(&s);
+    assert!(
+        blocks <= 6 && files == blocks,
+        "{files} files, {blocks} blocks"
+    );
+    drop(s);
+    let s = Store::open(&c, Arc::default()).unwrap();
+    assert_eq!(counts(&s), (files, blocks), "restored at a start");
 }
 
 #[test]

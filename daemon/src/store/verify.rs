@@ -206,6 +206,10 @@ impl Store {
                     e.blocks[i] = None;
                     e.bytes -= cur.len as u64;
                     idx.used -= cur.len as u64;
+                    idx.blocks -= 1;
+                    if e.present() == 0 {
+                        idx.files_present -= 1;
+                    }
                     removed.push(i);
                 }
             }
