@@ -28,10 +28,11 @@
 //! waits on is filled alone, at once. Small files (one block each) queued at one
 //! priority other than demand go along the same way, up to 16 per worker: their data
 //! files are created and written, then synced together with one `syncfs` (see
-//! `store::io::psync`), and their records go in one journal group ([`Store::commit_new_files`]); a reader
-//! already waiting on one of them gets its bytes as soon as they are read. A small file
-//! read for a waiting reader while the store lands all it may is landed behind its
-//! readers by the root's lander thread, in batches of the same kind (`Backlog`).
+//! `store::io::psync`), and their records go in one journal group
+//! ([`Store::commit_new_files`]); a reader already waiting on one of them gets its
+//! bytes as soon as they are read. A small file read for a waiting reader while the
+//! store lands all it may is landed behind its readers by the root's lander thread, in
+//! batches of the same kind (`Backlog`).
 //!
 //! A fill asks its root's sources in order ([`crate::blocks::Sources`], handed over at
 //! construction: the peers when this node shares, then the backing store), and the
