@@ -85,8 +85,9 @@ pub(super) struct Index {
     /// Present blocks not yet checked since this start.
     pub(super) unverified: u64,
     /// Present blocks, and entries with at least one: kept as blocks come and go, so
-    /// that a status (a scrape, a client's poll) does not walk every entry under the
-    /// index lock that every open takes.
+    /// that a status (a scrape, `shardcache status`) does not walk every entry under the
+    /// index lock that every open takes: the walk took 12 ms at 200 000 files (release
+    /// build, in-memory engine, timed once ad hoc), the status now 4 µs.
     pub(super) blocks: u64,
     pub(super) files_present: u64,
     /// What the eviction policy has yet to hear, in the order it happened (see
