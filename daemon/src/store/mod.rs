@@ -948,10 +948,10 @@ impl Store {
             };
             e.filling -= 1;
             if let Some(meta) = written {
-                let first = e.present() == 0;
                 if e.blocks[permit.index].replace(meta).is_none() {
                     idx.blocks += 1;
-                    idx.files_present += u64::from(first);
+                    // Its first present block: the file counts from now on.
+                    idx.files_present += u64::from(e.present() == 1);
                 }
                 e.bytes += permit.len as u64;
                 idx.used += permit.len as u64;
