@@ -84,7 +84,7 @@ pub fn cell(m: u64, n: u64, r: u64, a: f64, seed: u64) -> anyhow::Result<Cell> {
     let fs: Vec<FileRef> = (0..n)
         .map(|i| FileRef {
             root: 0,
-            path: format!("train/c{:04}/{i:09}.JPEG", i % 1000),
+            path: format!("train/c{:04}/{i:09}.JPEG", i % 1000).into(),
         })
         .collect();
     let world = m * r;

@@ -44,7 +44,7 @@ impl CacheView for Cache {
 fn file(i: u32) -> FileRef {
     FileRef {
         root: 0,
-        path: format!("f{i}"),
+        path: format!("f{i}").into(),
     }
 }
 

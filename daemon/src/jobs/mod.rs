@@ -306,7 +306,7 @@ impl Jobs {
             let at: Vec<usize> = (0..files.len())
                 .filter(|&i| out[i].is_none() && files[i].root == root)
                 .collect();
-            let rels: Vec<&str> = at.iter().map(|&i| files[i].path.as_str()).collect();
+            let rels: Vec<&str> = at.iter().map(|&i| &*files[i].path).collect();
             let got = self.meta.stat_many(root, &rels);
             let mut sizes = self.sizes.lock();
             if sizes.len() > 1 << 20 {
@@ -537,7 +537,7 @@ mod tests {
             .into_iter()
             .map(|i| FileRef {
                 root: 0,
-                path: format!("f{i}"),
+                path: format!("f{i}").into(),
             })
             .collect();
         assert_eq!(jobs.plans.planner().upcoming_of("j", 6), want);
@@ -623,7 +623,7 @@ mod tests {
             .into_iter()
             .map(|i| FileRef {
                 root: 0,
-                path: format!("f{i}"),
+                path: format!("f{i}").into(),
             })
             .collect();
         assert_eq!(jobs.plans.planner().upcoming_of("j", 6), want);

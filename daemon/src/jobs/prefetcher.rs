@@ -342,7 +342,7 @@ impl Jobs {
             let target = Arc::new(Target {
                 peer_ok: true,
                 root: f.root,
-                rel: f.path.clone(),
+                rel: f.path.to_string(),
                 stat,
                 key,
             });
@@ -602,7 +602,7 @@ mod tests {
     fn file(i: usize) -> FileRef {
         FileRef {
             root: 0,
-            path: format!("f{i}"),
+            path: format!("f{i}").into(),
         }
     }
 

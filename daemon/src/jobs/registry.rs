@@ -297,7 +297,10 @@ impl Jobs {
         };
         let files: Vec<FileRef> = names
             .iter()
-            .map(|p| FileRef { root, path: rel(p) })
+            .map(|p| FileRef {
+                root,
+                path: rel(p).into(),
+            })
             .collect();
         let index: HashMap<&str, u32> = names
             .iter()
@@ -383,9 +386,7 @@ impl Jobs {
             } else {
                 Voucher::User(creds.uid)
             });
-            let held = self
-                .meta
-                .hold(f.iter().map(|x| (x.root, x.path.as_str())), &hold);
+            let held = self.meta.hold(f.iter().map(|x| (x.root, &*x.path)), &hold);
             (f, held, hold)
         });
         let registered = Registered {
@@ -493,7 +494,7 @@ impl Jobs {
     fn release(&self, job: &JobInfo) {
         if let Some((files, held, hold)) = &job.immutable {
             self.meta
-                .release(files.iter().map(|x| (x.root, x.path.as_str())), *held, hold);
+                .release(files.iter().map(|x| (x.root, &*x.path)), *held, hold);
         }
     }
     /// The metadata of planned file `f` as a registrant of a job reading it sees it, if

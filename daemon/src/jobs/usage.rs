@@ -87,7 +87,7 @@ impl Jobs {
         }
         let f = FileRef {
             root,
-            path: rel.to_owned(),
+            path: rel.into(),
         };
         let tag = self.tags.read().get(&f).copied().unwrap_or(0);
         if tag != 0 {
@@ -124,7 +124,7 @@ impl Jobs {
         }
         let f = FileRef {
             root,
-            path: rel.to_owned(),
+            path: rel.into(),
         };
         let Some(tag) = self.tags.read().get(&f).copied() else {
             return;

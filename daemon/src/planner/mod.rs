@@ -39,13 +39,15 @@ pub mod placement;
 pub mod prefetch;
 pub mod ring;
 
-/// A file the planner knows: (root index, path relative to the root).
+/// A file the planner knows: (root index, path relative to the root). The path is shared:
+/// a clone (the planner's index of files keeps one of each manifest entry) costs a
+/// reference count, not a copy of the path.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct FileRef {
     /// Index of the backing root.
     pub root: usize,
     /// Path relative to the root.
-    pub path: String,
+    pub path: Arc<str>,
 }
 
 /// Where a job's per-epoch order comes from.
@@ -694,11 +696,15 @@ pub enum PlanError {
     Invalid(&'static str),
 }
 
+/// The (job, index in its manifest) of each job that reads a file: almost always one,
+/// held inline (no allocation per file of a manifest; cheap to copy out on an open).
+type Refs = smallvec::SmallVec<[(usize, u32); 1]>;
+
 /// Every registered job and the file → (job, index) map.
 #[derive(Debug, Default)]
 pub struct Planner {
     jobs: Vec<Job>,
-    files: HashMap<FileRef, Vec<(usize, u32)>>,
+    files: HashMap<FileRef, Refs>,
     /// Planned reads so far, over all jobs (grows by one per read that advanced a job).
     reads: u64,
     /// Files with a cache entry ([`Planner::set_resident`]), with the tick of their

@@ -8,7 +8,7 @@ fn files(n: usize) -> Vec<FileRef> {
     (0..n)
         .map(|i| FileRef {
             root: 0,
-            path: format!("f{i}"),
+            path: format!("f{i}").into(),
         })
         .collect()
 }

@@ -233,7 +233,7 @@ impl Plans {
     pub fn file_ref(&self, root: &str, path: &str) -> Option<FileRef> {
         self.root_index(root).map(|r| FileRef {
             root: r,
-            path: path.to_owned(),
+            path: path.into(),
         })
     }
 }

@@ -203,7 +203,7 @@ fn datasets(ctx: &Ctx) -> pb::ListReply {
         };
         let pairs: Vec<(&str, &str)> = files
             .iter()
-            .map(|f| (roots.get(f.root).name.as_str(), f.path.as_str()))
+            .map(|f| (roots.get(f.root).name.as_str(), &*f.path))
             .collect();
         let resident = ctx.store.residency_many(&pairs);
         let mut t = Tally::default();
@@ -223,7 +223,7 @@ fn datasets(ctx: &Ctx) -> pb::ListReply {
             let root = roots.all().iter().position(|r| r.name == e.root)?;
             Some(FileRef {
                 root,
-                path: e.path.clone(),
+                path: e.path.as_str().into(),
             })
         })
         .collect();
@@ -450,7 +450,7 @@ pub fn evict(ctx: &Ctx, creds: &Creds, req: &pb::EvictRequest) -> response::Kind
             by_root
                 .entry(roots.get(f.root).name.as_str())
                 .or_default()
-                .insert(f.path.as_str());
+                .insert(&*f.path);
         }
         let outcome = ctx
             .store

@@ -289,7 +289,7 @@ fn planner_scale(n: usize) {
     let fs: Vec<FileRef> = (0..n)
         .map(|i| FileRef {
             root: 0,
-            path: format!("train/{i:08}.jpg"),
+            path: format!("train/{i:08}.jpg").into(),
         })
         .collect();
     let mut p = Planner::new();
