@@ -77,59 +77,72 @@ pub enum Source {
     },
 }
 
-/// One epoch's order with, per file, its sorted positions.
+/// One epoch's order with, per file, its sorted positions: the first in `first` (4 bytes
+/// per file of the manifest), the rest, rare (a shuffle's padding repeats a few files,
+/// an explicit order may list a file twice), in `more`. Offsets into one list of every
+/// position took 4 bytes per file and 4 per position more.
 #[derive(Debug)]
 struct EpochIndex {
     order: Arc<Vec<u32>>,
-    offsets: Vec<u32>,
-    positions: Vec<u32>,
+    first: Vec<u32>,
+    more: HashMap<u32, Vec<u32>>,
 }
+
+/// No position: the file is not in the order.
+const ABSENT: u32 = u32::MAX;
+
+/// Set in `first` when the file has more positions (in `more`): a file listed once is
+/// answered without a lookup there.
+const MORE: u32 = 1 << 31;
 
 impl EpochIndex {
     fn new(order: Arc<Vec<u32>>, nfiles: usize) -> Self {
-        let mut counts = vec![0u32; nfiles + 1];
-        for &f in order.iter() {
-            counts[f as usize + 1] += 1;
-        }
-        for i in 1..counts.len() {
-            counts[i] += counts[i - 1];
-        }
-        let offsets = counts.clone();
-        let mut fill = counts;
-        let mut positions = vec![0u32; order.len()];
+        assert!(
+            order.len() < MORE as usize,
+            "an epoch of 2^31 reads or more"
+        );
+        let mut first = vec![ABSENT; nfiles];
+        let mut more: HashMap<u32, Vec<u32>> = HashMap::default();
         for (p, &f) in order.iter().enumerate() {
-            positions[fill[f as usize] as usize] = p as u32;
-            fill[f as usize] += 1;
+            let slot = &mut first[f as usize];
+            if *slot == ABSENT {
+                *slot = p as u32;
+            } else {
+                *slot |= MORE;
+                more.entry(f).or_default().push(p as u32);
+            }
         }
-        Self {
-            order,
-            offsets,
-            positions,
-        }
+        Self { order, first, more }
+    }
+
+    /// Every position of `f`, in order.
+    fn positions(&self, f: u32) -> impl Iterator<Item = u64> + '_ {
+        let first = self.first.get(f as usize).copied().unwrap_or(ABSENT);
+        let rest = if first != ABSENT && first & MORE != 0 {
+            self.more.get(&f).map(Vec::as_slice)
+        } else {
+            None
+        };
+        (first != ABSENT)
+            .then_some(first & !MORE)
+            .into_iter()
+            .chain(rest.into_iter().flatten().copied())
+            .map(u64::from)
     }
 
     /// First position of `f` at or after `from`.
     fn next(&self, f: u32, from: u64) -> Option<u64> {
-        let ps = &self.positions
-            [self.offsets[f as usize] as usize..self.offsets[f as usize + 1] as usize];
-        let i = ps.partition_point(|&p| (p as u64) < from);
-        ps.get(i).map(|&p| p as u64)
+        self.positions(f).find(|&p| p >= from)
     }
 
     /// Last position of `f` before `before`.
     fn prev(&self, f: u32, before: u64) -> Option<u64> {
-        let ps = &self.positions
-            [self.offsets[f as usize] as usize..self.offsets[f as usize + 1] as usize];
-        let i = ps.partition_point(|&p| (p as u64) < before);
-        i.checked_sub(1).map(|i| ps[i] as u64)
+        self.positions(f).take_while(|&p| p < before).last()
     }
 
     /// Positions of `f` at or after `from`, in order.
     fn from(&self, f: u32, from: u64) -> impl Iterator<Item = u64> + '_ {
-        let ps = &self.positions
-            [self.offsets[f as usize] as usize..self.offsets[f as usize + 1] as usize];
-        let i = ps.partition_point(|&p| (p as u64) < from);
-        ps[i..].iter().map(|&p| p as u64)
+        self.positions(f).skip_while(move |&p| p < from)
     }
 }
 

@@ -983,3 +983,28 @@ fn the_readers_spread_is_learned_again_each_epoch() {
     assert_eq!(p.position("j"), Some((2, 0)));
     assert_eq!(spread(&p), 2, "the stray read is forgotten");
 }
+
+proptest! {
+    /// An epoch's index answers what a scan of its order answers, files listed any
+    /// number of times (a shuffle's padding, an explicit order) or not at all.
+    #[test]
+    fn an_epoch_index_answers_as_a_scan_of_its_order(
+        order in proptest::collection::vec(0u32..12, 0..60),
+        f in 0u32..12,
+        at in 0u64..64,
+    ) {
+        let ix = EpochIndex::new(Arc::new(order.clone()), 12);
+        let all: Vec<u64> = order
+            .iter()
+            .enumerate()
+            .filter(|&(_, &g)| g == f)
+            .map(|(p, _)| p as u64)
+            .collect();
+        prop_assert_eq!(ix.next(f, at), all.iter().copied().find(|&p| p >= at));
+        prop_assert_eq!(ix.prev(f, at), all.iter().copied().rev().find(|&p| p < at));
+        prop_assert_eq!(
+            ix.from(f, at).collect::<Vec<_>>(),
+            all.iter().copied().filter(|&p| p >= at).collect::<Vec<_>>()
+        );
+    }
+}
