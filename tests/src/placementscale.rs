@@ -15,14 +15,16 @@
 //! its memory is its own: the planner's bytes per file are the growth of the process's
 //! resident set while the job is registered and placed, over N.
 //!
-//! Per cell: the simulation's CPU per epoch (the cold epoch, then a steady one) on node
-//! 0, the planner's µs per open (steady epoch), the placement's simulated reads over the
-//! steady epoch (local, backing ÷ the dataset, copies moved per read) and the planner's
-//! bytes per file.
+//! Per cell: the simulation's CPU per epoch (the cold epoch, the first warm one, then a
+//! steady one) on node 0, the planner's µs per open (the two warm epochs), the
+//! placement's simulated reads over the two warm epochs (local, backing ÷ the dataset per
+//! epoch, copies moved per read, and the moves per read of each: the first warm epoch
+//! moves about twice what the next does, since its swaps send their victims to their
+//! readers of the epoch after) and the planner's bytes per file.
 
 use std::time::Instant;
 
-use shardcache_daemon::planner::placement::Layout;
+use shardcache_daemon::planner::placement::{self, Layout};
 use shardcache_daemon::planner::{FileRef, PLACEMENT_CHUNK_READS, Planner, READ_WINDOW, Source};
 
 /// What to measure.
@@ -51,18 +53,24 @@ pub struct Cell {
     pub setup_s: f64,
     /// CPU seconds of the placement's simulation over the cold epoch.
     pub cold_s: f64,
-    /// CPU seconds of the placement's simulation over the steady (second) epoch.
+    /// CPU seconds of the placement's simulation over the first warm epoch (the second).
+    pub warm_s: f64,
+    /// CPU seconds of the placement's simulation over the steady (third) epoch.
     pub steady_s: f64,
-    /// CPU microseconds per open (`on_access`) over the steady epoch.
+    /// CPU microseconds per open (`on_access`) over the two warm epochs.
     pub open_us: f64,
     /// Node 0's opens per epoch.
     pub opens: u64,
-    /// Simulated reads that were local, over the steady epoch (all nodes').
+    /// Simulated reads that were local, over the two warm epochs (all nodes').
     pub local: f64,
-    /// Simulated backing reads over the steady epoch ÷ the dataset.
+    /// Simulated backing reads per warm epoch ÷ the dataset.
     pub backing: f64,
-    /// Copies moved per simulated read over the steady epoch.
+    /// Copies moved per simulated read over the two warm epochs.
     pub moves: f64,
+    /// Copies moved per simulated read in the first warm epoch.
+    pub moves_warm: f64,
+    /// Copies moved per simulated read in the steady epoch.
+    pub moves_steady: f64,
     /// Resident bytes the registered, placed job added, per file.
     pub bytes_per_file: f64,
 }
@@ -99,7 +107,7 @@ pub fn cell(m: u64, n: u64, r: u64, a: f64, seed: u64) -> anyhow::Result<Cell> {
         Source::Shuffle {
             seed,
             first: 0,
-            count: 3,
+            count: 4,
             world,
             ranks: ranks.clone(),
             drop_last: false,
@@ -122,7 +130,9 @@ pub fn cell(m: u64, n: u64, r: u64, a: f64, seed: u64) -> anyhow::Result<Cell> {
         setup_s,
         ..Cell::default()
     };
-    for epoch in 0..2 {
+    let mut warm = placement::SimStats::default();
+    let mut opening_warm = 0.0;
+    for epoch in 0..3 {
         let order = shardcache_plan::shuffle::node_order(n, seed, epoch, world, &ranks, false);
         let s0 = p.placement_stats("job").unwrap_or_default();
         let (mut opening, mut placing) = (0.0, 0.0);
@@ -139,15 +149,29 @@ pub fn cell(m: u64, n: u64, r: u64, a: f64, seed: u64) -> anyhow::Result<Cell> {
         }
         let s1 = p.placement_stats("job").unwrap_or_default();
         out.opens = order.len() as u64;
-        if epoch == 0 {
-            out.cold_s = placing;
-        } else {
-            out.steady_s = placing;
-            out.open_us = opening / out.opens.max(1) as f64 * 1e6;
-            let reads = ((s1.local + s1.remote) - (s0.local + s0.remote)).max(1) as f64;
-            out.local = (s1.local - s0.local) as f64 / reads;
-            out.backing = (s1.backing - s0.backing) as f64 / n as f64;
-            out.moves = (s1.moves - s0.moves) as f64 / reads;
+        let reads = ((s1.local + s1.remote) - (s0.local + s0.remote)).max(1) as f64;
+        let moves = (s1.moves - s0.moves) as f64 / reads;
+        match epoch {
+            0 => out.cold_s = placing,
+            1 => {
+                out.warm_s = placing;
+                out.moves_warm = moves;
+                warm = s0;
+            }
+            _ => {
+                out.steady_s = placing;
+                out.moves_steady = moves;
+            }
+        }
+        if epoch > 0 {
+            opening_warm += opening;
+        }
+        if epoch == 2 {
+            out.open_us = opening_warm / (2 * out.opens).max(1) as f64 * 1e6;
+            let reads = ((s1.local + s1.remote) - (warm.local + warm.remote)).max(1) as f64;
+            out.local = (s1.local - warm.local) as f64 / reads;
+            out.backing = (s1.backing - warm.backing) as f64 / n as f64 / 2.0;
+            out.moves = (s1.moves - warm.moves) as f64 / reads;
         }
     }
     out.bytes_per_file = rss().saturating_sub(before) as f64 / n as f64;
@@ -158,17 +182,20 @@ pub fn cell(m: u64, n: u64, r: u64, a: f64, seed: u64) -> anyhow::Result<Cell> {
 /// The child's answer: one line (the parent reads it back).
 pub fn cell_line(c: &Cell) -> String {
     format!(
-        "CELL {} {} {} {} {} {} {} {} {} {} {}",
+        "CELL {} {} {} {} {} {} {} {} {} {} {} {} {} {}",
         c.m,
         c.n,
         c.setup_s,
         c.cold_s,
+        c.warm_s,
         c.steady_s,
         c.open_us,
         c.opens,
         c.local,
         c.backing,
         c.moves,
+        c.moves_warm,
+        c.moves_steady,
         c.bytes_per_file
     )
 }
@@ -185,12 +212,15 @@ fn parse_cell(out: &str) -> Option<Cell> {
         n,
         setup_s,
         cold_s,
+        warm_s,
         steady_s,
         open_us,
         opens,
         local,
         backing,
         moves,
+        moves_warm,
+        moves_steady,
         bytes_per_file,
     ] = v[..]
     else {
@@ -201,12 +231,15 @@ fn parse_cell(out: &str) -> Option<Cell> {
         n: n as u64,
         setup_s,
         cold_s,
+        warm_s,
         steady_s,
         open_us,
         opens: opens as u64,
         local,
         backing,
         moves,
+        moves_warm,
+        moves_steady,
         bytes_per_file,
     })
 }
@@ -216,15 +249,16 @@ fn parse_cell(out: &str) -> Option<Cell> {
 pub fn run(a: &Args) -> anyhow::Result<Vec<Cell>> {
     let exe = std::env::current_exe()?;
     println!(
-        "shardcache placement at scale: one node's planner simulating the cluster (R = {} ranks per node, a = {}, counted in files; the real Planner, node 0's opens in order; CPU seconds of the simulation per epoch, µs of the planner per open)",
+        "shardcache placement at scale: one node's planner simulating the cluster (R = {} ranks per node, a = {}, counted in files; the real Planner, node 0's opens in order; CPU seconds of the simulation per epoch: cold, first warm, steady; over the two warm epochs: µs of the planner per open, local reads, backing ÷ dataset per epoch, copies moved per read and, after it, in each)",
         a.ranks_per_node, a.a
     );
     println!(
-        "{:>6} {:>10} {:>9} {:>10} {:>10} {:>9} {:>7} {:>8} {:>11} {:>8}",
+        "{:>6} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>8} {:>18} {:>8}",
         "M",
         "N",
         "setup s",
         "cold s",
+        "warm s",
         "steady s",
         "µs/open",
         "local",
@@ -261,16 +295,20 @@ pub fn run(a: &Args) -> anyhow::Result<Vec<Cell>> {
                 );
             };
             println!(
-                "{:>6} {:>10} {:>9.2} {:>10.2} {:>10.2} {:>9.1} {:>7.3} {:>8.4} {:>11.3} {:>8.0}   ({:.0} s)",
+                "{:>6} {:>10} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.1} {:>7.3} {:>8.4} {:>18} {:>8.0}   ({:.0} s)",
                 c.m,
                 c.n,
                 c.setup_s,
                 c.cold_s,
+                c.warm_s,
                 c.steady_s,
                 c.open_us,
                 c.local,
                 c.backing,
-                c.moves,
+                format!(
+                    "{:.3} ({:.2}, {:.2})",
+                    c.moves, c.moves_warm, c.moves_steady
+                ),
                 c.bytes_per_file,
                 t.elapsed().as_secs_f64()
             );
@@ -293,8 +331,12 @@ mod tests {
         assert_eq!(c.opens, 500);
         assert!(c.local > 0.9, "{c:?}");
         assert!(c.backing < 0.01, "{c:?}");
+        // The two warm epochs' moves add up to the whole's.
+        let whole = (c.moves_warm + c.moves_steady) / 2.0;
+        assert!((c.moves - whole).abs() < 0.05, "{c:?}");
         let back = parse_cell(&cell_line(&c)).expect("parses");
         assert_eq!((back.m, back.n, back.opens), (c.m, c.n, c.opens));
         assert_eq!(back.local, c.local);
+        assert_eq!(back.moves_steady, c.moves_steady);
     }
 }
