@@ -950,8 +950,9 @@ impl Store {
             if let Some(meta) = written {
                 if e.blocks[permit.index].replace(meta).is_none() {
                     idx.blocks += 1;
-                    // Its first present block: the file counts from now on.
-                    idx.files_present += u64::from(e.present() == 1);
+                    // Its first present block (none of its bytes yet): the file counts
+                    // from now on.
+                    idx.files_present += u64::from(e.bytes == 0);
                 }
                 e.bytes += permit.len as u64;
                 idx.used += permit.len as u64;

@@ -207,7 +207,7 @@ impl Store {
                     e.bytes -= cur.len as u64;
                     idx.used -= cur.len as u64;
                     idx.blocks -= 1;
-                    if e.present() == 0 {
+                    if e.bytes == 0 {
                         idx.files_present -= 1;
                     }
                     removed.push(i);
