@@ -10,6 +10,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer};
 
+pub use crate::planner::cluster::Scheme;
 pub use crate::units::{SizeSpec, parse_bytes, parse_duration};
 
 /// Which engine the store runs (configuration key `io_engine`, flag `--io-engine`).
@@ -196,6 +197,12 @@ fn de_cold_reads<'de, D: Deserializer<'de>>(d: D) -> Result<ColdReads, D::Error>
         .map_err(serde::de::Error::custom)
 }
 
+fn de_placement<'de, D: Deserializer<'de>>(d: D) -> Result<Scheme, D::Error> {
+    String::deserialize(d)?
+        .parse()
+        .map_err(serde::de::Error::custom)
+}
+
 fn de_metrics_listen<'de, D: Deserializer<'de>>(d: D) -> Result<MetricsListen, D::Error> {
     String::deserialize(d)?
         .parse()
@@ -258,6 +265,11 @@ pub struct Config {
     /// `auto` (direct unless the root is a FUSE mount or peers are on). Default `through`.
     #[serde(deserialize_with = "de_cold_reads")]
     pub cold_reads: ColdReads,
+    /// The cluster placement of shuffles (peers on): `simulate` (every node simulates
+    /// the cluster's reads) or `forward` (each copy goes to its next reader). Default
+    /// `simulate`. See docs/ARCHITECTURE.md, "Placement by plan".
+    #[serde(deserialize_with = "de_placement")]
+    pub placement: Scheme,
     /// Most queued block fills; read-ahead beyond it is dropped (counted). Default 8192.
     pub fill_queue: usize,
     /// Longest a client may wait on one fill request before it reads the backing store
@@ -365,6 +377,7 @@ impl Default for Config {
             readahead_blocks: 8,
             fill_workers: 4,
             cold_reads: ColdReads::Through,
+            placement: Scheme::Simulate,
             fill_queue: 8192,
             backing_stall_timeout: crate::backing::watch::DEFAULT_STALL,
             max_wait: Duration::from_secs(30),
@@ -751,6 +764,15 @@ mod tests {
     }
 
     #[test]
+    fn placement_is_simulate_or_forward() {
+        let c: Config = toml::from_str("placement = \"forward\"\n").unwrap();
+        assert_eq!(c.placement, Scheme::Forward);
+        assert_eq!(Config::default().placement, Scheme::Simulate);
+        let e = toml::from_str::<Config>("placement = \"hash\"\n").unwrap_err();
+        assert!(e.to_string().contains("placement"), "{e}");
+    }
+
+    #[test]
     fn cold_reads_is_auto_direct_or_through() {
         let c: Config = toml::from_str("cold_reads = \"auto\"\n").unwrap();
         assert_eq!(c.cold_reads, ColdReads::Auto);
@@ -803,6 +825,7 @@ mod packaged {
         assert_eq!(c.block_size, d.block_size);
         assert_eq!(c.io_engine, d.io_engine);
         assert_eq!(c.cold_reads, d.cold_reads);
+        assert_eq!(c.placement, d.placement);
         assert_eq!(c.metadata_ttl, d.metadata_ttl);
         assert_eq!(c.readahead_blocks, d.readahead_blocks);
         assert_eq!(c.fill_workers, d.fill_workers);

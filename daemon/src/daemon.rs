@@ -284,6 +284,7 @@ impl Daemon {
             .as_ref()
             .map(|(pc, _)| crate::peer::member_list(pc));
         let plans = Arc::new(Plans::new(meta.roots().clone(), membership.is_some()));
+        plans.planner().set_scheme(cfg.placement);
         let members = membership.clone().map(|m| m as Arc<dyn Members>);
         let policy = Box::new(PlannedPolicy::new(plans.clone(), members));
         let store = Arc::new(

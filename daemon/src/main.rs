@@ -53,6 +53,9 @@ struct Args {
     /// Who reads a cold small file first: auto, direct (the reader) or through (the daemon) [default: through].
     #[arg(long, env = "SHARDCACHED_COLD_READS")]
     cold_reads: Option<config::ColdReads>,
+    /// The cluster placement of shuffles: simulate or forward [default: simulate].
+    #[arg(long, env = "SHARDCACHED_PLACEMENT")]
+    placement: Option<shardcache_daemon::planner::cluster::Scheme>,
     /// Fill worker threads [default: 4].
     #[arg(long, env = "SHARDCACHED_FILL_WORKERS")]
     fill_workers: Option<usize>,
@@ -174,6 +177,7 @@ fn load(args: &Args) -> anyhow::Result<Config> {
         readahead_blocks,
         fill_workers,
         cold_reads,
+        placement,
         max_wait,
         spin,
         prefetch_ahead,

@@ -32,7 +32,7 @@ use std::time::Instant;
 
 use anyhow::Context;
 use shardcache_client::Client;
-use shardcache_daemon::config::{Config, SizeSpec};
+use shardcache_daemon::config::{Config, Scheme, SizeSpec};
 use shardcache_daemon::daemon::Daemon;
 
 use crate::{content, write_file};
@@ -153,7 +153,9 @@ impl Drop for Testbed {
 
 /// Starts `m` daemons sharing `backing`, each with `capacity` bytes of cache; with
 /// `tls`, mutual TLS on the peer port (certificates from one test CA). On loopback, or
-/// (`link`: a `(namespace, address)` per node) each in its namespace of the testbed.
+/// (`link`: a `(namespace, address)` per node) each in its namespace of the testbed;
+/// `scheme`: their cluster placement.
+#[allow(clippy::too_many_arguments)]
 fn cluster(
     dir: &Path,
     backing: &Path,
@@ -162,6 +164,7 @@ fn cluster(
     capacity: u64,
     tls: bool,
     link: Option<&[(String, String)]>,
+    scheme: Scheme,
 ) -> anyhow::Result<(Vec<Daemon>, Vec<String>, Vec<PathBuf>)> {
     let secret = dir.join("secret");
     std::fs::write(&secret, SECRET)?;
@@ -208,6 +211,7 @@ fn cluster(
                 .ok()
                 .and_then(|v| v.parse().ok())
                 .unwrap_or(Config::default().fill_workers),
+            placement: scheme,
             ..Config::default()
         };
         let node = inside(ns(i), || Daemon::start(&cfg)).with_context(|| format!("node {i}"))?;
@@ -286,6 +290,7 @@ pub fn transfer(
         (8 * mib) << 20,
         tls,
         link.map(|l| &l.nodes[..]),
+        Scheme::default(),
     )?;
     let root = backing.display().to_string();
     // A file node 0 owns.
@@ -609,6 +614,8 @@ pub struct Setting<'a> {
     /// Each node in its namespace of the testbed (`(namespace, address)` per node), or
     /// all on loopback (`None`).
     pub link: Option<&'a [(String, String)]>,
+    /// The daemons' cluster placement.
+    pub scheme: Scheme,
 }
 
 /// The cache block size for files of `mean` bytes: a sixteenth of the mean, a power of
@@ -633,6 +640,7 @@ pub fn placement_epochs(
         epochs,
         pace,
         link,
+        scheme,
     } = set;
     let Pace { drift, jitter } = pace;
     let rpn = ranks_per_node.max(1);
@@ -648,7 +656,16 @@ pub fn placement_epochs(
     }
     let total: u64 = sizes.iter().sum();
     let capacity = ((a * total as f64 / m as f64).round() as u64).max(block);
-    let (nodes, addrs, sockets) = cluster(tmp.path(), &backing, m, block, capacity, false, link)?;
+    let (nodes, addrs, sockets) = cluster(
+        tmp.path(),
+        &backing,
+        m,
+        block,
+        capacity,
+        false,
+        link,
+        scheme,
+    )?;
     let verbose = std::env::var_os("SHARDCACHE_BENCH_VERBOSE").is_some();
     if verbose {
         for (i, a) in addrs.iter().enumerate() {
@@ -811,6 +828,7 @@ pub fn placement(
         epochs,
         pace: Pace::default(),
         link: None,
+        scheme: Scheme::default(),
     };
     let per = placement_epochs(dir, &sizes, set)?;
     let later = &per[1..];
@@ -848,6 +866,7 @@ pub fn run_placement(
     declare: &[bool],
     pace: Pace,
     at: &Where,
+    scheme: Scheme,
 ) -> anyhow::Result<()> {
     let Pace { drift, jitter } = pace;
     let sizes = file_sizes(kind, files, kib);
@@ -869,7 +888,7 @@ pub fn run_placement(
         None => "on loopback".to_owned(),
     };
     println!(
-        "placement: {m} nodes {net}, {ranks_per_node} rank(s) per node, distributed shuffle ({}), {files} files of {kind:?} sizes (mean {:.0} KiB, {:.0}–{:.0} KiB; {:.2} GiB), block {} KiB, {epochs} epochs",
+        "placement ({scheme}): {m} nodes {net}, {ranks_per_node} rank(s) per node, distributed shuffle ({}), {files} files of {kind:?} sizes (mean {:.0} KiB, {:.0}–{:.0} KiB; {:.2} GiB), block {} KiB, {epochs} epochs",
         if drift > 0.0 {
             format!("each rank at 1 ± {drift} of the mean pace per epoch")
         } else if jitter > 0.0 {
@@ -897,6 +916,7 @@ pub fn run_placement(
                 epochs,
                 pace,
                 link: bed.as_ref().map(|b| b.link.nodes.as_slice()),
+                scheme,
             };
             let per = placement_epochs(dir, &sizes, set)?;
             for (e, p) in per.iter().enumerate() {
@@ -1083,6 +1103,7 @@ pub fn silent(
         capacity,
         false,
         Some(&bed.link.nodes[..]),
+        Scheme::default(),
     )?;
     let stop = std::sync::atomic::AtomicBool::new(false);
     let phase = AtomicUsize::new(0);

@@ -24,6 +24,7 @@
 
 use std::time::Instant;
 
+use shardcache_daemon::planner::cluster::Scheme;
 use shardcache_daemon::planner::placement::{self, Layout};
 use shardcache_daemon::planner::{FileRef, PLACEMENT_CHUNK_READS, Planner, READ_WINDOW, Source};
 
@@ -40,11 +41,15 @@ pub struct Args {
     pub a: f64,
     /// Shuffle seed.
     pub seed: u64,
+    /// The placement schemes, one group of rows each.
+    pub schemes: Vec<Scheme>,
 }
 
 /// One cell's figures.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Cell {
+    /// The placement scheme.
+    pub scheme: Scheme,
     /// Nodes.
     pub m: u64,
     /// Files.
@@ -88,7 +93,7 @@ fn rss() -> u64 {
 }
 
 /// Measures one cell in this process (the child's side of `--one`).
-pub fn cell(m: u64, n: u64, r: u64, a: f64, seed: u64) -> anyhow::Result<Cell> {
+pub fn cell(scheme: Scheme, m: u64, n: u64, r: u64, a: f64, seed: u64) -> anyhow::Result<Cell> {
     let fs: Vec<FileRef> = (0..n)
         .map(|i| FileRef {
             root: 0,
@@ -101,6 +106,7 @@ pub fn cell(m: u64, n: u64, r: u64, a: f64, seed: u64) -> anyhow::Result<Cell> {
     let c0 = crate::cpu_secs();
     let mut p = Planner::new();
     p.set_cluster(true);
+    p.set_scheme(scheme);
     p.register(
         "job",
         fs.clone(),
@@ -125,6 +131,7 @@ pub fn cell(m: u64, n: u64, r: u64, a: f64, seed: u64) -> anyhow::Result<Cell> {
     p.set_layout("job", Some(layout), "n00000");
     let setup_s = crate::cpu_secs() - c0;
     let mut out = Cell {
+        scheme,
         m,
         n,
         setup_s,
@@ -170,7 +177,12 @@ pub fn cell(m: u64, n: u64, r: u64, a: f64, seed: u64) -> anyhow::Result<Cell> {
             out.open_us = opening_warm / (2 * out.opens).max(1) as f64 * 1e6;
             let reads = ((s1.local + s1.remote) - (warm.local + warm.remote)).max(1) as f64;
             out.local = (s1.local - warm.local) as f64 / reads;
-            out.backing = (s1.backing - warm.backing) as f64 / n as f64 / 2.0;
+            // The simulation counts the cluster's reads, forwarding this node's own.
+            let epoch_reads = match scheme {
+                Scheme::Simulate => n,
+                Scheme::Forward => out.opens,
+            };
+            out.backing = (s1.backing - warm.backing) as f64 / epoch_reads as f64 / 2.0;
             out.moves = (s1.moves - warm.moves) as f64 / reads;
         }
     }
@@ -182,7 +194,8 @@ pub fn cell(m: u64, n: u64, r: u64, a: f64, seed: u64) -> anyhow::Result<Cell> {
 /// The child's answer: one line (the parent reads it back).
 pub fn cell_line(c: &Cell) -> String {
     format!(
-        "CELL {} {} {} {} {} {} {} {} {} {} {} {} {} {}",
+        "CELL {} {} {} {} {} {} {} {} {} {} {} {} {} {} {}",
+        u8::from(c.scheme == Scheme::Forward),
         c.m,
         c.n,
         c.setup_s,
@@ -208,6 +221,7 @@ fn parse_cell(out: &str) -> Option<Cell> {
         .collect::<Result<_, _>>()
         .ok()?;
     let [
+        forward,
         m,
         n,
         setup_s,
@@ -227,6 +241,11 @@ fn parse_cell(out: &str) -> Option<Cell> {
         return None;
     };
     Some(Cell {
+        scheme: if forward == 1.0 {
+            Scheme::Forward
+        } else {
+            Scheme::Simulate
+        },
         m: m as u64,
         n: n as u64,
         setup_s,
@@ -249,11 +268,12 @@ fn parse_cell(out: &str) -> Option<Cell> {
 pub fn run(a: &Args) -> anyhow::Result<Vec<Cell>> {
     let exe = std::env::current_exe()?;
     println!(
-        "shardcache placement at scale: one node's planner simulating the cluster (R = {} ranks per node, a = {}, counted in files; the real Planner, node 0's opens in order; CPU seconds of the simulation per epoch: cold, first warm, steady; over the two warm epochs: µs of the planner per open, local reads, backing ÷ dataset per epoch, copies moved per read and, after it, in each)",
+        "shardcache placement at scale: one node's planner placing the cluster's copies (R = {} ranks per node, a = {}, counted in files; the real Planner, node 0's opens in order; `simulate`: the node simulates the cluster's reads, its figures the cluster's; `forward`: each copy goes to its next reader, the figures node 0's reads; CPU seconds of the placement per epoch: cold, first warm, steady; over the two warm epochs: µs of the planner per open, local reads, backing ÷ the reads per epoch, copies moved per read and, after it, in each)",
         a.ranks_per_node, a.a
     );
     println!(
-        "{:>6} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>8} {:>18} {:>8}",
+        "{:>8} {:>6} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>7} {:>8} {:>18} {:>8}",
+        "scheme",
         "M",
         "N",
         "setup s",
@@ -267,52 +287,57 @@ pub fn run(a: &Args) -> anyhow::Result<Vec<Cell>> {
         "B/file"
     );
     let mut cells = Vec::new();
-    for &n in &a.files {
-        for &m in &a.nodes {
-            let t = Instant::now();
-            let out = std::process::Command::new(&exe)
-                .args([
-                    "placement-scale",
-                    "--one",
-                    "--nodes",
-                    &m.to_string(),
-                    "--files",
-                    &n.to_string(),
-                    "--ranks-per-node",
-                    &a.ranks_per_node.to_string(),
-                    "--a",
-                    &a.a.to_string(),
-                    "--seed",
-                    &a.seed.to_string(),
-                ])
-                .output()?;
-            let text = String::from_utf8_lossy(&out.stdout);
-            let Some(c) = parse_cell(&text).filter(|_| out.status.success()) else {
-                anyhow::bail!(
-                    "cell M = {m}, N = {n} failed ({}): {}",
-                    out.status,
-                    String::from_utf8_lossy(&out.stderr)
+    for &scheme in &a.schemes {
+        for &n in &a.files {
+            for &m in &a.nodes {
+                let t = Instant::now();
+                let out = std::process::Command::new(&exe)
+                    .args([
+                        "placement-scale",
+                        "--one",
+                        "--placement",
+                        &scheme.to_string(),
+                        "--nodes",
+                        &m.to_string(),
+                        "--files",
+                        &n.to_string(),
+                        "--ranks-per-node",
+                        &a.ranks_per_node.to_string(),
+                        "--a",
+                        &a.a.to_string(),
+                        "--seed",
+                        &a.seed.to_string(),
+                    ])
+                    .output()?;
+                let text = String::from_utf8_lossy(&out.stdout);
+                let Some(c) = parse_cell(&text).filter(|_| out.status.success()) else {
+                    anyhow::bail!(
+                        "cell M = {m}, N = {n} failed ({}): {}",
+                        out.status,
+                        String::from_utf8_lossy(&out.stderr)
+                    );
+                };
+                println!(
+                    "{:>8} {:>6} {:>10} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.1} {:>7.3} {:>8.4} {:>18} {:>8.0}   ({:.0} s)",
+                    c.scheme.to_string(),
+                    c.m,
+                    c.n,
+                    c.setup_s,
+                    c.cold_s,
+                    c.warm_s,
+                    c.steady_s,
+                    c.open_us,
+                    c.local,
+                    c.backing,
+                    format!(
+                        "{:.3} ({:.2}, {:.2})",
+                        c.moves, c.moves_warm, c.moves_steady
+                    ),
+                    c.bytes_per_file,
+                    t.elapsed().as_secs_f64()
                 );
-            };
-            println!(
-                "{:>6} {:>10} {:>9.2} {:>9.2} {:>9.2} {:>9.2} {:>9.1} {:>7.3} {:>8.4} {:>18} {:>8.0}   ({:.0} s)",
-                c.m,
-                c.n,
-                c.setup_s,
-                c.cold_s,
-                c.warm_s,
-                c.steady_s,
-                c.open_us,
-                c.local,
-                c.backing,
-                format!(
-                    "{:.3} ({:.2}, {:.2})",
-                    c.moves, c.moves_warm, c.moves_steady
-                ),
-                c.bytes_per_file,
-                t.elapsed().as_secs_f64()
-            );
-            cells.push(c);
+                cells.push(c);
+            }
         }
     }
     Ok(cells)
@@ -327,16 +352,22 @@ mod tests {
     /// parses back to the same figures.
     #[test]
     fn a_small_cell_places_its_reads_and_its_line_parses_back() {
-        let c = cell(4, 2_000, 2, 1.0, 7).expect("cell");
-        assert_eq!(c.opens, 500);
-        assert!(c.local > 0.9, "{c:?}");
-        assert!(c.backing < 0.01, "{c:?}");
-        // The two warm epochs' moves add up to the whole's.
-        let whole = (c.moves_warm + c.moves_steady) / 2.0;
-        assert!((c.moves - whole).abs() < 0.05, "{c:?}");
-        let back = parse_cell(&cell_line(&c)).expect("parses");
-        assert_eq!((back.m, back.n, back.opens), (c.m, c.n, c.opens));
-        assert_eq!(back.local, c.local);
-        assert_eq!(back.moves_steady, c.moves_steady);
+        for scheme in [Scheme::Simulate, Scheme::Forward] {
+            let c = cell(scheme, 4, 2_000, 2, 1.0, 7).expect("cell");
+            assert_eq!(c.opens, 500);
+            assert!(c.local > 0.9, "{c:?}");
+            assert!(c.backing < 0.01, "{c:?}");
+            // The two warm epochs' moves add up to the whole's.
+            let whole = (c.moves_warm + c.moves_steady) / 2.0;
+            assert!((c.moves - whole).abs() < 0.05, "{c:?}");
+            let back = parse_cell(&cell_line(&c)).expect("parses");
+            assert_eq!((back.m, back.n, back.opens), (c.m, c.n, c.opens));
+            assert_eq!(back.scheme, c.scheme);
+            assert_eq!(back.local, c.local);
+            assert_eq!(back.moves_steady, c.moves_steady);
+        }
+        // Forwarding moves a copy at most once per read: (M − 1) ÷ M of them.
+        let c = cell(Scheme::Forward, 4, 2_000, 2, 1.0, 7).expect("cell");
+        assert!(c.moves <= 1.0 && c.moves > 0.6, "{c:?}");
     }
 }

@@ -353,7 +353,13 @@ fn a_killed_node_costs_no_read_and_the_cluster_converges_when_it_returns() {
 /// shared file system is hardly read again, and every read is right.
 #[test]
 fn a_distributed_shuffle_reads_the_backing_store_once_per_cluster() {
-    distributed_shuffle(4, None);
+    distributed_shuffle(4, None, "simulate");
+}
+
+/// The same with each copy handed to its next reader (`--placement forward`).
+#[test]
+fn a_distributed_shuffle_forwarded_reads_the_backing_store_once_per_cluster() {
+    distributed_shuffle(4, None, "forward");
 }
 
 /// Issue 15: a node killed (`kill -9`) after the second epoch and started again restores
@@ -366,7 +372,14 @@ fn a_distributed_shuffle_reads_the_backing_store_once_per_cluster() {
 /// the layout from forming for 5 s on every node.
 #[test]
 fn after_a_node_is_killed_and_restarted_the_cluster_is_back_at_its_floor_within_an_epoch() {
-    distributed_shuffle(5, Some(1));
+    distributed_shuffle(5, Some(1), "simulate");
+}
+
+/// The same with each copy handed to its next reader (`--placement forward`): the
+/// restarted node starts from the job's current round, not from the plan's start.
+#[test]
+fn forwarded_after_a_node_is_killed_and_restarted_the_cluster_is_back_at_its_floor() {
+    distributed_shuffle(5, Some(1), "forward");
 }
 
 /// The most of the dataset the epoch right after a node's restart reads from the
@@ -374,8 +387,9 @@ fn after_a_node_is_killed_and_restarted_the_cluster_is_back_at_its_floor_within_
 const AFTER_RESTART: f64 = 0.2;
 
 /// The shuffle of the two tests above over `epochs` epochs; node 2 killed and restarted
-/// after epoch `restart` when given (the epoch after it may read above the floor).
-fn distributed_shuffle(epochs: u64, restart: Option<u64>) {
+/// after epoch `restart` when given (the epoch after it may read above the floor); the
+/// daemons' cluster placement is `scheme`.
+fn distributed_shuffle(epochs: u64, restart: Option<u64>, scheme: &str) {
     let bed = Bed::new();
     let secret = "shuffle cluster shared secret";
     let n = 120u64;
@@ -387,7 +401,7 @@ fn distributed_shuffle(epochs: u64, restart: Option<u64>) {
     let (mut nodes, _) = cluster_with(
         &bed,
         &[secret, secret, secret],
-        &["--capacity", &cap, "--min-free", "0"],
+        &["--capacity", &cap, "--min-free", "0", "--placement", scheme],
     );
     let files: Vec<String> = (0..n).map(|i| format!("s{i:03}")).collect();
     for rank in 0..3u64 {

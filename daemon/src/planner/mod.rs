@@ -35,6 +35,8 @@ use std::sync::Arc;
 
 use shardcache_plan::shuffle;
 
+pub mod cluster;
+pub mod forward;
 pub mod placement;
 pub mod prefetch;
 pub mod ring;
@@ -200,7 +202,7 @@ struct Job {
     owners: parking_lot::Mutex<Option<Owners>>,
     /// The cluster placement of a shuffle, once every rank's node and every node's
     /// room are known ([`Planner::set_layout`]).
-    placement: Option<placement::Placement>,
+    placement: Option<cluster::Cluster>,
     /// Every file's size in bytes, when the manifest gave them all
     /// ([`Planner::set_sizes`]): the cluster placement then counts bytes.
     sizes: Option<Arc<[u64]>>,
@@ -380,7 +382,13 @@ impl Job {
             self.replaying = Some(target);
         }
         let before = p.placed();
-        p.advance(target.min(before.saturating_add(max.max(1))));
+        // A simulation replays the cluster's reads, `max` rounds at a time; forwarding
+        // goes to the target at once (its cost is this node's own reads, an epoch's at
+        // most after a jump).
+        match p {
+            cluster::Cluster::Sim(_) => p.advance(target.min(before.saturating_add(max.max(1)))),
+            cluster::Cluster::Fwd(_) => p.advance(target),
+        }
         let after = p.placed();
         self.discharge_replayed();
         after >= target || after == before
@@ -728,6 +736,8 @@ pub struct Planner {
     tick: u64,
     /// See [`Planner::set_cluster`].
     cluster: bool,
+    /// The cluster placement shuffles run ([`Planner::set_scheme`]).
+    scheme: cluster::Scheme,
 }
 
 /// Candidates taken from each job's eviction index before the exact comparison (a file
@@ -919,11 +929,17 @@ impl Planner {
         }
     }
 
+    /// Which cluster placement shuffles run from their next layout on (see
+    /// [`cluster::Scheme`]).
+    pub fn set_scheme(&mut self, scheme: cluster::Scheme) {
+        self.scheme = scheme;
+    }
+
     /// Records that another node fetched resident file `f` to keep: this node's copy is
     /// now needed only for this node's own reads, and a cluster placement that moved it
     /// away from here owes its new holder nothing more (see `Placement::taken`).
     pub fn set_handed(&mut self, f: &FileRef) {
-        self.hand_over(f, placement::Placement::taken);
+        self.hand_over(f, cluster::Cluster::taken);
     }
 
     /// Records that another node said it has its own copy of resident file `f` (a
@@ -931,12 +947,12 @@ impl Planner {
     /// [`Planner::set_handed`] does, but without taking it for a sign of how far that
     /// node's readers came (see `Placement::released`).
     pub fn set_released(&mut self, f: &FileRef) {
-        self.hand_over(f, placement::Placement::released);
+        self.hand_over(f, cluster::Cluster::released);
     }
 
     /// [`Planner::set_handed`] or [`Planner::set_released`]: `discharge` tells the
     /// placement.
-    fn hand_over(&mut self, f: &FileRef, discharge: fn(&mut placement::Placement, u32)) {
+    fn hand_over(&mut self, f: &FileRef, discharge: fn(&mut cluster::Cluster, u32)) {
         if !self.resident.contains_key(f) {
             return;
         }
@@ -1013,13 +1029,13 @@ impl Planner {
         id: &str,
         layout: placement::Layout,
         me: &str,
-    ) -> Option<(placement::Placement, u64)> {
+    ) -> Option<(cluster::Cluster, u64)> {
         let job = self.jobs.iter().find(|j| j.id == id)?;
         let walk = job.walk()?;
         if job
             .placement
             .as_ref()
-            .is_some_and(|p| *p.layout() == layout && p.me() == me)
+            .is_some_and(|p| *p.layout() == layout && p.me() == me && p.scheme() == self.scheme)
         {
             return None;
         }
@@ -1027,7 +1043,7 @@ impl Planner {
         let target = job.round() + lookahead;
         let sizes = job.sizes.clone();
         Some((
-            placement::Placement::with_sizes(walk, layout, me, lookahead, sizes),
+            cluster::Cluster::new(self.scheme, walk, layout, me, lookahead, sizes),
             target,
         ))
     }
@@ -1047,7 +1063,7 @@ impl Planner {
 
     /// Installs a placement made by [`Planner::placement_for`] (and brought forward) for
     /// shuffle `id`, and brings it to the job's position.
-    pub fn install_placement(&mut self, id: &str, p: placement::Placement) {
+    pub fn install_placement(&mut self, id: &str, p: cluster::Cluster) {
         let Some(job) = self.job_mut(id) else { return };
         if job.walk() != Some(p.walk()) {
             return; // registered again meanwhile, with another plan
@@ -1091,7 +1107,7 @@ impl Planner {
     /// remote and backing reads, copies moved); `None` when it has none.
     pub fn placement_stats(&self, id: &str) -> Option<placement::SimStats> {
         let job = self.jobs.iter().find(|j| j.id == id)?;
-        Some(job.placement.as_ref()?.stats)
+        Some(job.placement.as_ref()?.stats())
     }
 
     /// The cluster placement of job `id` as `shardcache status` shows it: (nodes, this
@@ -1153,6 +1169,7 @@ impl Planner {
         let p = j.placement.as_ref()?;
         Some(
             p.departing()
+                .into_iter()
                 .filter(|&i| {
                     !j.handed.contains(&i) && self.resident.contains_key(&j.files[i as usize])
                 })
@@ -1171,7 +1188,7 @@ impl Planner {
                     job.id,
                     p.placed(),
                     p.holder(i),
-                    p.earlier(i).collect::<Vec<_>>(),
+                    p.earlier(i),
                     p.is_mine(i),
                     p.is_owed(i),
                     job.handed.contains(&i)
@@ -1181,7 +1198,18 @@ impl Planner {
         out
     }
 
-    /// True when a shuffle's placement put the cluster's copy of `f` on this node.
+    /// True when a shuffle's placement gives this node the cluster's copy of `f` to keep:
+    /// a fetch of it takes the copy over from the node it comes from (see
+    /// `cluster::Cluster::keeps`).
+    pub fn keeps(&self, f: &FileRef) -> bool {
+        self.files.get(f).is_some_and(|refs| {
+            refs.iter()
+                .any(|&(j, i)| self.jobs[j].placement.as_ref().is_some_and(|p| p.keeps(i)))
+        })
+    }
+
+    /// True when a shuffle's placement put the cluster's copy of `f` on this node (or,
+    /// forwarding, brings a copy here for a read within the lookahead).
     pub fn is_mine(&self, f: &FileRef) -> bool {
         self.files.get(f).is_some_and(|refs| {
             refs.iter().any(|&(j, i)| {

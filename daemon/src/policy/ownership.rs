@@ -59,7 +59,7 @@ impl Plans {
     /// True when the cluster placement gave this node the cluster's copy of the file.
     pub fn keeps(&self, root: &str, path: &str) -> bool {
         self.file_ref(root, path)
-            .is_some_and(|f| self.planner().is_mine(&f))
+            .is_some_and(|f| self.planner().keeps(&f))
     }
 
     /// Where to fetch `path` under `root` from when a shuffle's cluster placement places

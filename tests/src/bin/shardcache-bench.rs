@@ -156,6 +156,9 @@ enum Cmd {
         /// The testbed links' `tc` rate (`none`: unshaped veth).
         #[arg(long, default_value = "1gbit", requires = "testbed")]
         link: String,
+        /// The daemons' cluster placement (`placement`): simulate or forward.
+        #[arg(long, default_value_t = shardcache_daemon::planner::cluster::Scheme::Simulate)]
+        placement: shardcache_daemon::planner::cluster::Scheme,
     },
     /// A silent peer: read latency on the healthy nodes of a 4-node testbed while one
     /// node drops every packet (root only; `cluster-net.sh` with nftables).
@@ -202,8 +205,11 @@ enum Cmd {
         /// Shuffle seed.
         #[arg(long, default_value_t = 42)]
         seed: u64,
-        /// One cell (the first of `--nodes` and `--files`) in this process, printed as a
-        /// line for the parent.
+        /// Placement schemes: simulate, forward (repeat for several groups of rows).
+        #[arg(long, default_values_t = [shardcache_daemon::planner::cluster::Scheme::Simulate])]
+        placement: Vec<shardcache_daemon::planner::cluster::Scheme>,
+        /// One cell (the first of `--placement`, `--nodes` and `--files`) in this
+        /// process, printed as a line for the parent.
         #[arg(long, hide = true)]
         one: bool,
     },
@@ -879,11 +885,12 @@ fn main() {
             ranks_per_node,
             a,
             seed,
+            placement,
             one,
         } => {
             use shardcache_tests::placementscale as ps;
             if one {
-                let c = ps::cell(nodes[0], files[0], ranks_per_node, a, seed)
+                let c = ps::cell(placement[0], nodes[0], files[0], ranks_per_node, a, seed)
                     .expect("placement-scale cell");
                 println!("{}", ps::cell_line(&c));
             } else {
@@ -893,6 +900,7 @@ fn main() {
                     ranks_per_node,
                     a,
                     seed,
+                    schemes: placement,
                 })
                 .expect("placement-scale");
             }
@@ -925,6 +933,7 @@ fn main() {
             ranks_per_node,
             testbed,
             link,
+            placement,
         } => shardcache_tests::peerbench::run_placement(
             &dir,
             nodes,
@@ -937,6 +946,7 @@ fn main() {
             &declare_sizes,
             shardcache_tests::peerbench::Pace { drift, jitter },
             &shardcache_tests::peerbench::Where { testbed, link },
+            placement,
         )
         .expect("placement benchmark"),
         Cmd::Silent {
