@@ -70,10 +70,13 @@ impl Plans {
         self.planner().sources(&f)
     }
 
-    /// True when the cluster placement places the file and not on this node (a
-    /// prefetch of it is no longer wanted).
+    /// True when the cluster placement places the file and not on this node, nor
+    /// brings a copy here for a read (a prefetch of it is no longer wanted).
     pub fn placed_elsewhere(&self, root: &str, path: &str) -> bool {
-        self.placed(root, path).is_some() && !self.keeps(root, path)
+        self.placed(root, path).is_some()
+            && !self
+                .file_ref(root, path)
+                .is_some_and(|f| self.planner().is_mine(&f))
     }
 
     /// The (job, rank)s likely to hold `path` under backing root `root` now, by the
