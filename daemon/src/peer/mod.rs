@@ -115,28 +115,38 @@ const RANKS_REFRESH: Duration = Duration::from_secs(5);
 const MAX_WORLD: u64 = 1 << 20;
 /// Set in a node's slots (as [`Peers`] keeps them) when they are bytes, not files.
 const SLOTS_IN_BYTES: u64 = 1 << 63;
+/// Set in a node's slots (as [`Peers`] keeps them) when it places by next-reader
+/// forwarding (`placement = forward`), not by the simulation.
+const SLOTS_FORWARD: u64 = 1 << 62;
 
-/// A node's slots as [`Peers`] keeps them: `slots`, flagged when they are bytes (no
-/// cache holds 2^63 bytes).
-fn flagged(slots: u64, bytes: bool) -> u64 {
-    if bytes && slots > 0 {
-        slots.min(SLOTS_IN_BYTES - 1) | SLOTS_IN_BYTES
-    } else {
-        slots
+/// A node's slots as [`Peers`] keeps them: `slots`, flagged when they are bytes and when
+/// the node places by forwarding (no cache holds 2^62 bytes).
+fn flagged(slots: u64, bytes: bool, forward: bool) -> u64 {
+    if slots == 0 {
+        return 0; // not known yet
     }
+    let mut s = slots.min(SLOTS_FORWARD - 1);
+    if bytes {
+        s |= SLOTS_IN_BYTES;
+    }
+    if forward {
+        s |= SLOTS_FORWARD;
+    }
+    s
 }
 
 /// The nodes' slots without their flags, and whether they are bytes: `None` unless every
 /// node counts in files or every node in bytes (the same manifest, sizes and all, on
-/// every node of a job).
+/// every node of a job), and every node places by the same scheme.
 fn unflagged(slots: Vec<u64>) -> Option<(Vec<u64>, bool)> {
-    let bytes = slots.first().is_some_and(|s| s & SLOTS_IN_BYTES != 0);
-    if slots.iter().any(|s| (s & SLOTS_IN_BYTES != 0) != bytes) {
+    let flags = SLOTS_IN_BYTES | SLOTS_FORWARD;
+    let first = slots.first().map_or(0, |s| s & flags);
+    if slots.iter().any(|s| s & flags != first) {
         return None;
     }
     Some((
-        slots.into_iter().map(|s| s & !SLOTS_IN_BYTES).collect(),
-        bytes,
+        slots.into_iter().map(|s| s & !flags).collect(),
+        first & SLOTS_IN_BYTES != 0,
     ))
 }
 
@@ -503,7 +513,7 @@ impl Peers {
             for r in s.ranks {
                 map.insert((s.job.clone(), r), me.clone());
             }
-            slots.insert((s.job, me.clone()), flagged(s.slots, s.bytes));
+            slots.insert((s.job, me.clone()), flagged(s.slots, s.bytes, s.forward));
         }
         let down = self.membership.down();
         for (peer, _) in self.membership.all() {
@@ -534,7 +544,10 @@ impl Peers {
                         for r in j.ranks {
                             map.insert((j.job.clone(), r), peer.clone());
                         }
-                        slots.insert((j.job, peer.clone()), flagged(j.slots, j.slots_in_bytes));
+                        slots.insert(
+                            (j.job, peer.clone()),
+                            flagged(j.slots, j.slots_in_bytes, j.placement_forward),
+                        );
                     }
                 }
                 Ok(Ok(None)) => self.keep_ranks_of(&peer, &mut map, &mut slots),
@@ -625,7 +638,10 @@ impl Peers {
             })
             .collect::<Option<_>>()?;
         let Some((slots, bytes)) = unflagged(slots) else {
-            tracing::debug!(job, "cluster placement: nodes disagree on files or bytes");
+            tracing::debug!(
+                job,
+                "cluster placement: nodes disagree on files or bytes, or on the scheme"
+            );
             return None;
         };
         let node_of_rank = owners
@@ -1306,22 +1322,46 @@ mod tests {
     #[test]
     fn slots_in_bytes_make_a_layout_only_when_every_node_counts_bytes() {
         assert_eq!(
-            unflagged(vec![flagged(10, false), flagged(12, false)]),
+            unflagged(vec![flagged(10, false, false), flagged(12, false, false)]),
             Some((vec![10, 12], false))
         );
         assert_eq!(
-            unflagged(vec![flagged(10 << 20, true), flagged(12 << 20, true)]),
+            unflagged(vec![
+                flagged(10 << 20, true, false),
+                flagged(12 << 20, true, false)
+            ]),
             Some((vec![10 << 20, 12 << 20], true))
         );
         assert_eq!(
-            unflagged(vec![flagged(10 << 20, true), flagged(12, false)]),
+            unflagged(vec![
+                flagged(10 << 20, true, false),
+                flagged(12, false, false)
+            ]),
             None,
             "one node in files, one in bytes: no layout"
         );
-        assert_eq!(flagged(0, true), 0, "no slots yet stays unknown");
+        assert_eq!(flagged(0, true, true), 0, "no slots yet stays unknown");
         assert_eq!(
-            unflagged(vec![flagged(u64::MAX, true)]),
-            Some((vec![(1 << 63) - 1], true))
+            unflagged(vec![flagged(u64::MAX, true, false)]),
+            Some((vec![(1 << 62) - 1], true))
+        );
+    }
+
+    /// Nodes that place by different schemes (`placement`) would disagree on where every
+    /// copy is: they form no layout.
+    #[test]
+    fn nodes_of_different_placement_schemes_make_no_layout() {
+        assert_eq!(
+            unflagged(vec![flagged(10, true, true), flagged(12, true, true)]),
+            Some((vec![10, 12], true))
+        );
+        assert_eq!(
+            unflagged(vec![flagged(10, false, true), flagged(12, false, false)]),
+            None
+        );
+        assert_eq!(
+            unflagged(vec![flagged(10, true, false), flagged(12, true, true)]),
+            None
         );
     }
 

@@ -59,6 +59,7 @@ impl proto::peer_server::Peer for Service {
                 ranks: j.ranks,
                 slots: j.slots,
                 slots_in_bytes: j.bytes,
+                placement_forward: j.forward,
             })
             .collect();
         // The content travels encoded, MACed as it travels (see `auth`).

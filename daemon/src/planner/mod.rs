@@ -935,6 +935,11 @@ impl Planner {
         self.scheme = scheme;
     }
 
+    /// The cluster placement shuffles run ([`Planner::set_scheme`]).
+    pub fn scheme(&self) -> cluster::Scheme {
+        self.scheme
+    }
+
     /// Records that another node fetched resident file `f` to keep: this node's copy is
     /// now needed only for this node's own reads, and a cluster placement that moved it
     /// away from here owes its new holder nothing more (see `Placement::taken`).

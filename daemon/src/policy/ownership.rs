@@ -23,6 +23,8 @@ pub struct Shuffle {
     pub slots: u64,
     /// `slots` are bytes (see [`crate::policy::Slots`]).
     pub bytes: bool,
+    /// This node places by next-reader forwarding (`placement = forward`).
+    pub forward: bool,
 }
 
 /// The owner of `f` among `healthy` (sorted), as every node computes it: for a file a
@@ -43,12 +45,19 @@ pub fn owner_of<'a>(
 impl Plans {
     /// Every registered shuffle, with this node's slots for it.
     pub fn shuffles(&self) -> Vec<Shuffle> {
-        let list = self.planner().shuffles();
+        let (list, forward) = {
+            let p = self.planner();
+            (
+                p.shuffles(),
+                p.scheme() == crate::planner::cluster::Scheme::Forward,
+            )
+        };
         let slots = self.slots.lock();
         list.into_iter()
             .map(|(job, world, ranks)| Shuffle {
                 slots: slots.get(&job).map_or(0, |s| s.units),
                 bytes: slots.get(&job).is_some_and(|s| s.bytes),
+                forward,
                 job,
                 world,
                 ranks,
