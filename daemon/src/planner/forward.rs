@@ -7,17 +7,20 @@
 //! are known to all: the rank reading it at each world position, and so its node. What
 //! a node does is a function of those orders, the layout and its own position only:
 //!
-//! - **What a node keeps of an epoch.** A node keeps copies of its reads of an epoch in
-//!   round order while they fit its slots (files, or bytes when the manifest gives the
-//!   sizes): its *kept prefix*, the reads before its *cut*. At an aggregate cache of
-//!   the dataset or more that is every read; at `a < 1` about the first `a` of them. Every
-//!   node computes every node's cut (one pass over the epoch's order).
-//! - **Where a copy is.** From the read of a file on, its copy is kept for the node that
-//!   reads it next, when that read is in that node's kept prefix: the reader keeps it when
-//!   that is itself, else keeps it *owed* until the next reader took it (or a bound ran
-//!   out, as with the simulation), and the next reader fetches it (it *arrives*, parked
-//!   until its read). A read not in its node's kept prefix is brought to its node
-//!   `lookahead` rounds before it from wherever a copy is, else from the backing store.
+//! - **What a node keeps of an epoch.** A node keeps copies of its first reads of an
+//!   epoch (a repeat of the sampler's padding reads its first reader's copy) in order
+//!   while they fit its slots (files, or bytes when the manifest gives the sizes): its
+//!   *kept prefix*, the reads before its *cut*. At an aggregate cache of the dataset or
+//!   more that is every read; at `a < 1` about the first `a` of them. The reads past the
+//!   cuts go, in order, to the nodes that keep all their own while they have room (the
+//!   *spill*: reads do not fall evenly on the nodes in bytes). Every node computes every
+//!   node's cut and the spill (two passes over the epoch's order).
+//! - **Where a copy is.** From a file's first read of an epoch on, its copy is kept for
+//!   the node that keeps its first read of the next epoch: the reader keeps it when that
+//!   is itself, else keeps it *owed* until that node took it (or a bound ran out, as with
+//!   the simulation), and that node fetches it (it *arrives*, parked until its read). A
+//!   read no node keeps, a spilled one or a repeat is brought to its node `lookahead`
+//!   rounds before it from wherever a copy is, else from the backing store.
 //! - **Room.** At round `t` of an epoch of `E` reads per node a node holds its kept
 //!   reads not yet made (`K − t`, when it keeps `K ≤ E`) and the next epoch's kept reads
 //!   whose read this epoch was made already (about `K · t / E`): at most `K` — its slots —
@@ -27,7 +30,7 @@
 //! Hence about `(M − 1) / M` copies move per read (a next reader on another node), the
 //! backing store is read `max(0, 1 − a)` of the dataset per epoch (the reads past the
 //! cuts), and a node's work per epoch is one pass over each epoch's order (to index it
-//! and to find the cuts) plus its own reads and arrivals — not a simulation of the
+//! and to find the cuts and the spill) plus its own reads and arrivals — not a simulation of the
 //! cluster's reads. There is nothing to replay: a new layout, or a position that moved
 //! back, starts from the current round.
 //!
