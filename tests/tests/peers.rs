@@ -491,6 +491,24 @@ fn distributed_shuffle(epochs: u64, restart: Option<u64>, scheme: &str) {
 /// most in bytes); `shardcache-bench placement` shows the decay over 10 epochs.
 #[test]
 fn spread_sizes_given_in_the_manifest_are_placed_in_bytes_at_the_floor() {
+    spread_sizes("simulate");
+}
+
+/// The same with each copy handed to its next reader (`--placement forward`). Before a
+/// copy owed to its keeper was kept until that keeper's read (it was an epoch of rounds
+/// from the giver's read), 4 of 9 runs read 0.014–0.020 of the dataset in an epoch;
+/// since, 20 runs read at most 0.005 with peaks of 1.03–1.12, but one run among the
+/// whole suite's on this 2-core VM held a store over 1.25 of its capacity (the copies
+/// owed past four lookaheads may take a quarter of the slots, and young ones more), and
+/// one read 0.011 in an epoch: not in CI until forwarding bounds both.
+#[test]
+#[ignore = "forwarding's bounds are not yet this test's: run with --ignored"]
+fn spread_sizes_given_in_the_manifest_are_forwarded_in_bytes_at_the_floor() {
+    spread_sizes("forward");
+}
+
+/// The spread-sizes run of the two tests above, the daemons placing by `scheme`.
+fn spread_sizes(scheme: &str) {
     let bed = Bed::new();
     let secret = "spread sizes shared secret";
     let sizes = shardcache_tests::peerbench::file_sizes(
@@ -506,7 +524,14 @@ fn spread_sizes_given_in_the_manifest_are_placed_in_bytes_at_the_floor() {
     let (nodes, _) = cluster_with(
         &bed,
         &[secret, secret, secret],
-        &["--capacity", &cap.to_string(), "--min-free", "0"],
+        &[
+            "--capacity",
+            &cap.to_string(),
+            "--min-free",
+            "0",
+            "--placement",
+            scheme,
+        ],
     );
     let files: Vec<serde_json::Value> = sizes
         .iter()
