@@ -161,8 +161,8 @@ impl Forward {
         }
     }
 
-    /// The same forwarding with nothing placed yet (a jump to any round costs one
-    /// pass over this node's reads, not a replay).
+    /// The same forwarding with nothing placed yet but the copies owed (a jump to any
+    /// round costs one pass over this node's reads, not a replay).
     pub fn restarted(&self) -> Self {
         let mut f = Self::new(
             self.walk,
@@ -172,6 +172,12 @@ impl Forward {
             self.sizes.clone(),
         );
         f.views = self.views.clone();
+        // The copies this node read and keeps for their keepers stay owed: they are
+        // this node's past reads, which a restart does not place again when they are
+        // older than the rounds a jump places (an owed copy may be kept two epochs).
+        f.owed = self.owed.clone();
+        f.departures = self.departures.clone();
+        f.departing = self.departing;
         f
     }
 
@@ -1006,6 +1012,11 @@ mod tests {
         );
         f.advance(read + lookahead);
         assert!(f.is_owed(x), "kept at the read");
+        // A restart (a new layout, the position moved back) keeps it: the rounds it
+        // places again are an epoch's, and this read is older.
+        let mut g = f.restarted();
+        g.advance(read + lookahead);
+        assert!(g.is_owed(x), "kept across a restart");
         f.advance(read + 2 * lookahead + 1 + rounds / 2 + lookahead + 1);
         assert!(!f.is_owed(x), "and not for ever");
     }
