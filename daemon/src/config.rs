@@ -10,7 +10,6 @@ use std::time::Duration;
 
 use serde::{Deserialize, Deserializer};
 
-pub use crate::planner::cluster::Scheme;
 pub use crate::units::{SizeSpec, parse_bytes, parse_duration};
 
 /// Which engine the store runs (configuration key `io_engine`, flag `--io-engine`).
@@ -195,6 +194,40 @@ fn de_cold_reads<'de, D: Deserializer<'de>>(d: D) -> Result<ColdReads, D::Error>
     String::deserialize(d)?
         .parse()
         .map_err(serde::de::Error::custom)
+}
+
+/// Which cluster placement shuffles run (configuration key `placement`, flag
+/// `--placement`; `crate::planner::cluster`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Scheme {
+    /// Every node simulates the cluster's reads (the simulation, `planner::placement`).
+    #[default]
+    Simulate,
+    /// Each copy goes to its next reader (next-reader forwarding, `planner::forward`).
+    Forward,
+}
+
+impl FromStr for Scheme {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "simulate" => Ok(Self::Simulate),
+            "forward" => Ok(Self::Forward),
+            _ => Err(format!(
+                "placement: {s:?} is not one of \"simulate\", \"forward\""
+            )),
+        }
+    }
+}
+
+impl fmt::Display for Scheme {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Simulate => "simulate",
+            Self::Forward => "forward",
+        })
+    }
 }
 
 fn de_placement<'de, D: Deserializer<'de>>(d: D) -> Result<Scheme, D::Error> {

@@ -3,45 +3,13 @@
 //! default), or [`Forward`], each copy handed to its next reader (`forward`). The
 //! planner asks both the same questions.
 
-use std::fmt;
-use std::str::FromStr;
 use std::sync::Arc;
 
 use super::forward::Forward;
 use super::placement::{Layout, Placement, SimStats, Walk};
 
-/// Which cluster placement shuffles run.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub enum Scheme {
-    /// Every node simulates the cluster's reads ([`Placement`]).
-    #[default]
-    Simulate,
-    /// Each copy goes to its next reader ([`Forward`]).
-    Forward,
-}
-
-impl FromStr for Scheme {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, String> {
-        match s {
-            "simulate" => Ok(Self::Simulate),
-            "forward" => Ok(Self::Forward),
-            _ => Err(format!(
-                "placement: {s:?} is not one of \"simulate\", \"forward\""
-            )),
-        }
-    }
-}
-
-impl fmt::Display for Scheme {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(match self {
-            Self::Simulate => "simulate",
-            Self::Forward => "forward",
-        })
-    }
-}
+/// Which cluster placement shuffles run (configuration key `placement`).
+pub use crate::config::Scheme;
 
 /// A shuffle's cluster placement, of either scheme.
 #[derive(Debug)]

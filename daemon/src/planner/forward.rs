@@ -94,9 +94,12 @@ pub struct Forward {
     next: u64,
     /// The epochs' views in use (relative epoch, view), a few at a time.
     views: Vec<(u64, Arc<View>)>,
-    /// Files whose copy comes here, with the round of this node's read it comes for
-    /// (`u64::MAX`: parked for the next epoch).
+    /// Files whose copy comes here for this node's reads, with the round of the read it
+    /// comes for, in round order (but after a jump, which queues the rest of the epoch's
+    /// kept reads at once, before the lookahead's next rounds).
     incoming: VecDeque<(u32, u64)>,
+    /// The copies parked here for the next epoch, in the order they came.
+    parked: VecDeque<u32>,
     /// The kept reads of this node in epoch `arrivals_for` whose copy is read the epoch
     /// before by another node, by (the round of that read, file); `arrived` of them are
     /// in `incoming` already.
@@ -148,6 +151,7 @@ impl Forward {
             next: 0,
             views: Vec::new(),
             incoming: VecDeque::new(),
+            parked: VecDeque::new(),
             arrivals: Vec::new(),
             arrivals_for: u64::MAX,
             arrived: 0,
@@ -631,6 +635,7 @@ impl Forward {
         let rounds = self.walk.rounds();
         let world = self.walk.world;
         self.incoming.clear();
+        self.parked.clear();
         self.next = start;
         let read = start.saturating_sub(self.lookahead);
         let rel = read / rounds;
@@ -645,21 +650,25 @@ impl Forward {
                     self.incoming.push_back((f, rel * rounds + k));
                 }
             }
-            // The copies spilled here, still to be read.
-            for (&f, &n) in &v.spill {
-                if n == me
-                    && let Some(p) = v.ix.next(f, 0)
-                    && p / world >= from
-                {
-                    self.incoming.push_back((f, rel * rounds + p / world));
-                }
+            // The copies spilled here, still to be read, in the order of their reads.
+            let mut spilled: Vec<(u64, u32)> = v
+                .spill
+                .iter()
+                .filter(|&(_, &n)| n == me)
+                .filter_map(|(&f, _)| Some((v.ix.next(f, 0)? / world, f)))
+                .filter(|&(k, _)| k >= from)
+                .collect();
+            spilled.sort_unstable();
+            for (k, f) in spilled {
+                self.incoming.push_back((f, rel * rounds + k));
             }
+            self.incoming.make_contiguous().sort_by_key(|&(_, k)| k);
         }
         self.build_arrivals(rel + 1);
         let upto = read % rounds;
         while self.arrived < self.arrivals.len() && self.arrivals[self.arrived].0 < upto {
             let f = self.arrivals[self.arrived].1;
-            self.incoming.push_back((f, u64::MAX));
+            self.parked.push_back(f);
             self.arrived += 1;
         }
     }
@@ -756,7 +765,7 @@ impl Forward {
         let upto = j % rounds;
         while self.arrived < self.arrivals.len() && self.arrivals[self.arrived].0 <= upto {
             let f = self.arrivals[self.arrived].1;
-            self.incoming.push_back((f, u64::MAX));
+            self.parked.push_back(f);
             self.arrived += 1;
         }
     }
@@ -764,31 +773,44 @@ impl Forward {
     /// Files whose copy comes here, at most `max`, that `fetch` says are to be fetched
     /// (not here yet): this node's reads first, soonest first, then the copies parked
     /// here for the next epoch, in the order they came. Those here already go to
-    /// `claimed` and leave the queue, as do those no longer placed here.
+    /// `claimed` and leave the queues, as do those no longer placed here. Each queue is
+    /// looked at from its front until `max` are found: a call costs what it finds and
+    /// drops, not the queues' length (up to this node's share of an epoch).
     pub fn incoming(
         &mut self,
         max: usize,
         fetch: &dyn Fn(u32) -> bool,
         claimed: &mut Vec<u32>,
     ) -> Vec<u32> {
-        let mut wanted: Vec<(u64, usize, u32)> = Vec::new();
+        let mut out: Vec<u32> = Vec::new();
         let mut seen = HashSet::new();
-        let mut keep = VecDeque::with_capacity(self.incoming.len());
-        let q = std::mem::take(&mut self.incoming);
-        for (f, round) in q {
+        let mut i = 0;
+        while i < self.incoming.len() && out.len() < max {
+            let f = self.incoming[i].0;
             if !seen.insert(f) || !self.is_mine(f) {
-                continue;
-            }
-            if !fetch(f) {
+                self.incoming.remove(i);
+            } else if !fetch(f) {
                 claimed.push(f);
-                continue;
+                self.incoming.remove(i);
+            } else {
+                out.push(f);
+                i += 1;
             }
-            wanted.push((round, keep.len(), f));
-            keep.push_back((f, round));
         }
-        self.incoming = keep;
-        wanted.sort_unstable();
-        wanted.into_iter().take(max).map(|w| w.2).collect()
+        let mut i = 0;
+        while i < self.parked.len() && out.len() < max {
+            let f = self.parked[i];
+            if !seen.insert(f) || !self.is_mine(f) {
+                self.parked.remove(i);
+            } else if !fetch(f) {
+                claimed.push(f);
+                self.parked.remove(i);
+            } else {
+                out.push(f);
+                i += 1;
+            }
+        }
+        out
     }
 
     /// This node's slots and the files whose copy is placed here now (its kept reads
@@ -1082,7 +1104,11 @@ mod tests {
         f.advance(target);
         assert_eq!(f.placed(), target);
         let mut claimed = Vec::new();
+        // A few at a time: the soonest reads first, and asking again gives them again
+        // (until fetched) with the rest of the queues untouched.
+        let few = f.incoming(4, &|_| true, &mut claimed);
         let inc = f.incoming(usize::MAX, &|_| true, &mut claimed);
+        assert_eq!(few[..], inc[..4]);
         // Its reads still to come this epoch, and its next epoch's reads whose readers
         // read them already this epoch.
         assert!(inc.iter().all(|&x| f.is_mine(x)));
