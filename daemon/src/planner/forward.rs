@@ -447,6 +447,16 @@ impl Forward {
         self.me.is_some() && self.holder_of(f) == self.me
     }
 
+    /// True when this node keeps `f`'s copy for a read not within the lookahead and
+    /// another node read it before: the copy is to come from that node (it may not
+    /// have read it yet, its ranks being behind this node's), and a prefetch that finds
+    /// no copy waits rather than read the backing store — which that node's read does
+    /// anyway in the plan's first epoch (ranks out of lockstep read it twice there, and
+    /// 0.06–0.11 of the dataset more in the first warm epoch).
+    pub fn waits(&self, f: u32) -> bool {
+        self.keeps(f) && !self.reads_soon(f) && !self.earlier(f).is_empty()
+    }
+
     /// True when this node read `f` and keeps its copy for the next reader, which has
     /// not taken it yet.
     pub fn is_owed(&self, f: u32) -> bool {
@@ -1041,6 +1051,36 @@ mod tests {
         assert!(g.is_owed(x), "kept across a restart");
         f.advance(read + 2 * lookahead + 1 + rounds / 2 + lookahead + 1);
         assert!(!f.is_owed(x), "and not for ever");
+    }
+
+    /// A copy parked here for a read beyond the lookahead, that another node read
+    /// before, is waited for (a prefetch finding no copy does not read the backing
+    /// store); within the lookahead, or with no earlier reader, it is not.
+    #[test]
+    fn a_parked_copy_is_waited_for_until_its_read_comes_near() {
+        let (m, files) = (4usize, 400u64);
+        let w = walk(m as u64, files, 3);
+        let lookahead = 4;
+        let mut f = Forward::new(w, layout(m, 1, files), "n1", lookahead, None);
+        let rounds = w.rounds();
+        f.advance(rounds / 2 + lookahead);
+        let mut claimed = Vec::new();
+        let parked = f.parked.clone();
+        assert!(!parked.is_empty());
+        let _ = f.incoming(usize::MAX, &|_| true, &mut claimed);
+        for &x in &parked {
+            assert!(f.keeps(x) && f.waits(x), "{x}");
+        }
+        // This epoch's reads (the first: no earlier reader) are not waited for.
+        let v = f.view(0).unwrap();
+        let mine = v.ix.order[(rounds / 2 + 1) as usize * m + 1];
+        assert!(f.is_mine(mine) && !f.waits(mine));
+        // Near its read (next epoch), a parked copy is no longer waited for.
+        let x = parked[0];
+        let v1 = f.view(1).unwrap();
+        let read = rounds + v1.ix.next(x, 0).unwrap() / m as u64;
+        f.advance(read + 1);
+        assert!(!f.waits(x), "within the lookahead of its read");
     }
 
     #[test]

@@ -1213,6 +1213,15 @@ impl Planner {
         })
     }
 
+    /// True when a shuffle's placement has a prefetch of `f` that finds no copy wait
+    /// rather than read the backing store (see `cluster::Cluster::waits`).
+    pub fn waits_for_copy(&self, f: &FileRef) -> bool {
+        self.files.get(f).is_some_and(|refs| {
+            refs.iter()
+                .any(|&(j, i)| self.jobs[j].placement.as_ref().is_some_and(|p| p.waits(i)))
+        })
+    }
+
     /// True when a shuffle's placement put the cluster's copy of `f` on this node (or,
     /// forwarding, brings a copy here for a read within the lookahead).
     pub fn is_mine(&self, f: &FileRef) -> bool {
