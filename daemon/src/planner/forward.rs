@@ -39,8 +39,6 @@
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
-use shardcache_plan::shuffle;
-
 use super::EpochIndex;
 use super::placement::{Layout, SimStats, Walk};
 
@@ -265,13 +263,13 @@ impl Forward {
             return Some(v.clone());
         }
         let w = self.walk;
-        let perm = shuffle::permutation(w.files, w.seed, w.first + rel);
-        let per = self.per();
-        let order: Vec<u32> = (0..per)
-            .map(|p| perm[(p % w.files) as usize] as u32)
-            .collect();
-        drop(perm);
-        let ix = Arc::new(EpochIndex::new(Arc::new(order), w.files as usize));
+        let ix = Arc::new(EpochIndex::world(
+            w.files,
+            w.seed,
+            w.first + rel,
+            w.world,
+            w.drop_last,
+        ));
         let (cut, spill) = self.cuts(&ix, rel > 0);
         let v = Arc::new(View { ix, cut, spill });
         self.views.push((rel, v.clone()));

@@ -117,6 +117,19 @@ impl EpochIndex {
         Self { order, first, more }
     }
 
+    /// The whole world's order of a `DistributedSampler` shuffle of `files` in epoch
+    /// `epoch` (position `k · world + rank` is rank `rank`'s `k`-th read), indexed:
+    /// the padding repeats the permutation from its start, as `shuffle::rank_order`
+    /// does. Built by the job (its eviction keys), the simulation and forwarding alike.
+    fn world(files: u64, seed: u64, epoch: u64, world: u64, drop_last: bool) -> Self {
+        let perm = shuffle::permutation(files, seed, epoch);
+        let total = shuffle::samples_per_rank(files, world, drop_last) * world;
+        let order: Vec<u32> = (0..total)
+            .map(|pos| perm[(pos % files) as usize] as u32)
+            .collect();
+        Self::new(Arc::new(order), files as usize)
+    }
+
     /// Every position of `f`, in order.
     fn positions(&self, f: u32) -> impl Iterator<Item = u64> + '_ {
         let first = self.first.get(f as usize).copied().unwrap_or(ABSENT);
@@ -320,13 +333,7 @@ impl Job {
             return Some(ix.clone());
         }
         let n = self.files.len() as u64;
-        let perm = shuffle::permutation(n, *seed, e);
-        let total = shuffle::samples_per_rank(n, *world, *drop_last) * world;
-        // Padding repeats the permutation from its start, as `shuffle::rank_order` does.
-        let order: Vec<u32> = (0..total)
-            .map(|pos| perm[(pos % n) as usize] as u32)
-            .collect();
-        let ix = Arc::new(EpochIndex::new(Arc::new(order), self.files.len()));
+        let ix = Arc::new(EpochIndex::world(n, *seed, e, *world, *drop_last));
         if self.world_epochs.len() >= 3 {
             self.world_epochs.remove(0);
         }

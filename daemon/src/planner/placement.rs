@@ -273,12 +273,13 @@ impl Placement {
             return Some(ix.clone());
         }
         let w = self.walk;
-        let perm = shuffle::permutation(w.files, w.seed, w.first + rel);
-        let total = w.rounds() * w.world;
-        let order: Vec<u32> = (0..total)
-            .map(|p| perm[(p % w.files) as usize] as u32)
-            .collect();
-        let ix = Arc::new(EpochIndex::new(Arc::new(order), w.files as usize));
+        let ix = Arc::new(EpochIndex::world(
+            w.files,
+            w.seed,
+            w.first + rel,
+            w.world,
+            w.drop_last,
+        ));
         if self.epochs.len() >= 3 {
             self.epochs.remove(0);
         }
