@@ -123,15 +123,6 @@ impl Cluster {
         }
     }
 
-    /// True when a prefetch of `f` that finds no copy on the nodes that hold or held it
-    /// waits rather than read the backing store (forwarding: see `Forward::waits`).
-    pub fn waits(&self, f: u32) -> bool {
-        match self {
-            Self::Sim(_) => false,
-            Self::Fwd(p) => p.waits(f),
-        }
-    }
-
     /// True when this node keeps its copy of `f` for the node it moved to.
     pub fn is_owed(&self, f: u32) -> bool {
         each!(self, p => p.is_owed(f))

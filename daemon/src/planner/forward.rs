@@ -183,19 +183,6 @@ impl Forward {
         f
     }
 
-    /// Takes `other`'s epoch views (the same walk and layout): nodes simulated in one
-    /// process share them (`shardcache-bench placement-scale`, tests).
-    pub fn share_views(&mut self, other: &Forward) {
-        if self.walk == other.walk && self.layout == other.layout {
-            for (e, v) in &other.views {
-                if !self.views.iter().any(|(x, _)| x == e) {
-                    self.views.push((*e, v.clone()));
-                }
-            }
-            self.trim_views();
-        }
-    }
-
     /// The shuffle it follows.
     pub fn walk(&self) -> Walk {
         self.walk
@@ -253,13 +240,19 @@ impl Forward {
         }
     }
 
+    /// The view of relative epoch `rel` if built already (the queries that take `&self`
+    /// see the views `advance` built).
+    fn built(&self, rel: u64) -> Option<&Arc<View>> {
+        self.views.iter().find(|(e, _)| *e == rel).map(|(_, v)| v)
+    }
+
     /// The view of relative epoch `rel`, built when first asked (one pass over its
     /// order to index it and another to find every node's cut).
     fn view(&mut self, rel: u64) -> Option<Arc<View>> {
         if rel >= self.walk.epochs {
             return None;
         }
-        if let Some((_, v)) = self.views.iter().find(|(e, _)| *e == rel) {
+        if let Some(v) = self.built(rel) {
             return Some(v.clone());
         }
         let w = self.walk;
@@ -364,12 +357,11 @@ impl Forward {
         let world = self.walk.world;
         let pos = self.read_pos();
         let rel = pos / per;
-        let view = |e: u64| self.views.iter().find(|(x, _)| *x == e).map(|(_, v)| v);
-        let v = view(rel)?;
+        let v = self.built(rel)?;
         let (v, p) = match v.ix.next(f, 0) {
             Some(p) if p >= pos % per => (v, p),
             _ => {
-                let w = view(rel + 1)?;
+                let w = self.built(rel + 1)?;
                 (w, w.ix.next(f, 0)?)
             }
         };
@@ -385,7 +377,7 @@ impl Forward {
         let (from, to) = (self.read_pos(), self.next * world);
         let rel = from / per;
         for e in [rel, rel + 1] {
-            let Some(v) = self.views.iter().find(|(x, _)| *x == e).map(|(_, v)| v) else {
+            let Some(v) = self.built(e) else {
                 continue;
             };
             let lo = (e * per).max(from);
@@ -417,7 +409,7 @@ impl Forward {
         let rel = pos / per;
         let mut out: Vec<u16> = Vec::new();
         for e in [Some(rel), rel.checked_sub(1)].into_iter().flatten() {
-            let Some(v) = self.views.iter().find(|(x, _)| *x == e).map(|(_, v)| v) else {
+            let Some(v) = self.built(e) else {
                 continue;
             };
             let end = if e == rel { pos % per } else { per };
@@ -443,16 +435,6 @@ impl Forward {
     /// read within the lookahead): a fetch of it takes the copy over from its giver.
     pub fn keeps(&self, f: u32) -> bool {
         self.me.is_some() && self.holder_of(f) == self.me
-    }
-
-    /// True when this node keeps `f`'s copy for a read not within the lookahead and
-    /// another node read it before: the copy is to come from that node (it may not
-    /// have read it yet, its ranks being behind this node's), and a prefetch that finds
-    /// no copy waits rather than read the backing store — which that node's read does
-    /// anyway in the plan's first epoch (ranks out of lockstep read it twice there, and
-    /// 0.06–0.11 of the dataset more in the first warm epoch).
-    pub fn waits(&self, f: u32) -> bool {
-        self.keeps(f) && !self.reads_soon(f) && !self.earlier(f).is_empty()
     }
 
     /// True when this node read `f` and keeps its copy for the next reader, which has
@@ -828,13 +810,9 @@ impl Forward {
         let rounds = self.walk.rounds();
         let read = self.next.saturating_sub(self.lookahead);
         let rel = read / rounds;
-        let ahead = self
-            .views
-            .iter()
-            .find(|(e, _)| *e == rel)
-            .map_or(0, |(_, v)| {
-                (v.cut[me as usize].div_ceil(self.walk.world)).saturating_sub(read % rounds)
-            });
+        let ahead = self.built(rel).map_or(0, |v| {
+            (v.cut[me as usize].div_ceil(self.walk.world)).saturating_sub(read % rounds)
+        });
         let here = ahead as usize * self.my_ranks.len() + self.arrived;
         (self.layout.slots[me as usize], here)
     }
@@ -1049,36 +1027,6 @@ mod tests {
         assert!(g.is_owed(x), "kept across a restart");
         f.advance(read + 2 * lookahead + 1 + rounds / 2 + lookahead + 1);
         assert!(!f.is_owed(x), "and not for ever");
-    }
-
-    /// A copy parked here for a read beyond the lookahead, that another node read
-    /// before, is waited for (a prefetch finding no copy does not read the backing
-    /// store); within the lookahead, or with no earlier reader, it is not.
-    #[test]
-    fn a_parked_copy_is_waited_for_until_its_read_comes_near() {
-        let (m, files) = (4usize, 400u64);
-        let w = walk(m as u64, files, 3);
-        let lookahead = 4;
-        let mut f = Forward::new(w, layout(m, 1, files), "n1", lookahead, None);
-        let rounds = w.rounds();
-        f.advance(rounds / 2 + lookahead);
-        let mut claimed = Vec::new();
-        let parked = f.parked.clone();
-        assert!(!parked.is_empty());
-        let _ = f.incoming(usize::MAX, &|_| true, &mut claimed);
-        for &x in &parked {
-            assert!(f.keeps(x) && f.waits(x), "{x}");
-        }
-        // This epoch's reads (the first: no earlier reader) are not waited for.
-        let v = f.view(0).unwrap();
-        let mine = v.ix.order[(rounds / 2 + 1) as usize * m + 1];
-        assert!(f.is_mine(mine) && !f.waits(mine));
-        // Near its read (next epoch), a parked copy is no longer waited for.
-        let x = parked[0];
-        let v1 = f.view(1).unwrap();
-        let read = rounds + v1.ix.next(x, 0).unwrap() / m as u64;
-        f.advance(read + 1);
-        assert!(!f.waits(x), "within the lookahead of its read");
     }
 
     #[test]

@@ -1214,32 +1214,21 @@ impl Planner {
     /// a fetch of it takes the copy over from the node it comes from (see
     /// `cluster::Cluster::keeps`).
     pub fn keeps(&self, f: &FileRef) -> bool {
-        self.files.get(f).is_some_and(|refs| {
-            refs.iter()
-                .any(|&(j, i)| self.jobs[j].placement.as_ref().is_some_and(|p| p.keeps(i)))
-        })
+        self.any_placement(f, cluster::Cluster::keeps)
     }
 
-    /// True when a shuffle's placement has a prefetch of `f` that finds no copy wait
-    /// rather than read the backing store (see `cluster::Cluster::waits`).
-    pub fn waits_for_copy(&self, f: &FileRef) -> bool {
+    /// True when some shuffle's cluster placement answers `ask` for `f` with yes.
+    fn any_placement(&self, f: &FileRef, ask: fn(&cluster::Cluster, u32) -> bool) -> bool {
         self.files.get(f).is_some_and(|refs| {
             refs.iter()
-                .any(|&(j, i)| self.jobs[j].placement.as_ref().is_some_and(|p| p.waits(i)))
+                .any(|&(j, i)| self.jobs[j].placement.as_ref().is_some_and(|p| ask(p, i)))
         })
     }
 
     /// True when a shuffle's placement put the cluster's copy of `f` on this node (or,
     /// forwarding, brings a copy here for a read within the lookahead).
     pub fn is_mine(&self, f: &FileRef) -> bool {
-        self.files.get(f).is_some_and(|refs| {
-            refs.iter().any(|&(j, i)| {
-                self.jobs[j]
-                    .placement
-                    .as_ref()
-                    .is_some_and(|p| p.is_mine(i))
-            })
-        })
+        self.any_placement(f, cluster::Cluster::is_mine)
     }
 
     /// Where to fetch `f` from when a shuffle's placement places it (`None` when none

@@ -79,17 +79,14 @@ impl Plans {
         self.planner().sources(&f)
     }
 
-    /// True when a prefetch of the file that found no copy on the nodes that hold or
-    /// held it must not read the backing store: the cluster placement places it, and not
-    /// on this node nor here for a read (the prefetch is no longer wanted), or its copy
-    /// is to come from the node that read it, ahead of this node's read (forwarding's
-    /// `waits`).
+    /// True when the cluster placement places the file and not on this node, nor
+    /// brings a copy here for a read (a prefetch of it is no longer wanted).
     pub fn placed_elsewhere(&self, root: &str, path: &str) -> bool {
-        self.placed(root, path).is_some()
-            && self.file_ref(root, path).is_some_and(|f| {
-                let p = self.planner();
-                !p.is_mine(&f) || p.waits_for_copy(&f)
-            })
+        let Some(f) = self.file_ref(root, path) else {
+            return false;
+        };
+        let p = self.planner();
+        p.sources(&f).is_some() && !p.is_mine(&f)
     }
 
     /// The (job, rank)s likely to hold `path` under backing root `root` now, by the
